@@ -1,0 +1,1 @@
+"""kvmap client library and vLLM connector."""

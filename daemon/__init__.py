@@ -1,0 +1,1 @@
+"""kvmapd: the kvmap sidecar daemon."""

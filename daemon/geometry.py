@@ -1,0 +1,164 @@
+"""The model of a worker's KV-cache layout and of a planned region map.
+
+Pure data: frozen dataclasses, no I/O, no protobuf. Everything the planners
+and the transfer planner compute is expressed in these types; conversion to
+and from the wire format lives in ``convert``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class CacheKind(enum.IntEnum):
+    """Kind of KV cache a layer holds; values equal the proto enum's."""
+
+    MLA = 1
+    INDEXER = 2
+    MHA = 3
+    MAMBA = 4
+    OTHER = 5
+
+    @property
+    def replicated(self) -> bool:
+        """Replicated on every tensor-parallel rank, never split by heads.
+
+        Only such kinds may be coalesced across layers, and only they transfer
+        between engines of different tensor-parallel sizes.
+        """
+        return self in (CacheKind.MLA, CacheKind.INDEXER)
+
+
+class DeviceKind(enum.IntEnum):
+    """Memory type of an allocation; values equal the proto enum's."""
+
+    CPU = 1
+    CUDA = 2
+
+
+@dataclass(frozen=True, order=True)
+class WorkerKey:
+    """Identity of one vLLM worker (one rank of one engine)."""
+
+    engine_id: str
+    dp_rank: int = 0
+    tp_rank: int = 0
+    pp_rank: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.engine_id}/dp{self.dp_rank}/tp{self.tp_rank}/pp{self.pp_rank}"
+
+
+@dataclass(frozen=True)
+class DeviceRef:
+    kind: DeviceKind = DeviceKind.CPU
+    index: int = 0
+    uuid: str = ""
+
+
+@dataclass(frozen=True)
+class AllocationSpec:
+    """One backing allocation (a storage) the worker's views live in."""
+
+    id: str
+    size_bytes: int
+    device: DeviceRef = DeviceRef()
+
+
+@dataclass(frozen=True)
+class ViewSpec:
+    """One layer's view: ``num_blocks`` blocks of ``block_len_bytes``; block i
+    starts at ``offset_bytes + i * block_stride_bytes`` in its allocation."""
+
+    layer_name: str
+    allocation_id: str
+    transfer_group: int
+    cache_kind: CacheKind
+    dtype: str
+    offset_bytes: int
+    block_len_bytes: int
+    block_stride_bytes: int
+    num_blocks: int
+
+    @property
+    def end_of_block(self) -> int:
+        """Offset just past the view's block 0."""
+        return self.offset_bytes + self.block_len_bytes
+
+
+@dataclass(frozen=True)
+class WorkerGeometry:
+    """Everything a worker tells the daemon about its KV cache."""
+
+    worker: WorkerKey
+    kv_cache_layout: str
+    block_size_tokens: int
+    allocations: tuple[AllocationSpec, ...]
+    views: tuple[ViewSpec, ...]
+    tp_size: int = 1
+
+    def allocation(self, allocation_id: str) -> AllocationSpec:
+        for a in self.allocations:
+            if a.id == allocation_id:
+                return a
+        raise KeyError(allocation_id)
+
+
+@dataclass(frozen=True)
+class LayerPlacement:
+    """Where one layer's block lives inside its region's block."""
+
+    layer_name: str
+    offset_in_region: int
+    len_bytes: int
+    cache_kind: CacheKind
+
+
+@dataclass(frozen=True)
+class Region:
+    """A registered span: ``num_blocks`` blocks of ``block_len_bytes`` at
+    ``offset_bytes + i * block_stride_bytes`` of one allocation."""
+
+    id: int
+    allocation_id: str
+    transfer_group: int
+    offset_bytes: int
+    block_len_bytes: int
+    block_stride_bytes: int
+    num_blocks: int
+    layers: tuple[LayerPlacement, ...]
+    # Why the region was not merged with neighbours; "" when it was eligible.
+    fallback_reason: str = ""
+
+    @property
+    def full_row(self) -> bool:
+        """Consecutive blocks are contiguous: a run of block ids is one span."""
+        return self.block_len_bytes == self.block_stride_bytes
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        return tuple(p.layer_name for p in self.layers)
+
+    @property
+    def descriptor_count(self) -> int:
+        return self.num_blocks
+
+
+@dataclass(frozen=True)
+class PlannerInfo:
+    name: str
+    version: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A planner's output for one worker geometry."""
+
+    planner: PlannerInfo
+    regions: tuple[Region, ...]
+    baseline_descriptor_count: int = 0
+
+    @property
+    def descriptor_count(self) -> int:
+        return sum(r.descriptor_count for r in self.regions)

@@ -1,0 +1,1 @@
+"""Generated gRPC/protobuf code of package kvmap.v1 (see protos/)."""
