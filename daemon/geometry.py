@@ -162,3 +162,42 @@ class Plan:
     @property
     def descriptor_count(self) -> int:
         return sum(r.descriptor_count for r in self.regions)
+
+
+@dataclass(frozen=True)
+class PlacedAllocation:
+    """An allocation as its owning daemon mapped it."""
+
+    id: str
+    size_bytes: int
+    device: DeviceRef
+    # Virtual address in the owning daemon's process (what NIXL registered);
+    # 0 in plan previews.
+    base_address: int = 0
+
+
+@dataclass(frozen=True)
+class RegionMapModel:
+    """The core model of a published region map (the wire ``RegionMap``):
+    what a transfer planner needs of either side."""
+
+    worker: WorkerKey
+    generation: int
+    planner: PlannerInfo
+    regions: tuple[Region, ...]
+    allocations: tuple[PlacedAllocation, ...]
+    kv_cache_layout: str = ""
+    block_size_tokens: int = 0
+    tp_size: int = 1
+    baseline_descriptor_count: int = 0
+    view_count: int = 0
+
+    @property
+    def descriptor_count(self) -> int:
+        return sum(r.descriptor_count for r in self.regions)
+
+    def allocation(self, allocation_id: str) -> PlacedAllocation:
+        for a in self.allocations:
+            if a.id == allocation_id:
+                return a
+        raise KeyError(allocation_id)
