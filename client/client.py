@@ -1,0 +1,94 @@
+"""Synchronous client of a local kvmapd, over a transport (see transports)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvmap.client.errors import DaemonError
+from kvmap.client.transports import AttachStream, GrpcTransport, Transport
+from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    descriptors: int
+    bytes: int
+    post_seconds: float
+    completion_seconds: float
+    remote_generation: int
+    handshaked: bool
+
+
+def _result(statuses: Iterable[transfers_pb2.TransferStatus]) -> TransferResult:
+    last: transfers_pb2.TransferStatus | None = None
+    for status in statuses:
+        last = status
+    if last is None or last.state != transfers_pb2.TRANSFER_STATE_DONE:
+        raise DaemonError(f"transfer stream ended without DONE (last: {last})")
+    s = last.stats
+    return TransferResult(
+        descriptors=s.descriptors,
+        bytes=s.bytes,
+        post_seconds=s.post_seconds,
+        completion_seconds=s.completion_seconds,
+        remote_generation=s.remote_generation,
+        handshaked=s.handshaked,
+    )
+
+
+class KvmapClient:
+    def __init__(self, transport: Transport, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.transport = transport
+        self.timeout_s = timeout_s
+
+    @classmethod
+    def connect(cls, socket_path: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> KvmapClient:
+        return cls(GrpcTransport(socket_path), timeout_s)
+
+    def register(
+        self, req: registry_pb2.RegisterWorkerRequest, fds: Sequence[int] = ()
+    ) -> types_pb2.RegionMap:
+        """Register a worker. ``fds[i]`` backs the i-th allocation whose handle
+        is ``shm_fd``; they travel over the fd hand-off socket first."""
+        req = _copy(req)
+        if fds:
+            token = self.transport.send_fds(fds, self.timeout_s)
+            for alloc in req.allocations:
+                if alloc.WhichOneof("handle") == "shm_fd":
+                    alloc.shm_fd.token = token
+        return self.transport.register_worker(req, self.timeout_s).region_map
+
+    def deregister(self, worker: types_pb2.WorkerId) -> int:
+        req = registry_pb2.DeregisterWorkerRequest(worker=worker)
+        return self.transport.deregister_worker(req, self.timeout_s).generation
+
+    def attach(self, worker: types_pb2.WorkerId) -> AttachStream:
+        return self.transport.attach(registry_pb2.AttachRequest(worker=worker))
+
+    def pull(
+        self, spec: transfers_pb2.TransferSpec, timeout_s: float | None = None
+    ) -> TransferResult:
+        stream = self.transport.pull(
+            transfers_pb2.PullRequest(spec=spec), timeout_s or self.timeout_s
+        )
+        return _result(r.status for r in stream)
+
+    def push(
+        self, spec: transfers_pb2.TransferSpec, timeout_s: float | None = None
+    ) -> TransferResult:
+        stream = self.transport.push(
+            transfers_pb2.PushRequest(spec=spec), timeout_s or self.timeout_s
+        )
+        return _result(r.status for r in stream)
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+def _copy(req: registry_pb2.RegisterWorkerRequest) -> registry_pb2.RegisterWorkerRequest:
+    out = registry_pb2.RegisterWorkerRequest()
+    out.CopyFrom(req)
+    return out

@@ -1,0 +1,220 @@
+"""The daemon's state and its long-lived resources, shared by the gRPC
+services: the worker table, the NIXL agent (driven from one thread and
+progressed by our own loop), the fd hand-off socket, the registrar, the
+transfer engine and the owner's leases."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any
+
+import structlog
+
+from kvmap.daemon import planner as planners
+from kvmap.daemon.config import DaemonConfig
+from kvmap.daemon.errors import NotFound
+from kvmap.daemon.fd_handoff import FdHandoffServer
+from kvmap.daemon.geometry import PlannerInfo, WorkerKey
+from kvmap.daemon.leases import LeaseTable, token_of
+from kvmap.daemon.metrics import Metrics
+from kvmap.daemon.nixl_agent import NixlAgent
+from kvmap.daemon.nixl_thread import NixlThread
+from kvmap.daemon.progress import Progress
+from kvmap.daemon.registration import Registrar
+from kvmap.daemon.transfers import TransferEngine
+from kvmap.daemon.workers import WorkerRecord, WorkerTable
+from kvmap.v1 import admin_pb2, registry_pb2, types_pb2
+
+log = structlog.get_logger("kvmapd")
+
+
+class DaemonApp:
+    def __init__(self, config: DaemonConfig, metrics: Metrics, instance: str) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.instance = instance
+        self.agent_name = f"kvmapd-{instance}"
+        self.table = WorkerTable()
+        self.planner = planners.get_planner(config.planner)
+        self.draining = False
+        self.nixl = NixlThread()
+        self._agent: NixlAgent | None = None
+        self.fds = FdHandoffServer(config.fd_socket_path)
+        self._registrar: Registrar | None = None
+        self._engine: TransferEngine | None = None
+        self._progress: Progress | None = None
+        self.leases = LeaseTable()
+        self.counters = admin_pb2.TransferCounters()
+        self._background: set[asyncio.Task[object]] = set()
+
+    @property
+    def registrar(self) -> Registrar:
+        assert self._registrar is not None, "DaemonApp.start() not called"
+        return self._registrar
+
+    @property
+    def engine(self) -> TransferEngine:
+        assert self._engine is not None, "DaemonApp.start() not called"
+        return self._engine
+
+    @property
+    def agent(self) -> NixlAgent:
+        assert self._agent is not None, "DaemonApp.start() not called"
+        return self._agent
+
+    async def agent_metadata(self) -> bytes:
+        return await self.nixl(self.agent.metadata)
+
+    async def start(self) -> None:
+        self._agent = agent = await self.nixl(lambda: NixlAgent.create(self.agent_name))
+        await self.fds.start()
+        self._progress = Progress(
+            agent, self.nixl, self._on_notifs, busy=lambda: len(self.leases) > 0
+        )
+        self._progress.start()
+        self._engine = TransferEngine(
+            config=self.config,
+            table=self.table,
+            agent=agent,
+            agent_name=self.agent_name,
+            nixl=self.nixl,
+            progress=self._progress,
+            metrics=self.metrics,
+            counters=self.counters,
+        )
+        self._registrar = Registrar(
+            table=self.table,
+            agent=agent,
+            fds=self.fds,
+            nixl=self.nixl,
+            retire_timeout_s=self.config.transfer_timeout_s,
+            on_retire=self._engine.forget_local,
+        )
+        self._spawn(self._expire_leases())
+
+    def _spawn(self, coro: Coroutine[Any, Any, object]) -> None:
+        task: asyncio.Task[object] = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _on_notifs(self, notifs: dict[str, list[bytes]]) -> None:
+        """NIXL notifications from pullers/pushers: the transfer is complete."""
+        for peer, messages in notifs.items():
+            for message in messages:
+                token = token_of(message)
+                lease = self.leases.finish(token) if token else None
+                if lease is None:
+                    log.info("notif_unmatched", peer=peer, message=message[:64])
+                    continue
+                self.counters.served_done += 1
+                self.counters.served_blocks += lease.blocks
+                direction = (
+                    registry_pb2.TRANSFER_DIRECTION_PUSHED_TO
+                    if lease.write
+                    else registry_pb2.TRANSFER_DIRECTION_PULLED_FROM
+                )
+                self.table.publish(
+                    lease.record.key,
+                    registry_pb2.AttachResponse(
+                        transfer_finished=registry_pb2.TransferFinishedEvent(
+                            request_id=lease.request_id, direction=direction, peer_agent=peer
+                        )
+                    ),
+                )
+
+    async def _expire_leases(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            for lease in self.leases.expire():
+                log.warning("lease_expired", request_id=lease.request_id, peer=lease.peer_agent)
+
+    def _transfers_in_flight(self) -> bool:
+        return bool(self._engine and self._engine.in_flight) or len(self.leases) > 0
+
+    async def drain(self, seconds: float) -> None:
+        """Wait (bounded) for in-flight transfers to finish."""
+        deadline = asyncio.get_running_loop().time() + seconds
+        while self._transfers_in_flight():
+            if asyncio.get_running_loop().time() > deadline:
+                log.warning(
+                    "drain_timeout", pinned=[str(r.key) for r in self.table.records() if r.pins]
+                )
+                break
+            await asyncio.sleep(0.02)
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        if self._engine is not None:
+            await self._engine.close()
+        if self._progress is not None:
+            await self._progress.stop()
+        for record in self.table.records():
+            await self.registrar.deregister(record.key)
+        await self.fds.close()
+        if self._agent is not None:
+            await self.nixl(self._agent.close)
+        self.nixl.shutdown()
+
+    async def worker_gone(self, key: WorkerKey) -> None:
+        """The worker's Attach stream ended: release everything it had."""
+        log.info("worker_gone", worker=str(key))
+        try:
+            await self.registrar.deregister(key)
+        except NotFound:
+            return  # deregistered meanwhile
+        self.update_gauges()
+
+    def stats(self) -> admin_pb2.GetStatsResponse:
+        return admin_pb2.GetStatsResponse(
+            transfers=self.counters,
+            workers=len(self.table),
+            remote_agents=self.engine.remote_agent_count,
+            daemon_instance=self.instance,
+            planner=_planner_pb(self.planner.info),
+        )
+
+    def update_gauges(self) -> None:
+        records = self.table.records()
+        m = self.metrics
+        m.workers.set(len(records))
+        m.regions.set(sum(len(r.model.regions) for r in records))
+        m.descriptors.set(sum(r.model.descriptor_count for r in records))
+        m.baseline_descriptors.set(sum(r.model.baseline_descriptor_count for r in records))
+        m.registered_bytes.set(sum(r.memory.size_bytes for r in records))
+
+    def publish_map_changed(self, record: WorkerRecord) -> None:
+        planner = record.model.planner
+        self.table.publish(
+            record.key,
+            registry_pb2.AttachResponse(
+                region_map_changed=registry_pb2.RegionMapChangedEvent(
+                    generation=record.generation,
+                    planner=_planner_pb(planner),
+                )
+            ),
+        )
+
+    async def replan(self, planner_name: str) -> list[WorkerRecord]:
+        planner = planners.get_planner(planner_name or self.config.planner)
+        records = await self.registrar.replan(planner)
+        self.planner = planner
+        for record in records:
+            self.publish_map_changed(record)
+        self.update_gauges()
+        log.info("replanned", planner=planner.info.name, workers=len(records))
+        return records
+
+    def request_replan(self) -> None:
+        """SIGHUP: re-plan every worker with the configured planner."""
+        self._spawn(self.replan(""))
+
+    def _background_done(self, task: asyncio.Task[object]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background_task_failed", error=str(task.exception()))
+
+
+def _planner_pb(info: PlannerInfo) -> types_pb2.PlannerInfo:
+    return types_pb2.PlannerInfo(name=info.name, version=info.version)

@@ -1,0 +1,101 @@
+"""gRPC calls this daemon makes to remote daemons (the Peer service), with
+bounded deadlines and statuses mapped into the error tree."""
+
+from __future__ import annotations
+
+import contextlib
+
+import grpc
+from grpc import aio
+
+from kvmap.daemon import convert
+from kvmap.daemon.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    KvmapError,
+    NotFound,
+    StaleGeneration,
+    Unavailable,
+)
+from kvmap.daemon.geometry import RegionMapModel, WorkerKey
+from kvmap.v1 import peer_pb2, peer_pb2_grpc
+
+
+def _peer_error(target: str, err: aio.AioRpcError) -> KvmapError:
+    code = err.code()
+    what = f"remote daemon {target}: {code.name}: {err.details()}"
+    if code == grpc.StatusCode.NOT_FOUND:
+        return NotFound(what)
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return FailedPrecondition(what)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidArgument("remote_worker", what)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded(what)
+    return Unavailable(what)
+
+
+class PeerHandshake:
+    """What a remote daemon told us about one of its workers."""
+
+    def __init__(self, resp: peer_pb2.GetAgentMetadataResponse) -> None:
+        self.agent_name = resp.agent_name
+        self.agent_metadata = resp.agent_metadata
+        self.generation = resp.generation
+        self.daemon_instance = resp.daemon_instance
+        self.model: RegionMapModel = convert.region_map_from_proto(resp.region_map)
+
+
+class PeerClient:
+    """One channel per remote target, reused across transfers."""
+
+    def __init__(self, connect_timeout_s: float) -> None:
+        self._timeout = connect_timeout_s
+        self._channels: dict[str, aio.Channel] = {}
+
+    def _stub(self, target: str) -> peer_pb2_grpc.PeerAsyncStub:
+        channel = self._channels.get(target)
+        if channel is None:
+            channel = aio.insecure_channel(
+                target, options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+            )
+            self._channels[target] = channel
+        return peer_pb2_grpc.PeerStub(channel)
+
+    async def handshake(self, target: str, worker: WorkerKey) -> PeerHandshake:
+        req = peer_pb2.GetAgentMetadataRequest(worker=convert.worker_id_to_proto(worker))
+        try:
+            resp = await self._stub(target).GetAgentMetadata(
+                req, timeout=self._timeout, wait_for_ready=False
+            )
+        except aio.AioRpcError as err:
+            raise _peer_error(target, err) from None
+        try:
+            return PeerHandshake(resp)
+        except InvalidArgument as err:
+            raise FailedPrecondition(
+                f"remote daemon {target} sent a bad region map: {err}"
+            ) from None
+
+    async def begin(self, target: str, req: peer_pb2.BeginTransferRequest) -> str:
+        try:
+            resp = await self._stub(target).BeginTransfer(req, timeout=self._timeout)
+        except aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise StaleGeneration(str(req.worker), req.generation, 0) from None
+            raise _peer_error(target, err) from None
+        return resp.transfer_token
+
+    async def end(self, target: str, token: str, completed: bool) -> None:
+        # Best effort: the owner's lease releases the pin anyway.
+        with contextlib.suppress(aio.AioRpcError):
+            await self._stub(target).EndTransfer(
+                peer_pb2.EndTransferRequest(transfer_token=token, completed=completed),
+                timeout=self._timeout,
+            )
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close(grace=None)
+        self._channels.clear()

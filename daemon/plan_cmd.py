@@ -1,0 +1,60 @@
+"""``kvmapd plan``: plan a worker geometry offline, without a daemon or memory.
+
+Reads the proto3 JSON of a ``RegisterWorkerRequest`` (``docs/examples/``),
+validates it exactly as a registration would be, and prints the region map
+as a table or as proto3 JSON. Exit status 2 means the input was rejected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from google.protobuf import json_format
+
+from kvmap.daemon import convert, tables
+from kvmap.daemon.errors import InvalidArgument
+from kvmap.daemon.planner import DEFAULT_PLANNER, PLANNERS, get_planner
+from kvmap.daemon.validation import validate_geometry
+
+EXIT_INVALID_INPUT = 2
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="plan a worker geometry (RegisterWorkerRequest JSON) and print its region map",
+        description=__doc__,
+    )
+    p.add_argument("--spec", required=True, help="proto3 JSON of a RegisterWorkerRequest")
+    p.add_argument(
+        "--planner",
+        default=DEFAULT_PLANNER,
+        help=f"one of {', '.join(sorted(PLANNERS))} (default {DEFAULT_PLANNER})",
+    )
+    p.add_argument("--json", action="store_true", help="print the RegionMap as proto3 JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        text = Path(args.spec).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        print(f"kvmapd plan: cannot read {args.spec}: {err}", file=sys.stderr)
+        return EXIT_INVALID_INPUT
+    try:
+        planner = get_planner(args.planner)
+        geometry = convert.geometry_from_json(text)
+        validate_geometry(geometry)
+    except InvalidArgument as err:
+        print(f"kvmapd plan: {args.spec}: {err}", file=sys.stderr)
+        return EXIT_INVALID_INPUT
+    plan = planner.plan(geometry)
+    region_map = convert.region_map_to_proto(
+        convert.model_from_plan(geometry, plan, generation=0, base_addresses={})
+    )
+    if args.json:
+        print(json_format.MessageToJson(region_map, preserving_proto_field_name=True))
+    else:
+        print(tables.render_region_map(region_map), end="")
+    return 0

@@ -1,0 +1,204 @@
+"""Registering, re-planning and retiring workers: import each allocation
+once, register it with NIXL once, plan regions, prepare the local descriptor
+list, and swap the worker's record atomically with a new generation.
+
+Every step that can fail happens before the table changes; a failure
+releases what the attempt acquired and leaves the daemon as it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import numpy as np
+import structlog
+
+from kvmap.daemon import convert, memory
+from kvmap.daemon.errors import FailedPrecondition, InvalidArgument
+from kvmap.daemon.fd_handoff import FdHandoffServer
+from kvmap.daemon.geometry import DeviceKind, Plan, RegionMapModel, WorkerGeometry, WorkerKey
+from kvmap.daemon.nixl_agent import NixlAgent
+from kvmap.daemon.nixl_thread import NixlRunner
+from kvmap.daemon.planner import Planner
+from kvmap.daemon.workers import AttachedMemory, WorkerRecord, WorkerTable
+from kvmap.v1 import registry_pb2, types_pb2
+
+log = structlog.get_logger("kvmapd.registration")
+
+
+def region_rows(model: RegionMapModel) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """NIXL strided rows (address, len, device, stride, count), one per region:
+    descriptor ``first_index[r] + b`` is block b of region r."""
+    rows = np.zeros((len(model.regions), 5), dtype=np.int64)
+    for i, region in enumerate(model.regions):
+        alloc = model.allocation(region.allocation_id)
+        rows[i] = (
+            alloc.base_address + region.offset_bytes,
+            region.block_len_bytes,
+            alloc.device.index,
+            region.block_stride_bytes,
+            region.num_blocks,
+        )
+    return rows
+
+
+class Registrar:
+    def __init__(
+        self,
+        *,
+        table: WorkerTable,
+        agent: NixlAgent,
+        fds: FdHandoffServer,
+        nixl: NixlRunner,
+        retire_timeout_s: float,
+        on_retire: Callable[[WorkerKey, int], Awaitable[None]],
+    ) -> None:
+        self._table = table
+        self._agent = agent
+        self._fds = fds
+        self._nixl = nixl
+        self._retire_timeout_s = retire_timeout_s
+        # Drops what the transfer engine prepared over the retired record.
+        self._on_retire = on_retire
+
+    # Memory ---------------------------------------------------------------
+
+    def _import(self, req: registry_pb2.RegisterWorkerRequest) -> dict[str, Any]:
+        """Map every allocation; on any failure unmap what was mapped."""
+        mapped: dict[str, Any] = {}
+        try:
+            for i, alloc in enumerate(req.allocations):
+                field = f"allocations[{i}]"
+                which = alloc.WhichOneof("handle")
+                if alloc.device.type == types_pb2.DEVICE_TYPE_CUDA or which == "cuda_ipc":
+                    raise FailedPrecondition(
+                        f"{field}.cuda_ipc: this kvmapd was built for CPU memory only"
+                    )
+                if which == "shm_fd":
+                    fd = self._fds.claim(alloc.shm_fd.token, alloc.shm_fd.index, f"{field}.shm_fd")
+                    mapped[alloc.id] = memory.import_shm_fd(
+                        fd, alloc.shm_fd.offset_bytes, alloc.size_bytes, field=f"{field}.shm_fd"
+                    )
+                elif which == "shm_path":
+                    mapped[alloc.id] = memory.import_shm_path(
+                        alloc.shm_path.path,
+                        alloc.shm_path.offset_bytes,
+                        alloc.size_bytes,
+                        field=f"{field}.shm_path",
+                    )
+                else:
+                    raise InvalidArgument(
+                        f"{field}.handle",
+                        "registration needs memory: set shm_fd, shm_path or cuda_ipc "
+                        "(a handle of 'none' is for PlanPreview and kvmapd plan only)",
+                    )
+        except BaseException:
+            for m in mapped.values():
+                m.close()
+            raise
+        return mapped
+
+    async def _attach(self, geometry: WorkerGeometry, mapped: dict[str, Any]) -> AttachedMemory:
+        regs: list[Any] = []
+        try:
+            for alloc_id, m in mapped.items():
+                dev = geometry.allocation(alloc_id).device
+                if dev.kind is not DeviceKind.CPU:
+                    raise FailedPrecondition(f"allocation {alloc_id}: only CPU memory is supported")
+                regs.append(await self._nixl(partial(self._agent.register_dram, m.address, m.size)))
+        except BaseException:
+            for reg in regs:
+                await self._nixl(partial(self._agent.deregister, reg))
+            for m in mapped.values():
+                m.close()
+            raise
+        return AttachedMemory(mapped=mapped, registrations=regs)
+
+    async def _release_memory(self, mem: AttachedMemory) -> None:
+        for reg in mem.registrations:
+            await self._nixl(partial(self._agent.deregister, reg))
+        for m in mem.mapped.values():
+            m.close()
+        mem.registrations.clear()
+        mem.mapped.clear()
+
+    # Records --------------------------------------------------------------
+
+    async def _make_record(
+        self, geometry: WorkerGeometry, plan: Plan, mem: AttachedMemory
+    ) -> WorkerRecord:
+        generation = self._table.next_generation(geometry.worker)
+        model = convert.model_from_plan(geometry, plan, generation, mem.base_addresses())
+        rows = region_rows(model)
+        dlist = await self._nixl(partial(self._agent.prep_local, rows))
+        mem.refs += 1
+        return WorkerRecord(geometry=geometry, model=model, memory=mem, local_dlist=dlist)
+
+    async def retire(self, record: WorkerRecord) -> None:
+        """Release a record once no transfer uses it (bounded wait)."""
+        if record.pins:
+            try:
+                await asyncio.wait_for(record.unpinned.wait(), self._retire_timeout_s)
+            except TimeoutError:
+                log.warning("retire_with_pins", worker=str(record.key), pins=record.pins)
+        await self._on_retire(record.key, record.generation)
+        await self._nixl(partial(self._agent.release_dlist, record.local_dlist))
+        record.memory.refs -= 1
+        if record.memory.refs <= 0:
+            await self._release_memory(record.memory)
+
+    async def register(
+        self, req: registry_pb2.RegisterWorkerRequest, planner: Planner
+    ) -> WorkerRecord:
+        geometry = convert.parse_and_validate(req)
+        plan = planner.plan(geometry)
+        async with self._table.lock:
+            mapped = self._import(req)
+            mem = await self._attach(geometry, mapped)
+            try:
+                record = await self._make_record(geometry, plan, mem)
+            except BaseException:
+                await self._release_memory(mem)
+                raise
+            old = self._table.put(record)
+        for alloc in req.allocations:
+            # The claimed fds were duplicated and are mapped now; the batch's
+            # own copies can go rather than wait for the token to expire.
+            if alloc.WhichOneof("handle") == "shm_fd":
+                self._fds.discard(alloc.shm_fd.token)
+        log.info(
+            "worker_registered",
+            worker=str(geometry.worker),
+            generation=record.generation,
+            regions=len(plan.regions),
+            descriptors=plan.descriptor_count,
+            baseline_descriptors=plan.baseline_descriptor_count,
+        )
+        if old is not None:
+            await self.retire(old)
+        return record
+
+    async def deregister(self, key: WorkerKey) -> WorkerRecord:
+        async with self._table.lock:
+            record = self._table.pop(key)
+        await self.retire(record)
+        log.info("worker_deregistered", worker=str(key), generation=record.generation)
+        return record
+
+    async def replan(self, planner: Planner) -> list[WorkerRecord]:
+        """Re-plan every live worker over its existing registrations."""
+        done: list[WorkerRecord] = []
+        async with self._table.lock:
+            olds = self._table.records()
+            for old in olds:
+                record = await self._make_record(
+                    old.geometry, planner.plan(old.geometry), old.memory
+                )
+                self._table.put(record)
+                done.append(record)
+        for old in olds:
+            await self.retire(old)
+        return done

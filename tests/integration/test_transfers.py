@@ -1,0 +1,286 @@
+"""Pulls and pushes between real daemons (separate processes, real NIXL agents
+over UCX on loopback) into and out of real shared-memory KV caches."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvmap.daemon.launch import DaemonProc, WorkerProc, start_daemon, start_worker
+
+pytestmark = pytest.mark.integration
+
+BLOCKS = 48
+GEO = (
+    "--blocks",
+    str(BLOCKS),
+    "--block-tokens",
+    "32",
+    "--mla-layers",
+    "6",
+    "--indexer-layers",
+    "3",
+)
+MLA_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(6)]
+
+
+@dataclass
+class Side:
+    daemon: DaemonProc
+    worker: WorkerProc
+
+
+@dataclass
+class Pair:
+    prefill: Side
+    decode: Side
+
+    def pull(self, request_id: str, groups: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return self.decode.worker.call(
+            {
+                "cmd": "pull",
+                "request_id": request_id,
+                "remote_target": self.prefill.daemon.tcp_target,
+                "remote_worker": {"engine_id": "prefill"},
+                "groups": groups,
+                **extra,
+            }
+        )
+
+
+def _side(tmp: Path, name: str, planner: str, *worker_args: str) -> Side:
+    d = start_daemon(tmp / name, "--planner", planner, name=name)
+    try:
+        w = start_worker(d, name, *GEO, *worker_args)
+    except BaseException:
+        d.kill()
+        raise
+    return Side(d, w)
+
+
+def _close(*sides: Side) -> None:
+    for s in sides:
+        s.worker.stop()
+    for s in sides:
+        assert s.daemon.terminate() == 0, s.daemon.log()
+
+
+@pytest.fixture
+def coalesced(tmp_path: Path) -> Iterator[Pair]:
+    p = _side(tmp_path, "prefill", "coalesce", "--fill")
+    d = _side(tmp_path, "decode", "coalesce")
+    yield Pair(p, d)
+    _close(d, p)
+
+
+@pytest.fixture
+def mixed(tmp_path: Path) -> Iterator[Pair]:
+    p = _side(tmp_path, "prefill", "coalesce", "--fill")
+    d = _side(tmp_path, "decode", "baseline")
+    yield Pair(p, d)
+    _close(d, p)
+
+
+def both_groups(local: list[int], remote: list[int]) -> list[dict[str, Any]]:
+    return [
+        {"group": 0, "local": local, "remote": remote},
+        {"group": 1, "local": local, "remote": remote},
+    ]
+
+
+SCATTERED_REMOTE = [17, 3, 40, 41, 8, 29, 0, 47]
+SCATTERED_LOCAL = [5, 44, 12, 13, 30, 1, 23, 38]
+
+
+def test_pull_scattered_identical_coalesced_maps(coalesced: Pair) -> None:
+    out = coalesced.pull("r1", both_groups(SCATTERED_LOCAL, SCATTERED_REMOTE))
+    assert out["ok"], out
+    assert out["bad_blocks"] == 0
+    # One descriptor per block per group, except the consecutive pair
+    # (12,13)<-(40,41), which merges on full rows: 7 per group.
+    assert out["stats"]["descriptors"] == 2 * 7
+    assert out["stats"]["handshaked"] is True
+
+
+def test_pull_consecutive_ids_merge_into_one_descriptor_per_group(coalesced: Pair) -> None:
+    local, remote = list(range(10, 30)), list(range(20, 40))
+    out = coalesced.pull("r-run", both_groups(local, remote))
+    assert out["ok"] and out["bad_blocks"] == 0, out
+    assert out["stats"]["descriptors"] == 2
+
+
+def test_pull_between_coalesce_and_baseline_maps(mixed: Pair) -> None:
+    assert len(mixed.prefill.worker.region_map["regions"]) == 2
+    assert len(mixed.decode.worker.region_map["regions"]) == 9
+    out = mixed.pull("r-mixed", both_groups(SCATTERED_LOCAL, SCATTERED_REMOTE))
+    assert out["ok"] and out["bad_blocks"] == 0, out
+    # The common refinement is the per-layer split: 9 layers x 8 blocks.
+    assert out["stats"]["descriptors"] == 9 * 8
+
+
+def test_pull_partial_layer_set(mixed: Pair) -> None:
+    layers = MLA_NAMES[1:4]
+    before = mixed.decode.worker.call({"cmd": "digest"})["digest"]
+    out = mixed.pull(
+        "r-part",
+        [{"group": 0, "local": SCATTERED_LOCAL, "remote": SCATTERED_REMOTE, "layers": layers}],
+    )
+    assert out["ok"] and out["bad_blocks"] == 0, out
+    after = mixed.decode.worker.call({"cmd": "digest"})["digest"]
+    assert after[1] == before[1], "the indexer group was not asked for"
+    # The other MLA layers of those blocks stayed zero.
+    other = mixed.decode.worker.call(
+        {"cmd": "verify", "group": 0, "local": SCATTERED_LOCAL, "remote": SCATTERED_REMOTE,
+         "layers": [MLA_NAMES[0]]}
+    )  # fmt: skip
+    assert other["bad_blocks"] == len(SCATTERED_LOCAL)
+
+
+def test_push_writes_remote_blocks(coalesced: Pair) -> None:
+    pw = coalesced.prefill.worker
+    out = pw.call(
+        {
+            "cmd": "push",
+            "request_id": "push-1",
+            "remote_target": coalesced.decode.daemon.tcp_target,
+            "remote_worker": {"engine_id": "decode"},
+            # Local (prefill) blocks SCATTERED_REMOTE go to decode's SCATTERED_LOCAL.
+            "groups": both_groups(SCATTERED_REMOTE, SCATTERED_LOCAL),
+        }
+    )
+    assert out["ok"], out
+    for group in (0, 1):
+        got = coalesced.decode.worker.call(
+            {"cmd": "verify", "group": group, "local": SCATTERED_LOCAL, "remote": SCATTERED_REMOTE}
+        )
+        assert got["bad_blocks"] == 0
+    events = _wait_events(coalesced.decode.worker, "push-1")
+    assert events["push-1"] == "TRANSFER_DIRECTION_PUSHED_TO"
+
+
+def _wait_events(worker: WorkerProc, *request_ids: str, timeout: float = 10) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        events = worker.call({"cmd": "events"})["events"]
+        done = {
+            e["transfer_finished"]["request_id"]: e["transfer_finished"]["direction"]
+            for e in events
+            if "transfer_finished" in e
+        }
+        if set(request_ids) <= set(done) or time.monotonic() > deadline:
+            return done
+        time.sleep(0.05)
+
+
+def test_prefill_worker_is_told_each_pull_finished(coalesced: Pair) -> None:
+    for i in range(3):
+        assert coalesced.pull(f"n{i}", both_groups([i], [i + 1]))["ok"]
+    done = _wait_events(coalesced.prefill.worker, "n0", "n1", "n2")
+    assert {k: v for k, v in done.items() if k.startswith("n")} == {
+        f"n{i}": "TRANSFER_DIRECTION_PULLED_FROM" for i in range(3)
+    }
+
+
+@pytest.mark.parametrize(
+    ("groups", "code", "message"),
+    [
+        (both_groups([1, 2], [3, BLOCKS]), "INVALID_ARGUMENT", "remote_block_ids[1]"),
+        (both_groups([1, -1], [3, 4]), "INVALID_ARGUMENT", "local_block_ids[1]"),
+        ([{"group": 0, "local": [1, 2], "remote": [3]}], "INVALID_ARGUMENT", "remote_block_ids"),
+        ([{"group": 7, "local": [1], "remote": [3]}], "NOT_FOUND", "transfer group 7"),
+    ],
+)
+def test_bad_requests_get_precise_status_and_touch_nothing(
+    coalesced: Pair, groups: list[dict[str, Any]], code: str, message: str
+) -> None:
+    before = coalesced.decode.worker.call({"cmd": "digest"})["digest"]
+    out = coalesced.pull("bad", groups)
+    assert not out["ok"]
+    assert out["code"] == code
+    assert message in out["message"]
+    assert coalesced.decode.worker.call({"cmd": "digest"})["digest"] == before
+
+
+def test_unknown_remote_worker_is_not_found(coalesced: Pair) -> None:
+    out = coalesced.decode.worker.call(
+        {
+            "cmd": "pull",
+            "request_id": "nf",
+            "remote_target": coalesced.prefill.daemon.tcp_target,
+            "remote_worker": {"engine_id": "nobody"},
+            "groups": both_groups([1], [1]),
+        }
+    )
+    assert (out["ok"], out["code"]) == (False, "NOT_FOUND")
+
+
+def test_remote_daemon_down_is_unavailable_in_bounded_time(coalesced: Pair) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: connection refused
+        start = time.monotonic()
+        out = coalesced.decode.worker.call(
+            {
+                "cmd": "pull",
+                "request_id": "down",
+                "remote_target": f"127.0.0.1:{port}",
+                "remote_worker": {"engine_id": "prefill"},
+                "groups": both_groups([1], [1]),
+            }
+        )
+        elapsed = time.monotonic() - start
+    assert (out["ok"], out["code"]) == (False, "UNAVAILABLE")
+    assert elapsed < 15
+
+
+def test_reregistered_remote_is_rehandshaked_and_old_mapping_never_read(coalesced: Pair) -> None:
+    first = coalesced.pull("g1", both_groups(SCATTERED_LOCAL, SCATTERED_REMOTE))
+    assert first["ok"] and first["bad_blocks"] == 0
+    assert first["stats"]["remote_generation"] == 1
+    # New memory with other contents under a new generation.
+    assert coalesced.prefill.worker.call({"cmd": "realloc", "seed": 5})["generation"] == 2
+    second = coalesced.pull("g2", both_groups(SCATTERED_LOCAL, SCATTERED_REMOTE), seed=5)
+    assert second["ok"], second
+    assert second["stats"]["handshaked"] is True
+    assert second["stats"]["remote_generation"] == 2
+    assert second["bad_blocks"] == 0, "pulled bytes of the old mapping"
+
+
+def test_concurrent_pulls_from_several_decode_workers(tmp_path: Path) -> None:
+    p = _side(tmp_path, "prefill", "coalesce", "--fill")
+    decodes = [_side(tmp_path, f"decode{i}", "coalesce" if i % 2 else "baseline") for i in range(3)]
+    results: dict[str, dict[str, Any]] = {}
+
+    def run(i: int, side: Side) -> None:
+        for r in range(4):
+            local = [(b * 7 + r + i) % BLOCKS for b in range(10)]
+            remote = [(b * 5 + 3 * r + i) % BLOCKS for b in range(10)]
+            results[f"d{i}-{r}"] = side.worker.call(
+                {
+                    "cmd": "pull",
+                    "request_id": f"d{i}-{r}",
+                    "remote_target": p.daemon.tcp_target,
+                    "remote_worker": {"engine_id": "prefill"},
+                    "groups": both_groups(local, remote),
+                }
+            )
+
+    try:
+        threads = [threading.Thread(target=run, args=(i, s)) for i, s in enumerate(decodes)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert len(results) == 12
+        assert all(r["ok"] and r["bad_blocks"] == 0 for r in results.values()), results
+        done = _wait_events(p.worker, *results)
+        assert set(results) <= set(done)
+    finally:
+        _close(*decodes, p)

@@ -1,0 +1,183 @@
+"""Memory import: real shared-memory objects (memfd, files, torch-shared
+storages) mapped into this process, and the precise errors for bad handles."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvmap.client.shm_export import export_tensor, export_tensors
+from kvmap.daemon import memory
+from kvmap.daemon.errors import InvalidArgument
+
+pytestmark = pytest.mark.timeout(30)
+
+SIZE = 3 * 4096
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_mappings() -> Iterator[None]:
+    before = memory.live_mappings()
+    yield
+    assert memory.live_mappings() == before
+
+
+def _memfd(size: int = SIZE) -> int:
+    fd = os.memfd_create("kvmap-test")
+    os.ftruncate(fd, size)
+    return fd
+
+
+def _fd_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def _read(address: int, n: int) -> bytes:
+    return ctypes.string_at(address, n)
+
+
+def _write(address: int, data: bytes) -> None:
+    ctypes.memmove(address, data, len(data))
+
+
+def test_fd_mapping_is_shared_both_ways_and_close_unmaps() -> None:
+    fd = _memfd()
+    m = memory.import_shm_fd(fd, 0, SIZE)
+    assert memory.live_mappings() >= 1
+    assert m.size == SIZE and memory.is_mapped(m.address)
+    _write(m.address + 5000, b"from the daemon")
+    assert os.pread(fd, 15, 5000) == b"from the daemon"
+    os.pwrite(fd, b"from the worker", 100)
+    assert _read(m.address + 100, 15) == b"from the worker"
+
+    address = m.address
+    m.close()
+    assert m.closed and not memory.is_mapped(address)
+    assert not _fd_open(fd)
+    m.close()  # idempotent
+
+
+def test_unaligned_offset_points_address_at_the_allocation() -> None:
+    fd = _memfd()
+    with memory.import_shm_fd(fd, 4096 + 100, 2000) as m:
+        os.pwrite(fd, b"byte zero", 4096 + 100)
+        assert _read(m.address, 9) == b"byte zero"
+        assert m.address - m.map_address == 100
+        assert m.map_length == 2100
+
+
+def test_object_smaller_than_offset_plus_size_is_rejected_and_fd_closed() -> None:
+    fd = _memfd(8192)
+    with pytest.raises(InvalidArgument) as err:
+        memory.import_shm_fd(fd, 4096, 8192, field="allocations[0].shm_fd")
+    assert err.value.field == "allocations[0].shm_fd"
+    assert str(err.value) == (
+        "allocations[0].shm_fd: shared-memory object is 8192 bytes, smaller than"
+        " offset 4096 + size 8192 = 12288"
+    )
+    assert not _fd_open(fd)  # consumed even on failure
+
+
+def test_bad_fd() -> None:
+    fd = _memfd()
+    os.close(fd)
+    with pytest.raises(InvalidArgument, match=r"^allocations\[2\]\.shm_fd: not an open file"):
+        memory.import_shm_fd(fd, 0, SIZE, field="allocations[2].shm_fd")
+
+
+def test_pipe_is_not_shared_memory() -> None:
+    r, w = os.pipe()
+    try:
+        with pytest.raises(InvalidArgument, match="not a shared-memory object"):
+            memory.import_shm_fd(r, 0, 10, field="f")
+    finally:
+        os.close(w)
+    assert not _fd_open(r)
+
+
+def test_read_only_fd_cannot_be_mapped_read_write(tmp_path: Path) -> None:
+    path = tmp_path / "ro"
+    path.write_bytes(b"\0" * SIZE)
+    fd = os.open(path, os.O_RDONLY)
+    with pytest.raises(InvalidArgument, match="f: cannot map read/write"):
+        memory.import_shm_fd(fd, 0, SIZE, field="f")
+
+
+@pytest.mark.parametrize(
+    ("offset", "size", "problem"),
+    [(-1, 10, "offset -1 is negative"), (0, 0, "size 0 must be positive")],
+)
+def test_range_checks(offset: int, size: int, problem: str) -> None:
+    fd = _memfd()
+    with pytest.raises(InvalidArgument) as err:
+        memory.import_shm_fd(fd, offset, size, field="x")
+    assert err.value.problem == problem
+
+
+def test_path_import(tmp_path: Path) -> None:
+    path = tmp_path / "kv"
+    path.write_bytes(b"\0" * SIZE)
+    with memory.import_shm_path(str(path), 4096, 4096) as m:
+        _write(m.address, b"hello")
+        address = m.address
+    assert not memory.is_mapped(address)
+    assert path.read_bytes()[4096:4101] == b"hello"
+
+
+def test_path_errors(tmp_path: Path) -> None:
+    field = "allocations[0].shm_path"
+    with pytest.raises(InvalidArgument, match=r"shm_path: path 'kv' is not absolute"):
+        memory.import_shm_path("kv", 0, 1, field=field)
+    with pytest.raises(InvalidArgument, match=r"cannot open .*No such file"):
+        memory.import_shm_path(str(tmp_path / "missing"), 0, 1, field=field)
+    target = tmp_path / "target"
+    target.write_bytes(b"\0" * SIZE)
+    (tmp_path / "link").symlink_to(target)
+    with pytest.raises(InvalidArgument, match="cannot open"):
+        memory.import_shm_path(str(tmp_path / "link"), 0, 1, field=field)
+    with pytest.raises(
+        InvalidArgument, match=re.escape(f"{field}: shared-memory object is {SIZE} bytes")
+    ):
+        memory.import_shm_path(str(target), 0, SIZE + 1, field=field)
+
+
+def test_torch_shared_tensor_round_trip() -> None:
+    """The worker's export and the daemon's import see the same bytes."""
+    kv = torch.zeros(4, 1024, dtype=torch.uint8)
+    layer = kv[2]
+    fd, size, offset = export_tensor(layer)
+    assert kv.is_shared() and size == 4096 and offset == 2048
+    # The fd belongs to the storage; the daemon gets its own copy (as SCM_RIGHTS would).
+    with memory.import_shm_fd(os.dup(fd), offset, 1024) as m:
+        _write(m.address, b"\x07" * 1024)
+        assert int(layer.sum()) == 7 * 1024
+        assert int(kv[1].sum()) == 0
+        kv[2, 0] = 9
+        assert _read(m.address, 1) == b"\x09"
+    assert _fd_open(fd)
+
+
+def test_export_groups_views_by_storage() -> None:
+    a = torch.zeros(8, 256, dtype=torch.float16)
+    b = torch.zeros(100, dtype=torch.int32)
+    storages, views = export_tensors([a[1], b, a[5, 8:], a])
+    assert len(storages) == 2
+    assert [v.storage_index for v in views] == [0, 1, 0, 0]
+    assert [v.offset_bytes for v in views] == [512, 0, 5 * 512 + 16, 0]
+    assert storages[0].size_bytes == 8 * 256 * 2 and storages[1].size_bytes == 400
+    assert storages[0].data_ptr == a.untyped_storage().data_ptr()
+
+
+def test_export_rejects_empty_storage() -> None:
+    with pytest.raises(ValueError, match="storage is empty"):
+        export_tensors([torch.zeros(0)])
