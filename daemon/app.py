@@ -6,14 +6,16 @@ transfer engine and the owner's leases."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Coroutine
+from dataclasses import replace
 from typing import Any
 
 import structlog
 
 from kvmap.daemon import planner as planners
-from kvmap.daemon.config import DaemonConfig
-from kvmap.daemon.errors import NotFound
+from kvmap.daemon.config import DaemonConfig, load_config
+from kvmap.daemon.errors import NotFound, Unavailable
 from kvmap.daemon.fd_handoff import FdHandoffServer
 from kvmap.daemon.geometry import PlannerInfo, WorkerKey
 from kvmap.daemon.leases import LeaseTable, token_of
@@ -22,6 +24,7 @@ from kvmap.daemon.nixl_agent import NixlAgent
 from kvmap.daemon.nixl_thread import NixlThread
 from kvmap.daemon.progress import Progress
 from kvmap.daemon.registration import Registrar
+from kvmap.daemon.state_store import StateStore
 from kvmap.daemon.transfers import TransferEngine
 from kvmap.daemon.workers import WorkerRecord, WorkerTable
 from kvmap.v1 import admin_pb2, registry_pb2, types_pb2
@@ -45,6 +48,12 @@ class DaemonApp:
         self._engine: TransferEngine | None = None
         self._progress: Progress | None = None
         self.leases = LeaseTable()
+        self.store = StateStore(config.state_dir)
+        # Workers known before a restart whose memory only their client can
+        # hand over again, until when they are expected back.
+        self._awaiting: dict[WorkerKey, float] = {}
+        for key, generation in self.store.generations().items():
+            self.table.seed_generation(key, generation)
         self.counters = admin_pb2.TransferCounters()
         self._background: set[asyncio.Task[object]] = set()
 
@@ -90,8 +99,43 @@ class DaemonApp:
             nixl=self.nixl,
             retire_timeout_s=self.config.transfer_timeout_s,
             on_retire=self._engine.forget_local,
+            store=self.store,
         )
         self._spawn(self._expire_leases())
+        await self._restore()
+
+    async def _restore(self) -> None:
+        """Bring back every stored worker whose memory the daemon can open
+        without it, re-planned with the planner it runs now."""
+        for stored in self.store.workers():
+            record = await self.registrar.restore(stored, self.planner)
+            if record is None:
+                # Its client re-registers when it re-attaches; the stored
+                # geometry is dropped so nothing stale is ever served, and
+                # peers are told to retry meanwhile (UNAVAILABLE).
+                self.store.delete_worker(stored.worker)
+                self._awaiting[stored.worker] = (
+                    time.monotonic() + self.config.restore_attach_grace_s
+                )
+                continue
+            log.info(
+                "worker_restored",
+                worker=str(record.key),
+                generation=record.generation,
+                previous_generation=stored.generation,
+                planner=self.planner.info.name,
+                previous_planner=stored.planner,
+            )
+            self._spawn(self._expect_attach(record.key, record.generation))
+        self.update_gauges()
+
+    async def _expect_attach(self, key: WorkerKey, generation: int) -> None:
+        """A restored worker whose client never comes back is gone."""
+        await asyncio.sleep(self.config.restore_attach_grace_s)
+        record = self.table.find(key)
+        if record is not None and self.table.subscriber_count(key) == 0:
+            log.warning("restored_worker_never_attached", worker=str(key), generation=generation)
+            await self.worker_gone(key)
 
     def _spawn(self, coro: Coroutine[Any, Any, object]) -> None:
         task: asyncio.Task[object] = asyncio.get_running_loop().create_task(coro)
@@ -114,14 +158,15 @@ class DaemonApp:
                     if lease.write
                     else registry_pb2.TRANSFER_DIRECTION_PULLED_FROM
                 )
-                self.table.publish(
-                    lease.record.key,
-                    registry_pb2.AttachResponse(
-                        transfer_finished=registry_pb2.TransferFinishedEvent(
-                            request_id=lease.request_id, direction=direction, peer_agent=peer
-                        )
-                    ),
+                event = registry_pb2.AttachResponse(
+                    transfer_finished=registry_pb2.TransferFinishedEvent(
+                        request_id=lease.request_id, direction=direction, peer_agent=peer
+                    )
                 )
+                # Persisted until an Attach stream has sent it: a restart
+                # between the notification and the worker loses nothing.
+                event_id = self.store.add_event(lease.record.key, event)
+                self.table.publish(lease.record.key, event, event_id)
 
     async def _expire_leases(self) -> None:
         while True:
@@ -156,6 +201,22 @@ class DaemonApp:
         if self._agent is not None:
             await self.nixl(self._agent.close)
         self.nixl.shutdown()
+        self.store.close()
+
+    def worker_for_peer(self, key: WorkerKey) -> WorkerRecord:
+        """A worker a peer asks for: NOT_FOUND if unknown, UNAVAILABLE while
+        it is expected back after a daemon restart."""
+        record = self.table.find(key)
+        if record is not None:
+            return record
+        if self._awaiting.get(key, 0.0) > time.monotonic():
+            raise Unavailable(f"worker {key} is re-registering after a kvmapd restart; retry")
+        return self.table.get(key)
+
+    def registered(self, record: WorkerRecord) -> None:
+        self._awaiting.pop(record.key, None)
+        self.update_gauges()
+        self.publish_map_changed(record)
 
     async def worker_gone(self, key: WorkerKey) -> None:
         """The worker's Attach stream ended: release everything it had."""
@@ -207,8 +268,16 @@ class DaemonApp:
         return records
 
     def request_replan(self) -> None:
-        """SIGHUP: re-plan every worker with the configured planner."""
-        self._spawn(self.replan(""))
+        """SIGHUP: re-read the config file's planner and re-plan every worker."""
+        planner = ""
+        if self.config.config_file:
+            try:
+                planner = load_config(self.config.config_file, {}).planner
+            except (OSError, ValueError) as err:
+                log.error("config_reload_failed", error=str(err))
+                return
+            self.config = replace(self.config, planner=planner)
+        self._spawn(self.replan(planner))
 
     def _background_done(self, task: asyncio.Task[object]) -> None:
         self._background.discard(task)

@@ -37,6 +37,11 @@ class DaemonConfig:
     transfer_timeout_s: float = 30.0
     # How long a peer waits for a remote daemon's handshake before UNAVAILABLE.
     connect_timeout_s: float = 3.0
+    # A worker restored from the state store whose client has not re-attached
+    # by then is taken for dead and released.
+    restore_attach_grace_s: float = 60.0
+    # The file this config came from (SIGHUP re-reads its planner).
+    config_file: str = ""
 
     @property
     def socket_path(self) -> str:
@@ -77,5 +82,6 @@ def load_config(path: str | None, overrides: dict[str, Any]) -> DaemonConfig:
         if unknown:
             raise ValueError(f"{path}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
         values.update(data)
+        values["config_file"] = path
     values.update({k: v for k, v in overrides.items() if v is not None and k in known})
     return replace(DaemonConfig(), **values).validated()

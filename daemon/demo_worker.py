@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ import torch
 from google.protobuf import json_format
 
 from kvmap.client.client import KvmapClient
-from kvmap.client.errors import KvmapClientError
+from kvmap.client.errors import KvmapClientError, NotFound
 from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
 
 # GLM-5.3's per-token page sizes (bytes): MLA latent 656, indexer key 132.
@@ -133,19 +134,37 @@ class DemoWorker:
             for b in range(self.geo.num_blocks):
                 rows[b].copy_(pattern(gi, b, rows.shape[1], seed))
 
+    def _record(self, event: dict[str, Any]) -> None:
+        with self._events_lock:
+            self.events.append(event)
+
     def attach_forever(self) -> None:
-        stream = self.client.attach(self.worker)
+        """Keep an Attach stream open for the life of the process: when the
+        daemon goes away, re-attach with backoff; when the daemon that comes
+        back does not know this worker, register again (same process, same
+        memory)."""
 
         def run() -> None:
-            try:
-                for event in stream:
-                    with self._events_lock:
-                        self.events.append(
+            backoff = 0.05
+            while True:
+                try:
+                    for event in self.client.attach(self.worker):
+                        backoff = 0.05
+                        self._record(
                             json_format.MessageToDict(event, preserving_proto_field_name=True)
                         )
-            except KvmapClientError as err:
-                with self._events_lock:
-                    self.events.append({"stream_error": str(err)})
+                    self._record({"stream_ended": True})
+                except NotFound:
+                    try:
+                        self.register()
+                        self._record({"reregistered": True})
+                        continue
+                    except KvmapClientError as err:
+                        self._record({"reregister_error": str(err)})
+                except KvmapClientError as err:
+                    self._record({"stream_error": err.code.name})
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
 
         threading.Thread(target=run, daemon=True, name="attach").start()
 

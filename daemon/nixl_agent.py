@@ -147,7 +147,7 @@ class Xfer:
     posted_at: float
     _handle: Any = field(repr=False)
     state: XferState = XferState.PROC
-    error: TransferError | None = None
+    error: TransferError | Unavailable | None = None
     released: bool = False
 
 
@@ -510,7 +510,10 @@ class NixlAgent:
         except KvmapError as e:
             # A peer that went away shows up here (REMOTE_DISCONNECT / BACKEND).
             status = "ERR"
-            xfer.error = e if isinstance(e, TransferError) else TransferError(e.message, "ERR")
+            # A vanished peer stays Unavailable: the caller may retry elsewhere.
+            xfer.error = (
+                e if isinstance(e, TransferError | Unavailable) else TransferError(e.message, "ERR")
+            )
         if status == "DONE":
             xfer.state = XferState.DONE
         elif status == "ERR":

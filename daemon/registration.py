@@ -9,6 +9,8 @@ releases what the attempt acquired and leaves the daemon as it was.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
@@ -17,12 +19,13 @@ import numpy as np
 import structlog
 
 from kvmap.daemon import convert, memory
-from kvmap.daemon.errors import FailedPrecondition, InvalidArgument
+from kvmap.daemon.errors import FailedPrecondition, InvalidArgument, KvmapError
 from kvmap.daemon.fd_handoff import FdHandoffServer
 from kvmap.daemon.geometry import DeviceKind, Plan, RegionMapModel, WorkerGeometry, WorkerKey
 from kvmap.daemon.nixl_agent import NixlAgent
 from kvmap.daemon.nixl_thread import NixlRunner
 from kvmap.daemon.planner import Planner
+from kvmap.daemon.state_store import Reopen, StateStore, StoredWorker
 from kvmap.daemon.workers import AttachedMemory, WorkerRecord, WorkerTable
 from kvmap.v1 import registry_pb2, types_pb2
 
@@ -55,6 +58,7 @@ class Registrar:
         nixl: NixlRunner,
         retire_timeout_s: float,
         on_retire: Callable[[WorkerKey, int], Awaitable[None]],
+        store: StateStore,
     ) -> None:
         self._table = table
         self._agent = agent
@@ -63,12 +67,20 @@ class Registrar:
         self._retire_timeout_s = retire_timeout_s
         # Drops what the transfer engine prepared over the retired record.
         self._on_retire = on_retire
+        self._store = store
 
     # Memory ---------------------------------------------------------------
 
-    def _import(self, req: registry_pb2.RegisterWorkerRequest) -> dict[str, Any]:
-        """Map every allocation; on any failure unmap what was mapped."""
+    def _import(
+        self,
+        req: registry_pb2.RegisterWorkerRequest,
+        preopened: dict[str, int],
+        restored_from: dict[str, Reopen],
+    ) -> tuple[dict[str, Any], dict[str, Reopen]]:
+        """Map every allocation, noting how to re-open it after a restart; on
+        any failure unmap what was mapped."""
         mapped: dict[str, Any] = {}
+        reopen: dict[str, Reopen] = {}
         try:
             for i, alloc in enumerate(req.allocations):
                 field = f"allocations[{i}]"
@@ -77,8 +89,19 @@ class Registrar:
                     raise FailedPrecondition(
                         f"{field}.cuda_ipc: this kvmapd was built for CPU memory only"
                     )
-                if which == "shm_fd":
+                if alloc.id in preopened:  # restored by the daemon itself
+                    fd = preopened.pop(alloc.id)
+                    reopen[alloc.id] = restored_from[alloc.id]
+                    mapped[alloc.id] = memory.import_shm_fd(
+                        fd, _handle_offset(alloc), alloc.size_bytes, field=field
+                    )
+                elif which == "shm_fd":
                     fd = self._fds.claim(alloc.shm_fd.token, alloc.shm_fd.index, f"{field}.shm_fd")
+                    st = os.fstat(fd)
+                    # The worker holds the same object open: after a restart
+                    # the daemon finds it again in /proc/<pid>/fd by identity.
+                    pid = self._fds.peer(alloc.shm_fd.token).pid
+                    reopen[alloc.id] = Reopen(pid=pid, dev=st.st_dev, ino=st.st_ino)
                     mapped[alloc.id] = memory.import_shm_fd(
                         fd, alloc.shm_fd.offset_bytes, alloc.size_bytes, field=f"{field}.shm_fd"
                     )
@@ -89,6 +112,10 @@ class Registrar:
                         alloc.size_bytes,
                         field=f"{field}.shm_path",
                     )
+                    st = os.stat(alloc.shm_path.path)
+                    reopen[alloc.id] = Reopen(
+                        path=alloc.shm_path.path, dev=st.st_dev, ino=st.st_ino
+                    )
                 else:
                     raise InvalidArgument(
                         f"{field}.handle",
@@ -98,8 +125,10 @@ class Registrar:
         except BaseException:
             for m in mapped.values():
                 m.close()
+            for fd in preopened.values():
+                os.close(fd)
             raise
-        return mapped
+        return mapped, reopen
 
     async def _attach(self, geometry: WorkerGeometry, mapped: dict[str, Any]) -> AttachedMemory:
         regs: list[Any] = []
@@ -151,15 +180,31 @@ class Registrar:
             await self._release_memory(record.memory)
 
     async def register(
-        self, req: registry_pb2.RegisterWorkerRequest, planner: Planner
+        self,
+        req: registry_pb2.RegisterWorkerRequest,
+        planner: Planner,
+        restored: dict[str, tuple[int, Reopen]] | None = None,
     ) -> WorkerRecord:
-        geometry = convert.parse_and_validate(req)
-        plan = planner.plan(geometry)
+        """Register a worker. ``restored`` maps allocation ids to fds the
+        daemon opened itself (restore after a restart) and their Reopen."""
+        preopened = {k: fd for k, (fd, _) in (restored or {}).items()}
+        try:
+            geometry = convert.parse_and_validate(req)
+            plan = planner.plan(geometry)
+        except BaseException:
+            for fd in preopened.values():
+                os.close(fd)
+            raise
         async with self._table.lock:
-            mapped = self._import(req)
+            mapped, reopen = self._import(
+                req, preopened, {k: r for k, (_, r) in (restored or {}).items()}
+            )
             mem = await self._attach(geometry, mapped)
             try:
                 record = await self._make_record(geometry, plan, mem)
+                self._store.save_worker(
+                    req, geometry.worker, reopen, plan.planner.name, record.generation
+                )
             except BaseException:
                 await self._release_memory(mem)
                 raise
@@ -184,6 +229,7 @@ class Registrar:
     async def deregister(self, key: WorkerKey) -> WorkerRecord:
         async with self._table.lock:
             record = self._table.pop(key)
+            self._store.delete_worker(key)
         await self.retire(record)
         log.info("worker_deregistered", worker=str(key), generation=record.generation)
         return record
@@ -202,3 +248,56 @@ class Registrar:
         for old in olds:
             await self.retire(old)
         return done
+
+    async def restore(self, stored: StoredWorker, planner: Planner) -> WorkerRecord | None:
+        """Register a worker from the state store with memory the daemon can
+        open by itself; None when it cannot (its client re-registers)."""
+        restored: dict[str, tuple[int, Reopen]] = {}
+        for alloc in stored.request.allocations:
+            info = stored.reopen.get(alloc.id)
+            fd = reopen_fd(info) if info is not None else None
+            if fd is None or info is None:
+                for opened, _ in restored.values():
+                    os.close(opened)
+                log.info("restore_deferred", worker=str(stored.worker), allocation=alloc.id)
+                return None
+            restored[alloc.id] = (fd, info)
+        try:
+            return await self.register(stored.request, planner, restored)
+        except KvmapError as err:
+            log.warning("restore_failed", worker=str(stored.worker), error=str(err))
+            return None
+
+
+def _handle_offset(alloc: types_pb2.Allocation) -> int:
+    which = alloc.WhichOneof("handle")
+    if which == "shm_fd":
+        return alloc.shm_fd.offset_bytes
+    if which == "shm_path":
+        return alloc.shm_path.offset_bytes
+    return 0
+
+
+def reopen_fd(info: Reopen) -> int | None:
+    """Open the same shared-memory object again, identified by (st_dev,
+    st_ino): by its path, or through the worker's /proc/<pid>/fd entries
+    (magic links: opening one opens the object the worker holds)."""
+    candidates = [info.path] if info.path else []
+    if info.pid:
+        fd_dir = f"/proc/{info.pid}/fd"
+        # The worker may be gone, or not ours to look at: then no candidates.
+        with contextlib.suppress(OSError):
+            candidates += [f"{fd_dir}/{name}" for name in os.listdir(fd_dir)]
+    for path in candidates:
+        try:
+            st = os.stat(path)
+            if (st.st_dev, st.st_ino) != (info.dev, info.ino):
+                continue
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            continue
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) == (info.dev, info.ino):
+            return fd
+        os.close(fd)
+    return None

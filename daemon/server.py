@@ -138,10 +138,11 @@ async def serve(config: DaemonConfig, ready_file: str | None = None) -> int:
     daemon = Daemon(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    await daemon.start()
+    # After start: creating the NIXL/UCX agent may install handlers of its own.
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, daemon.app.request_replan)
-    await daemon.start()
     if ready_file:
         write_ready_file(ready_file, daemon)
     await stop.wait()

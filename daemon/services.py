@@ -54,8 +54,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         if self.app.draining:
             raise Unavailable("kvmapd is shutting down")
         record = await self.app.registrar.register(request, self.app.planner)
-        self.app.update_gauges()
-        self.app.publish_map_changed(record)
+        self.app.registered(record)
         return registry_pb2.RegisterWorkerResponse(
             region_map=convert.region_map_to_proto(record.model)
         )
@@ -73,14 +72,27 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         key = worker_key(request.worker)
         record = self.app.table.get(key)
         queue = self.app.table.subscribe(key)
+        store = self.app.store
         try:
             yield registry_pb2.AttachResponse(
                 attached=registry_pb2.AttachedEvent(
                     generation=record.generation, daemon_instance=self.app.instance
                 )
             )
+            # Notifications that arrived while no stream was open (or before
+            # a restart) first; queued live ones may repeat them: at least once.
+            sent: set[int] = set()
+            for event_id, event in store.pending_events(key):
+                yield event
+                store.ack_event(event_id)
+                sent.add(event_id)
             while True:
-                yield await queue.get()
+                event_id, event = await queue.get()
+                if event_id and event_id in sent:
+                    continue
+                yield event
+                if event_id:
+                    store.ack_event(event_id)
         finally:
             # The stream ended: the worker closed it, died, or the daemon is
             # stopping. A worker with no live Attach stream is gone.
@@ -197,7 +209,7 @@ class PeerService(peer_pb2_grpc.PeerServicer):
     async def GetAgentMetadata(
         self, request: peer_pb2.GetAgentMetadataRequest, context: Ctx
     ) -> peer_pb2.GetAgentMetadataResponse:
-        record = self.app.table.get(worker_key(request.worker))
+        record = self.app.worker_for_peer(worker_key(request.worker))
         return peer_pb2.GetAgentMetadataResponse(
             agent_name=self.app.agent_name,
             agent_metadata=await self.app.agent_metadata(),
@@ -216,7 +228,7 @@ class PeerService(peer_pb2_grpc.PeerServicer):
                 f"transfer planned against agent {request.agent_name}; this daemon runs "
                 f"{self.app.agent_name} (it restarted): handshake again"
             )
-        record = self.app.table.get(worker_key(request.worker))
+        record = self.app.worker_for_peer(worker_key(request.worker))
         lease = self.app.leases.begin(
             record,
             generation=request.generation,

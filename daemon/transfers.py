@@ -386,8 +386,9 @@ class TransferEngine:
             for x in xfers:
                 self._progress.forget(x)
                 await self._nixl(partial(self._agent.release, x))
-        if any(s is not XferState.DONE for s in states):
-            raise TransferError("NIXL reported a failed transfer", nixl_status="NIXL_ERR_BACKEND")
+        for x, state in zip(xfers, states, strict=True):
+            if state is not XferState.DONE:
+                raise x.error or TransferError("NIXL reported a failed transfer", "ERR")
         return post_s, time.perf_counter() - start
 
     async def close(self) -> None:

@@ -15,6 +15,9 @@ from kvmap.daemon.errors import NotFound
 from kvmap.daemon.geometry import RegionMapModel, WorkerGeometry, WorkerKey
 from kvmap.v1 import registry_pb2
 
+# (persisted event id or 0, event)
+EventQueue = asyncio.Queue[tuple[int, registry_pb2.AttachResponse]]
+
 # Events a slow Attach reader may have queued before the daemon drops the
 # oldest: events are hints (the worker can always re-read state), never a
 # reason to grow without bound.
@@ -78,7 +81,7 @@ class WorkerTable:
         # Last generation issued per worker. Kept after deregistration so a
         # re-registered worker never reuses a generation a peer has cached.
         self._generations: dict[WorkerKey, int] = {}
-        self._subscribers: dict[WorkerKey, set[asyncio.Queue[registry_pb2.AttachResponse]]] = {}
+        self._subscribers: dict[WorkerKey, set[EventQueue]] = {}
 
     def __len__(self) -> int:
         return len(self._records)
@@ -117,12 +120,12 @@ class WorkerTable:
 
     # Attach subscribers -------------------------------------------------
 
-    def subscribe(self, key: WorkerKey) -> asyncio.Queue[registry_pb2.AttachResponse]:
-        queue: asyncio.Queue[registry_pb2.AttachResponse] = asyncio.Queue(MAX_QUEUED_EVENTS)
+    def subscribe(self, key: WorkerKey) -> EventQueue:
+        queue: EventQueue = asyncio.Queue(MAX_QUEUED_EVENTS)
         self._subscribers.setdefault(key, set()).add(queue)
         return queue
 
-    def unsubscribe(self, key: WorkerKey, queue: asyncio.Queue[registry_pb2.AttachResponse]) -> int:
+    def unsubscribe(self, key: WorkerKey, queue: EventQueue) -> int:
         """Remove a subscriber; returns how many remain for the worker."""
         subs = self._subscribers.get(key, set())
         subs.discard(queue)
@@ -133,8 +136,12 @@ class WorkerTable:
     def subscriber_count(self, key: WorkerKey) -> int:
         return len(self._subscribers.get(key, ()))
 
-    def publish(self, key: WorkerKey, event: registry_pb2.AttachResponse) -> None:
+    def publish(
+        self, key: WorkerKey, event: registry_pb2.AttachResponse, event_id: int = 0
+    ) -> None:
+        """Queue an event for every Attach stream of the worker. ``event_id``
+        names a persisted event, acknowledged once a stream has sent it."""
         for queue in self._subscribers.get(key, ()):
             if queue.full():
                 queue.get_nowait()
-            queue.put_nowait(event)
+            queue.put_nowait((event_id, event))

@@ -1,0 +1,666 @@
+"""The benchmark run: for each profile and planner, two real daemons (prefill
+and decode, separate processes, real NIXL agents over loopback UCX) and one
+bench worker process next to each; register, handshake, pull, verify, and
+collect the figures as one JSON-able dict.
+
+What is measured where (``docs/benchmarks.md`` has the long version):
+
+- ``full`` worker, full-scale geometry on sparse memfds (nothing is touched
+  but the blocks a pull moves): regions, registered descriptors, NIXL
+  registrations, agent metadata and region-map bytes, ready time
+  (RegisterWorker round trip: fd hand-off, import, validate, plan, NIXL
+  register, prepare the local list), first-contact cost, pull bandwidth at
+  full page size, daemon resident memory.
+- ``req`` worker, the same geometry with every page divided by a stated
+  power of two so that a 128K-token request fits in memory: layers, blocks
+  and block ids are untouched, so descriptors per transfer are exactly the
+  full-scale ones (cross-checked against ``plan_transfer`` on the full-scale
+  maps). Post time (``make_prepped_xfer`` + ``transfer``, as the daemon
+  reports it) and completion time of the scattered and the contiguous request.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import platform
+import select
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from kvmap.daemon import convert
+from kvmap.daemon import planner as planners
+from kvmap.daemon.bench import blockpool
+from kvmap.daemon.bench.profiles import Profile, get_profile
+from kvmap.daemon.geometry import RegionMapModel, WorkerGeometry
+from kvmap.daemon.launch import DaemonProc, WorkerProc, local_env, start_daemon
+from kvmap.daemon.transfer_pieces import LayerSelection, build_piece_table
+from kvmap.daemon.transfer_plan import GroupPairs, plan_transfer
+from kvmap.v1 import peer_pb2, peer_pb2_grpc, types_pb2
+
+MIB = 1024 * 1024
+SCHEMA = "kvmap-bench/1"
+# Figures every planner object has (the issue's minimum, and the test's).
+REQUIRED_KEYS = (
+    "regions",
+    "descriptors",
+    "ready_seconds",
+    "first_contact_seconds",
+    "descriptors_per_transfer_scattered",
+    "post_seconds_scattered",
+    "pull_gbps",
+)
+WORKER_TIMEOUT_S = 180.0
+FIRST_CONTACT_REPEATS = 3
+PREFILL_SEED, DECODE_SEED = 1, 2
+
+Ids = list[list[int]]  # block ids per request group
+
+
+@dataclass
+class Options:
+    profiles: list[str]
+    planners: list[str]
+    repeats: int = 5
+    # Largest request (bytes per side) the 128K-token requests may move.
+    request_budget: int = 128 * MIB
+    # Bytes per side of the full-page-size bandwidth request.
+    bandwidth_budget: int = 256 * MIB
+    memcpy_bytes: int = 256 * MIB
+    progress: Callable[[str], None] = field(default=lambda line: None)
+
+
+# Requests -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    """Block ids per request group, on each side."""
+
+    groups: tuple[int, ...]
+    local: Ids
+    remote: Ids
+
+    def spec(self) -> list[dict[str, Any]]:
+        return [
+            {"group": g, "local": loc, "remote": rem}
+            for g, loc, rem in zip(self.groups, self.local, self.remote, strict=True)
+        ]
+
+    def head(self, k: int) -> Request:
+        """The first ``k`` blocks of every group."""
+        return Request(self.groups, [ids[:k] for ids in self.local], [r[:k] for r in self.remote])
+
+    @property
+    def blocks(self) -> int:
+        return sum(len(ids) for ids in self.local)
+
+
+def _request_ids(profile: Profile, draw: Callable[[list[int]], Ids]) -> Ids:
+    counts = [profile.group_blocks(g) for g in profile.request_groups]
+    own = [i == 0 or g.own_blocks for i, g in enumerate(profile.request_groups)]
+    drawn = draw([n if o else 0 for n, o in zip(counts, own, strict=True)])
+    # A group without its own block table uses the first group's ids; a
+    # windowed one only the last blocks of them.
+    return [d if o else drawn[0][-n:] for d, n, o in zip(drawn, counts, own, strict=True)]
+
+
+def requests(profile: Profile) -> tuple[Request, Request]:
+    """(scattered, contiguous) 128K-token requests of ``profile``."""
+    groups = tuple(g.transfer_group for g in profile.request_groups)
+
+    def scattered(seed: int) -> Ids:
+        return _request_ids(
+            profile,
+            lambda counts: blockpool.scattered(
+                profile.num_blocks, profile.block_tokens, counts, seed
+            ),
+        )
+
+    fresh = _request_ids(profile, lambda counts: blockpool.contiguous(profile.num_blocks, counts))
+    return (
+        Request(groups, scattered(DECODE_SEED), scattered(PREFILL_SEED)),
+        Request(groups, fresh, [list(ids) for ids in fresh]),
+    )
+
+
+def _views_bytes(geometry: WorkerGeometry, group: int) -> int:
+    """Bytes one block of ``group`` holds over all its views."""
+    return sum(v.block_len_bytes for v in geometry.views if v.transfer_group == group)
+
+
+def request_bytes(geometry: WorkerGeometry, req: Request) -> int:
+    return sum(
+        len(ids) * _views_bytes(geometry, g) for g, ids in zip(req.groups, req.local, strict=True)
+    )
+
+
+def timing_divisor(profile: Profile, req: Request, budget: int) -> int:
+    """Smallest power of two the pages are divided by for ``req`` to fit ``budget``."""
+    divisor = 1
+    while request_bytes(profile.geometry(divisor), req) > budget and divisor < 1 << 20:
+        divisor *= 2
+    return divisor
+
+
+def bandwidth_blocks(geometry: WorkerGeometry, req: Request, budget: int) -> int:
+    """Most blocks per group whose full-page bytes fit ``budget`` (at least 1)."""
+    k = 1
+    longest = max(len(ids) for ids in req.local)
+    while k < longest and request_bytes(geometry, req.head(k + 1)) <= budget:
+        k += 1
+    return k
+
+
+# Processes -------------------------------------------------------------------
+
+
+def _start_daemons(workdir: Path, planner: str) -> tuple[DaemonProc, DaemonProc]:
+    """Start the prefill and decode daemons side by side."""
+    out: dict[str, DaemonProc] = {}
+    errors: list[BaseException] = []
+
+    def start(name: str) -> None:
+        try:
+            out[name] = start_daemon(workdir / name, "--planner", planner, name=name)
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=start, args=(n,)) for n in ("prefill", "decode")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        for d in out.values():
+            d.kill()
+        raise errors[0]
+    return out["prefill"], out["decode"]
+
+
+def _start_worker(daemon: DaemonProc, side: str) -> WorkerProc:
+    log_path = daemon.workdir / f"bench-worker-{side}.log"
+    args = [sys.executable, "-m", "kvmap.daemon.bench.worker", "--socket", daemon.socket]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=local_env(daemon.workdir),
+            cwd=daemon.workdir,
+        )
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], WORKER_TIMEOUT_S)
+    line = proc.stdout.readline() if ready else ""
+    if not line:
+        proc.kill()
+        proc.wait(10)
+        raise RuntimeError(f"bench worker did not start:\n{log_path.read_text()[-4000:]}")
+    return WorkerProc(proc=proc, ready=json.loads(line), log_path=log_path)
+
+
+def _call(w: WorkerProc, cmd: dict[str, Any]) -> dict[str, Any]:
+    out = w.call(cmd, timeout=WORKER_TIMEOUT_S)
+    if not out.get("ok"):
+        raise RuntimeError(f"bench worker {cmd['cmd']} failed: {out.get('code')}: {out}")
+    return out
+
+
+def _stop_daemon(d: DaemonProc) -> None:
+    try:
+        d.terminate(timeout=20)
+    except AssertionError:
+        d.kill()
+
+
+def daemon_rss(pid: int) -> int:
+    """The daemon's own resident memory: RSS minus the shared KV-cache pages
+    it maps (those belong to the worker and are counted there)."""
+    fields: dict[str, int] = {}
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            key, _, rest = line.partition(":")
+            if key in ("RssAnon", "RssFile"):
+                fields[key] = int(rest.split()[0]) * 1024
+    return fields.get("RssAnon", 0) + fields.get("RssFile", 0)
+
+
+def agent_metadata(target: str, engine_id: str) -> peer_pb2.GetAgentMetadataResponse:
+    """What a peer downloads at first contact (the Peer handshake)."""
+    with grpc.insecure_channel(
+        target, options=[("grpc.max_receive_message_length", 64 * MIB)]
+    ) as ch:
+        stub = peer_pb2_grpc.PeerStub(ch)
+        resp: peer_pb2.GetAgentMetadataResponse = stub.GetAgentMetadata(
+            peer_pb2.GetAgentMetadataRequest(worker=types_pb2.WorkerId(engine_id=engine_id)),
+            timeout=30,
+        )
+    return resp
+
+
+# Measurement -----------------------------------------------------------------
+
+
+def memcpy_gbps(nbytes: int, rounds: int = 5) -> float:
+    """Single-thread memcpy between two resident buffers: the physical limit
+    a single-stream CPU pull can approach. Median of ``rounds``."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    np.copyto(dst, src)  # touch both
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        samples.append(time.perf_counter() - start)
+    return nbytes / statistics.median(samples) / 1e9
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+@dataclass
+class PullSeries:
+    """Timed pulls of one request: samples as the daemon reported them."""
+
+    descriptors: int = 0
+    bytes: int = 0
+    post: list[float] = field(default_factory=list)
+    completion: list[float] = field(default_factory=list)
+    wall: list[float] = field(default_factory=list)
+    verified_bytes: int = 0
+    bad_blocks: int = 0
+
+    def add(self, out: dict[str, Any]) -> None:
+        st = out["stats"]
+        self.descriptors = int(st["descriptors"])
+        self.bytes = int(st["bytes"])
+        self.post.append(float(st["post_seconds"]))
+        self.completion.append(float(st["completion_seconds"]))
+        self.wall.append(float(out["wall_seconds"]))
+
+    @property
+    def transfer(self) -> list[float]:
+        return [p + c for p, c in zip(self.post, self.completion, strict=True)]
+
+
+class Pair:
+    """Two daemons and their bench workers, for one profile and planner."""
+
+    def __init__(self, stack: contextlib.ExitStack, workdir: Path, planner: str) -> None:
+        t0 = time.perf_counter()
+        self.prefill, self.decode = _start_daemons(workdir, planner)
+        stack.callback(_stop_daemon, self.prefill)
+        stack.callback(_stop_daemon, self.decode)
+        self.pw = _start_worker(self.prefill, "prefill")
+        stack.callback(self.pw.stop)
+        self.dw = _start_worker(self.decode, "decode")
+        stack.callback(self.dw.stop)
+        self.startup_seconds = time.perf_counter() - t0
+        self._n = 0
+
+    def pull(self, name: str, req: Request) -> dict[str, Any]:
+        self._n += 1
+        return _call(
+            self.dw,
+            {
+                "cmd": "pull",
+                "name": name,
+                "request_id": f"bench-{name}-{self._n}",
+                "remote_target": self.prefill.tcp_target,
+                "remote_engine_id": f"prefill-{name}",
+                "groups": req.spec(),
+            },
+        )
+
+    def series(self, name: str, req: Request, repeats: int) -> PullSeries:
+        """Warm up once, clear the destination, pull ``repeats`` times, verify
+        every byte (only the timed pulls can have written them)."""
+        s = PullSeries()
+        self.pull(name, req)
+        _call(self.dw, {"cmd": "zero", "name": name, "groups": req.spec()})
+        for _ in range(repeats):
+            s.add(self.pull(name, req))
+        v = _call(self.dw, {"cmd": "verify", "name": name, "groups": req.spec()})
+        s.verified_bytes, s.bad_blocks = int(v["bytes"]), int(v["bad_blocks"])
+        return s
+
+    @property
+    def pulls(self) -> int:
+        return self._n
+
+
+def _fill(w: WorkerProc, name: str, reqs: list[Request]) -> None:
+    groups: dict[int, set[int]] = {}
+    for r in reqs:
+        for g, ids in zip(r.groups, r.remote, strict=True):
+            groups.setdefault(g, set()).update(ids)
+    _call(
+        w,
+        {
+            "cmd": "fill",
+            "name": name,
+            "groups": [{"group": g, "blocks": sorted(ids)} for g, ids in groups.items()],
+        },
+    )
+
+
+def _model(b64: str) -> RegionMapModel:
+    return convert.region_map_from_proto(types_pb2.RegionMap.FromString(base64.b64decode(b64)))
+
+
+def full_scale_descriptors(local: RegionMapModel, remote: RegionMapModel, req: Request) -> int:
+    """Descriptors ``req`` takes between two full-scale maps (pure planning)."""
+    table = build_piece_table(local, remote, [LayerSelection(g) for g in req.groups])
+    pairs = [
+        GroupPairs(g, loc, rem) for g, loc, rem in zip(req.groups, req.local, req.remote, strict=True)
+    ]
+    return plan_transfer(table, pairs).descriptors
+
+
+@dataclass
+class ProfilePlan:
+    """Everything about a profile that does not depend on the planner."""
+
+    profile: Profile
+    scattered: Request
+    contiguous: Request
+    bandwidth: Request
+    first_contact: Request
+    divisor: int
+    info: dict[str, Any]
+
+
+def plan_profile(profile: Profile, opts: Options) -> ProfilePlan:
+    full = profile.geometry()
+    scattered, contiguous = requests(profile)
+    divisor = timing_divisor(profile, scattered, opts.request_budget)
+    timed = profile.geometry(divisor)
+    k = bandwidth_blocks(full, scattered, opts.bandwidth_budget)
+    bandwidth = scattered.head(k)
+    pages = sorted({v.block_len_bytes for v in full.views}, reverse=True)
+    timed_pages = sorted({v.block_len_bytes for v in timed.views}, reverse=True)
+    info = {
+        "title": profile.title,
+        "source": profile.source,
+        "kv_cache_layout": profile.kv_cache_layout,
+        "views": len(full.views),
+        "allocations": len(full.allocations),
+        "blocks": profile.num_blocks,
+        "block_tokens": profile.block_tokens,
+        "page_bytes": pages,
+        "allocated_bytes": sum(a.size_bytes for a in full.allocations),
+        "request_tokens": profile.request_tokens,
+        "request_blocks": [len(ids) for ids in scattered.local],
+        "request_bytes_full_scale": request_bytes(full, scattered),
+        "timing_scale": {
+            "page_divisor": divisor,
+            "page_bytes": timed_pages,
+            "request_bytes": request_bytes(timed, scattered),
+            "note": "128K-token requests timed with every page divided by page_divisor; "
+            "layers, blocks and block ids (so descriptors) as at full scale",
+        },
+        "bandwidth_request": {
+            "blocks": [len(ids) for ids in bandwidth.local],
+            "bytes": request_bytes(full, bandwidth),
+            "note": "full page size; the first blocks of the scattered request",
+        },
+        "fragmentation": {
+            "model": blockpool.MODEL,
+            "ascending_pairs_local": blockpool.ascending_pairs(scattered.local[0]),
+            "ascending_pairs_remote": blockpool.ascending_pairs(scattered.remote[0]),
+            "ascending_pairs_both": blockpool.joint_ascending_pairs(
+                scattered.local[0], scattered.remote[0]
+            ),
+        },
+    }
+    return ProfilePlan(
+        profile=profile,
+        scattered=scattered,
+        contiguous=contiguous,
+        bandwidth=bandwidth,
+        first_contact=scattered.head(1),
+        divisor=divisor,
+        info=info,
+    )
+
+
+def measure(pp: ProfilePlan, planner_name: str, opts: Options) -> dict[str, Any]:
+    """One profile under one planner, end to end, on fresh daemons."""
+    profile = pp.profile
+    say = opts.progress
+    geometry = profile.geometry()
+    planner = planners.get_planner(planner_name)
+    start = time.perf_counter()
+    plan = planner.plan(geometry)
+    plan_s = time.perf_counter() - start
+    with (
+        contextlib.ExitStack() as stack,
+        tempfile.TemporaryDirectory(prefix="kvmap-bench-") as tmp,
+    ):
+        pair = Pair(stack, Path(tmp), planner_name)
+        say(f"{profile.name}/{planner_name}: daemons and workers up in {pair.startup_seconds:.1f}s")
+        reg: dict[tuple[str, str], dict[str, Any]] = {}
+        for name, divisor in (("full", 1), ("req", pp.divisor)):
+            for side, w in (("prefill", pair.pw), ("decode", pair.dw)):
+                reg[(name, side)] = _call(
+                    w,
+                    {
+                        "cmd": "register",
+                        "name": name,
+                        "engine_id": f"{side}-{name}",
+                        "profile": profile.name,
+                        "divisor": divisor,
+                    },
+                )
+        full_map = _model(reg[("full", "prefill")]["region_map"])
+        if full_map.descriptor_count != plan.descriptor_count:
+            raise RuntimeError(
+                f"{profile.name}/{planner_name}: daemon registered {full_map.descriptor_count} "
+                f"descriptors, the planner alone plans {plan.descriptor_count}"
+            )
+        hs = agent_metadata(pair.prefill.tcp_target, "prefill-full")
+        rss_ready = {
+            "prefill": daemon_rss(pair.prefill.proc.pid),
+            "decode": daemon_rss(pair.decode.proc.pid),
+        }
+        _fill(pair.pw, "full", [pp.bandwidth, pp.first_contact])
+        _fill(pair.pw, "req", [pp.scattered, pp.contiguous])
+
+        # First contact: the decode daemon's very first pull (handshake, load
+        # the remote agent, connect, prepare both lists) minus a warm one.
+        first = pair.pull("full", pp.first_contact)
+        warm = [pair.pull("full", pp.first_contact)["wall_seconds"]]
+        warm += [pair.pull("full", pp.first_contact)["wall_seconds"] for _ in range(2)]
+        first_contact_s = max(0.0, first["wall_seconds"] - _median(warm))
+        say(f"{profile.name}/{planner_name}: first contact {first_contact_s * 1e3:.1f} ms")
+
+        bw = pair.series("full", pp.bandwidth, opts.repeats)
+        sc = pair.series("req", pp.scattered, opts.repeats)
+        say(
+            f"{profile.name}/{planner_name}: scattered {sc.descriptors:,} descriptors, "
+            f"post {_median(sc.post) * 1e3:.1f} ms"
+        )
+        co = pair.series("req", pp.contiguous, opts.repeats)
+        rss = {
+            "prefill": daemon_rss(pair.prefill.proc.pid),
+            "decode": daemon_rss(pair.decode.proc.pid),
+        }
+        notified = _notified(pair, ("full", "req"))
+        expected_full = full_scale_descriptors(
+            _model(reg[("full", "decode")]["region_map"]), full_map, pp.scattered
+        )
+        expected_contiguous = full_scale_descriptors(
+            _model(reg[("full", "decode")]["region_map"]), full_map, pp.contiguous
+        )
+    series = {"bandwidth": bw, "scattered": sc, "contiguous": co}
+    bad = sum(s.bad_blocks for s in series.values())
+    return {
+        "planner": {"name": planner.info.name, "version": planner.info.version},
+        "regions": len(full_map.regions),
+        "descriptors": full_map.descriptor_count,
+        "baseline_descriptors": full_map.baseline_descriptor_count,
+        # The daemon registers each allocation with NIXL exactly once
+        # (registration.py), whatever the planner.
+        "nixl_registrations": len(full_map.allocations),
+        "agent_metadata_bytes": len(hs.agent_metadata),
+        "region_map_bytes": hs.region_map.ByteSize(),
+        "registration_request_bytes": int(reg[("full", "prefill")]["request_bytes"]),
+        "plan_seconds": plan_s,
+        "ready_seconds": float(reg[("full", "prefill")]["ready_seconds"]),
+        "ready_seconds_decode": float(reg[("full", "decode")]["ready_seconds"]),
+        "first_contact_seconds": first_contact_s,
+        "first_contact_handshaked": bool(first["stats"]["handshaked"]),
+        "descriptors_per_transfer_scattered": sc.descriptors,
+        "descriptors_per_transfer_scattered_full_scale": expected_full,
+        "post_seconds_scattered": _median(sc.post),
+        "completion_seconds_scattered": _median(sc.completion),
+        "transfer_seconds_scattered": _median(sc.transfer),
+        "bytes_scattered": sc.bytes,
+        "descriptors_per_transfer_contiguous": co.descriptors,
+        "descriptors_per_transfer_contiguous_full_scale": expected_contiguous,
+        "post_seconds_contiguous": _median(co.post),
+        "completion_seconds_contiguous": _median(co.completion),
+        "transfer_seconds_contiguous": _median(co.transfer),
+        "bytes_contiguous": co.bytes,
+        "pull_gbps": bw.bytes / _median(bw.transfer) / 1e9 if bw.transfer else 0.0,
+        "pull_gbps_wall": bw.bytes / _median(bw.wall) / 1e9 if bw.wall else 0.0,
+        "pull_bytes": bw.bytes,
+        "pull_descriptors": bw.descriptors,
+        "daemon_rss_bytes": rss,
+        "daemon_rss_ready_bytes": rss_ready,
+        "bytes_verified": sum(s.verified_bytes for s in series.values()),
+        "bad_blocks": bad,
+        "verified": bad == 0,
+        "pulls": pair.pulls,
+        "owner_notified": notified,
+        "repeats": opts.repeats,
+        "samples": {
+            kind: {"post_seconds": s.post, "completion_seconds": s.completion, "wall": s.wall}
+            for kind, s in series.items()
+        },
+    }
+
+
+def _notified(pair: Pair, names: tuple[str, ...], timeout_s: float = 10.0) -> int:
+    """Transfers the prefill worker was told of (TransferFinished events)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        total = sum(int(_call(pair.pw, {"cmd": "events", "name": n})["finished"]) for n in names)
+        if total >= pair.pulls or time.monotonic() > deadline:
+            return total
+        time.sleep(0.05)
+
+
+# Ratios ----------------------------------------------------------------------
+
+# (key, higher is better): a ratio > 1 always means "better than baseline".
+RATIO_KEYS: tuple[tuple[str, bool], ...] = (
+    ("regions", False),
+    ("descriptors", False),
+    ("nixl_registrations", False),
+    ("agent_metadata_bytes", False),
+    ("region_map_bytes", False),
+    ("ready_seconds", False),
+    ("first_contact_seconds", False),
+    ("descriptors_per_transfer_scattered", False),
+    ("post_seconds_scattered", False),
+    ("completion_seconds_scattered", False),
+    ("transfer_seconds_scattered", False),
+    ("descriptors_per_transfer_contiguous", False),
+    ("post_seconds_contiguous", False),
+    ("completion_seconds_contiguous", False),
+    ("transfer_seconds_contiguous", False),
+    ("pull_gbps", True),
+)
+
+
+def ratio(base: float, value: float, higher_is_better: bool) -> float | None:
+    """How many times better than baseline ``value`` is (None if undefined)."""
+    num, den = (value, base) if higher_is_better else (base, value)
+    if den <= 0:
+        return None
+    return float(num / den)
+
+
+def add_ratios(results: dict[str, dict[str, Any]]) -> None:
+    base = results.get("baseline")
+    if base is None:
+        return
+    for name, r in results.items():
+        if name == "baseline":
+            continue
+        r["vs_baseline"] = {
+            key: ratio(float(base[key]), float(r[key]), higher) for key, higher in RATIO_KEYS
+        }
+
+
+# The run -----------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    mem = 0
+    with contextlib.suppress(OSError), open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                mem = int(line.split()[1]) * 1024
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "memory_bytes": mem,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "transport": "NIXL UCX backend over loopback (UCX_NET_DEVICES=lo)",
+    }
+
+
+def default_planners() -> list[str]:
+    """``baseline`` first, then every other planner the daemon knows."""
+    names = sorted(planners.PLANNERS)
+    return ["baseline", *[n for n in names if n != "baseline"]] if "baseline" in names else names
+
+
+def run_bench(opts: Options) -> dict[str, Any]:
+    started = time.perf_counter()
+    profiles = [get_profile(name) for name in opts.profiles]
+    for name in opts.planners:
+        planners.get_planner(name)  # fail before starting anything
+    out: dict[str, Any] = {
+        "schema": SCHEMA,
+        "machine": machine(),
+        "memcpy_gbps": memcpy_gbps(opts.memcpy_bytes),
+        "memcpy_bytes": opts.memcpy_bytes,
+        "repeats": opts.repeats,
+        "profiles": {},
+        "profile_info": {},
+    }
+    opts.progress(f"memcpy {out['memcpy_gbps']:.2f} GB/s")
+    for profile in profiles:
+        pp = plan_profile(profile, opts)
+        results = {name: measure(pp, name, opts) for name in opts.planners}
+        add_ratios(results)
+        out["profiles"][profile.name] = results
+        out["profile_info"][profile.name] = pp.info
+    out["seconds"] = time.perf_counter() - started
+    return out

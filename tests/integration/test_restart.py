@@ -1,0 +1,189 @@
+"""Upgrade and restart kvmapd without restarting the worker: ``kill -9`` of
+the worker's daemon and a new daemon with another planner, and a live
+``kvmapctl replan``, while a peer keeps pulling."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvmap.daemon.launch import DaemonProc, WorkerProc, start_daemon, start_worker
+from kvmap.v1 import region_maps_pb2, region_maps_pb2_grpc, types_pb2
+
+pytestmark = pytest.mark.integration
+
+BLOCKS = 32
+GEO = ("--blocks", str(BLOCKS), "--block-tokens", "32", "--mla-layers", "4", "--indexer-layers", "2")  # fmt: skip
+
+
+@dataclass
+class Puller:
+    """Pulls from the prefill worker in a loop, recording every outcome."""
+
+    decode: WorkerProc
+    target: str
+    results: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        i = 0
+        while not self.stop.is_set():
+            local = [(i * 3 + b) % BLOCKS for b in range(0, BLOCKS, 3)]
+            remote = [(i * 5 + b * 7) % BLOCKS for b in range(len(local))]
+            out = self.decode.call(
+                {
+                    "cmd": "pull",
+                    "request_id": f"loop-{i}",
+                    "remote_target": self.target,
+                    "remote_worker": {"engine_id": "prefill"},
+                    "groups": [
+                        {"group": 0, "local": local, "remote": remote},
+                        {"group": 1, "local": local, "remote": remote},
+                    ],
+                    "timeout_ms": 5000,
+                }
+            )
+            self.results.append((time.monotonic(), out))
+            i += 1
+            time.sleep(0.01)
+
+    def ok_after(self, t: float) -> list[dict[str, Any]]:
+        return [out for when, out in self.results if when > t and out["ok"]]
+
+
+@pytest.fixture
+def decode(tmp_path: Path) -> Iterator[tuple[DaemonProc, WorkerProc]]:
+    d = start_daemon(tmp_path / "decode", name="decode")
+    w = start_worker(d, "decode", *GEO)
+    yield d, w
+    w.stop()
+    assert d.terminate() == 0, d.log()
+
+
+def region_map(daemon: DaemonProc) -> types_pb2.RegionMap:
+    with daemon.channel(tcp=True) as ch:
+        return (
+            region_maps_pb2_grpc.RegionMapsStub(ch)
+            .GetRegionMap(
+                region_maps_pb2.GetRegionMapRequest(worker=types_pb2.WorkerId(engine_id="prefill")),
+                timeout=10,
+            )
+            .region_map
+        )
+
+
+def wait_for(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_kill9_and_restart_with_another_planner(
+    tmp_path: Path, decode: tuple[DaemonProc, WorkerProc]
+) -> None:
+    state = tmp_path / "state"
+    prefill = start_daemon(
+        tmp_path / "prefill", "--planner", "coalesce", "--state-dir", str(state), name="prefill"
+    )
+    worker = start_worker(prefill, "prefill", *GEO, "--fill")
+    pid = worker.pid
+    before = region_map(prefill)
+    assert (before.generation, before.planner.name, len(before.regions)) == (1, "coalesce", 2)
+    puller = Puller(decode[1], prefill.tcp_target)
+    thread = threading.Thread(target=puller.run)
+    thread.start()
+    restarted: DaemonProc | None = None
+    try:
+        wait_for(lambda: len(puller.ok_after(0)) >= 5, 60, "pulls before the kill")
+        prefill.kill()  # SIGKILL: no drain, no cleanup
+        killed_at = time.monotonic()
+        time.sleep(0.5)  # pulls fall into the gap
+        restarted = start_daemon(
+            tmp_path / "prefill",
+            "--planner", "baseline", "--state-dir", str(state),
+            name="prefill", listen=prefill.tcp_target,
+        )  # fmt: skip
+        back_at = time.monotonic()
+        wait_for(lambda: len(puller.ok_after(back_at)) >= 5, 60, "pulls after the restart")
+    finally:
+        puller.stop.set()
+        thread.join(60)
+
+    assert worker.pid == pid and worker.proc.poll() is None, "the worker was never re-created"
+    after = region_map(restarted)
+    assert after.generation > before.generation
+    assert (after.planner.name, len(after.regions)) == ("baseline", 6)
+
+    gap = [o for w, o in puller.results if killed_at < w and not o["ok"]]
+    print(f"\npulls in the gap: {len(gap)} failed, statuses {Counter(o['code'] for o in gap)}")
+    assert gap, "no pull fell into the gap"
+    assert {o["code"] for o in gap} == {"UNAVAILABLE"}
+    post = [o for w, o in puller.results if w > killed_at and o["ok"]]
+    assert post and all(o["bad_blocks"] == 0 for o in post)
+    assert all(o["stats"]["remote_generation"] == after.generation for o in post)
+    assert any(o["stats"]["handshaked"] for o in post), "the peer never re-handshaked"
+    # The worker's Attach stream came back on the new daemon.
+    wait_for(
+        lambda: sum("attached" in e for e in worker.call({"cmd": "events"})["events"]) >= 2,
+        20,
+        "the worker to re-attach",
+    )
+
+    worker.stop()
+    assert restarted.terminate() == 0, restarted.log()
+
+
+def test_live_replan_without_restart(tmp_path: Path, decode: tuple[DaemonProc, WorkerProc]) -> None:
+    prefill = start_daemon(tmp_path / "prefill", "--planner", "coalesce", name="prefill")
+    worker = start_worker(prefill, "prefill", *GEO, "--fill")
+    puller = Puller(decode[1], prefill.tcp_target)
+    thread = threading.Thread(target=puller.run)
+    thread.start()
+    try:
+        wait_for(lambda: len(puller.ok_after(0)) >= 5, 60, "pulls before the replan")
+        replanned = subprocess.run(
+            [sys.executable, "-m", "kvmap.daemon.ctl", "--target", f"unix://{prefill.socket}",
+             "replan", "--planner", "baseline"],
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+        assert replanned.returncode == 0, replanned.stderr
+        assert "generation 2" in replanned.stdout
+        at = time.monotonic()
+        wait_for(lambda: len(puller.ok_after(at)) >= 5, 60, "pulls after the replan")
+    finally:
+        puller.stop.set()
+        thread.join(60)
+    assert all(o["ok"] for _, o in puller.results), [o for _, o in puller.results if not o["ok"]]
+    assert all(o["bad_blocks"] == 0 for _, o in puller.results)
+    after = [o for w, o in puller.results if w > at]
+    assert all(o["stats"]["remote_generation"] == 2 for o in after)
+    assert region_map(prefill).planner.name == "baseline"
+    events = worker.call({"cmd": "events"})["events"]
+    assert any(e.get("region_map_changed", {}).get("generation") == "2" for e in events)
+    worker.stop()
+    assert prefill.terminate() == 0, prefill.log()
+
+
+def test_sighup_replans_from_the_config_file(tmp_path: Path) -> None:
+    config = tmp_path / "kvmapd.toml"
+    config.write_text('planner = "coalesce"\n')
+    daemon = start_daemon(tmp_path / "d", "--config", str(config), name="prefill")
+    worker = start_worker(daemon, "prefill", *GEO)
+    assert region_map(daemon).planner.name == "coalesce"
+    config.write_text('planner = "baseline"\n')
+    os.kill(daemon.proc.pid, 1)  # SIGHUP
+    wait_for(lambda: region_map(daemon).planner.name == "baseline", 20, "the SIGHUP replan")
+    assert region_map(daemon).generation == 2
+    worker.stop()
+    assert daemon.terminate() == 0, daemon.log()
