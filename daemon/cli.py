@@ -8,7 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from kvmap.daemon import demo, plan_cmd
+from kvmap.daemon import bench, demo, plan_cmd
 from kvmap.daemon.config import load_config
 from kvmap.daemon.logs import configure_logging
 
@@ -50,12 +50,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_serve(sub)
     plan_cmd.add_parser(sub)
     demo.add_parser(sub)
+    bench.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)
     if args.command == "demo":
         configure_logging("console", level=logging.WARNING)
         return demo.run(args)
+    if args.command == "bench":
+        return bench.run(args)
     return plan_cmd.run(args)
 
 

@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 
 from kvmap.daemon.launch import DaemonProc, WorkerProc, start_daemon, start_worker
-from kvmap.v1 import region_maps_pb2, region_maps_pb2_grpc, types_pb2
+from kvmap.v1 import admin_pb2, admin_pb2_grpc, region_maps_pb2, region_maps_pb2_grpc, types_pb2
 
 pytestmark = pytest.mark.integration
 
 BLOCKS = 32
-GEO = ("--blocks", str(BLOCKS), "--block-tokens", "32", "--mla-layers", "4", "--indexer-layers", "2")  # fmt: skip
+GEO = ("--blocks", str(BLOCKS), "--block-tokens", "32", "--mla-layers", "4", "--indexer-layers", "2")  # noqa: E501  # fmt: skip
 
 
 @dataclass
@@ -133,6 +133,10 @@ def test_kill9_and_restart_with_another_planner(
     assert post and all(o["bad_blocks"] == 0 for o in post)
     assert all(o["stats"]["remote_generation"] == after.generation for o in post)
     assert any(o["stats"]["handshaked"] for o in post), "the peer never re-handshaked"
+    # The peer dropped the dead daemon's agent: one remote agent, the new one.
+    with decode[0].channel() as ch:
+        peer_stats = admin_pb2_grpc.AdminStub(ch).GetStats(admin_pb2.GetStatsRequest(), timeout=10)
+    assert peer_stats.remote_agents == 1
     # The worker's Attach stream came back on the new daemon.
     wait_for(
         lambda: sum("attached" in e for e in worker.call({"cmd": "events"})["events"]) >= 2,

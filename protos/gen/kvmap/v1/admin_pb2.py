@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmap.v1 import types_pb2 as kvmap_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvmap/v1/admin.proto\x12\x08kvmap.v1\x1a\x14kvmap/v1/types.proto\" \n\rReplanRequest\x12\x0f\n\x07planner\x18\x01 \x01(\t\"c\n\x0fReplannedWorker\x12\"\n\x06worker\x18\x01 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x18\n\x10\x64\x65scriptor_count\x18\x03 \x01(\x03\"d\n\x0eReplanResponse\x12&\n\x07planner\x18\x01 \x01(\x0b\x32\x15.kvmap.v1.PlannerInfo\x12*\n\x07workers\x18\x02 \x03(\x0b\x32\x19.kvmap.v1.ReplannedWorker\"\x11\n\x0fGetStatsRequest\"\xab\x01\n\x10TransferCounters\x12\x12\n\npulls_done\x18\x01 \x01(\x03\x12\x13\n\x0bpushes_done\x18\x02 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x03 \x01(\x03\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x13\n\x0b\x64\x65scriptors\x18\x05 \x01(\x03\x12\x0e\n\x06\x62locks\x18\x06 \x01(\x03\x12\x13\n\x0bserved_done\x18\x07 \x01(\x03\x12\x15\n\rserved_blocks\x18\x08 \x01(\x03\"\xaa\x01\n\x10GetStatsResponse\x12-\n\ttransfers\x18\x01 \x01(\x0b\x32\x1a.kvmap.v1.TransferCounters\x12\x0f\n\x07workers\x18\x02 \x01(\r\x12\x15\n\rremote_agents\x18\x03 \x01(\r\x12\x17\n\x0f\x64\x61\x65mon_instance\x18\x04 \x01(\t\x12&\n\x07planner\x18\x05 \x01(\x0b\x32\x15.kvmap.v1.PlannerInfo2\x87\x01\n\x05\x41\x64min\x12;\n\x06Replan\x12\x17.kvmap.v1.ReplanRequest\x1a\x18.kvmap.v1.ReplanResponse\x12\x41\n\x08GetStats\x12\x19.kvmap.v1.GetStatsRequest\x1a\x1a.kvmap.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvmap/v1/admin.proto\x12\x08kvmap.v1\x1a\x14kvmap/v1/types.proto\" \n\rReplanRequest\x12\x0f\n\x07planner\x18\x01 \x01(\t\"c\n\x0fReplannedWorker\x12\"\n\x06worker\x18\x01 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x18\n\x10\x64\x65scriptor_count\x18\x03 \x01(\x03\"d\n\x0eReplanResponse\x12&\n\x07planner\x18\x01 \x01(\x0b\x32\x15.kvmap.v1.PlannerInfo\x12*\n\x07workers\x18\x02 \x03(\x0b\x32\x19.kvmap.v1.ReplannedWorker\"\x11\n\x0fGetStatsRequest\"\xab\x01\n\x10TransferCounters\x12\x12\n\npulls_done\x18\x01 \x01(\x03\x12\x13\n\x0bpushes_done\x18\x02 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x03 \x01(\x03\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x13\n\x0b\x64\x65scriptors\x18\x05 \x01(\x03\x12\x0e\n\x06\x62locks\x18\x06 \x01(\x03\x12\x13\n\x0bserved_done\x18\x07 \x01(\x03\x12\x15\n\rserved_blocks\x18\x08 \x01(\x03\"\xa4\x02\n\x10GetStatsResponse\x12-\n\ttransfers\x18\x01 \x01(\x0b\x32\x1a.kvmap.v1.TransferCounters\x12\x0f\n\x07workers\x18\x02 \x01(\r\x12\x15\n\rremote_agents\x18\x03 \x01(\r\x12\x17\n\x0f\x64\x61\x65mon_instance\x18\x04 \x01(\t\x12&\n\x07planner\x18\x05 \x01(\x0b\x32\x15.kvmap.v1.PlannerInfo\x12\x1a\n\x12mapped_allocations\x18\x06 \x01(\r\x12\x14\n\x0cmapped_bytes\x18\x07 \x01(\x03\x12\x1a\n\x12nixl_registrations\x18\x08 \x01(\r\x12\x1a\n\x12\x66\x64_handoff_pending\x18\t \x01(\r\x12\x0e\n\x06leases\x18\n \x01(\r2\x87\x01\n\x05\x41\x64min\x12;\n\x06Replan\x12\x17.kvmap.v1.ReplanRequest\x1a\x18.kvmap.v1.ReplanResponse\x12\x41\n\x08GetStats\x12\x19.kvmap.v1.GetStatsRequest\x1a\x1a.kvmap.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,7 +43,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRANSFERCOUNTERS']._serialized_start=313
   _globals['_TRANSFERCOUNTERS']._serialized_end=484
   _globals['_GETSTATSRESPONSE']._serialized_start=487
-  _globals['_GETSTATSRESPONSE']._serialized_end=657
-  _globals['_ADMIN']._serialized_start=660
-  _globals['_ADMIN']._serialized_end=795
+  _globals['_GETSTATSRESPONSE']._serialized_end=779
+  _globals['_ADMIN']._serialized_start=782
+  _globals['_ADMIN']._serialized_end=917
 # @@protoc_insertion_point(module_scope)

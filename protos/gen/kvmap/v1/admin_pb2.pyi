@@ -154,9 +154,20 @@ class GetStatsResponse(_message.Message):
     REMOTE_AGENTS_FIELD_NUMBER: _builtins.int
     DAEMON_INSTANCE_FIELD_NUMBER: _builtins.int
     PLANNER_FIELD_NUMBER: _builtins.int
+    MAPPED_ALLOCATIONS_FIELD_NUMBER: _builtins.int
+    MAPPED_BYTES_FIELD_NUMBER: _builtins.int
+    NIXL_REGISTRATIONS_FIELD_NUMBER: _builtins.int
+    FD_HANDOFF_PENDING_FIELD_NUMBER: _builtins.int
+    LEASES_FIELD_NUMBER: _builtins.int
     workers: _builtins.int
     remote_agents: _builtins.int
     daemon_instance: _builtins.str
+    mapped_allocations: _builtins.int
+    """Resource accounting: what the daemon holds for its registered workers."""
+    mapped_bytes: _builtins.int
+    nixl_registrations: _builtins.int
+    fd_handoff_pending: _builtins.int
+    leases: _builtins.int
     @_builtins.property
     def transfers(self) -> Global___TransferCounters: ...
     @_builtins.property
@@ -169,10 +180,15 @@ class GetStatsResponse(_message.Message):
         remote_agents: _builtins.int = ...,
         daemon_instance: _builtins.str = ...,
         planner: _types_pb2.PlannerInfo | None = ...,
+        mapped_allocations: _builtins.int = ...,
+        mapped_bytes: _builtins.int = ...,
+        nixl_registrations: _builtins.int = ...,
+        fd_handoff_pending: _builtins.int = ...,
+        leases: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["planner", b"planner", "transfers", b"transfers"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["daemon_instance", b"daemon_instance", "planner", b"planner", "remote_agents", b"remote_agents", "transfers", b"transfers", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["daemon_instance", b"daemon_instance", "fd_handoff_pending", b"fd_handoff_pending", "leases", b"leases", "mapped_allocations", b"mapped_allocations", "mapped_bytes", b"mapped_bytes", "nixl_registrations", b"nixl_registrations", "planner", b"planner", "remote_agents", b"remote_agents", "transfers", b"transfers", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
