@@ -28,6 +28,16 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--fd-socket", dest="fd_socket", help="fd hand-off socket (default <socket>.fds)"
     )
     p.add_argument("--drain-seconds", dest="drain_seconds", type=float)
+    p.add_argument("--tls-cert", dest="tls_cert", help="PEM certificate for the TCP listener")
+    p.add_argument("--tls-key", dest="tls_key", help="PEM private key for the TCP listener")
+    p.add_argument(
+        "--tls-client-ca",
+        dest="tls_client_ca",
+        help="require client certificates signed by this CA",
+    )
+    p.add_argument(
+        "--peer-ca", dest="peer_ca", help="CA of peer daemons (default: --tls-client-ca)"
+    )
     p.add_argument("--ready-file", dest="ready_file", help="write a JSON line here once serving")
 
 

@@ -40,6 +40,14 @@ class DaemonConfig:
     # A worker restored from the state store whose client has not re-attached
     # by then is taken for dead and released.
     restore_attach_grace_s: float = 60.0
+    # TLS on the TCP listener (PEM files). With tls_client_ca, clients must
+    # present a certificate signed by it (mutual TLS). The same certificate
+    # and key are this daemon's client identity towards its peers, whose
+    # certificates are checked against peer_ca (default: tls_client_ca).
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    peer_ca: str = ""
     # The file this config came from (SIGHUP re-reads its planner).
     config_file: str = ""
 
@@ -57,6 +65,10 @@ class DaemonConfig:
         parse_host_port(self.listen, "listen")
         if self.metrics_listen:
             parse_host_port(self.metrics_listen, "metrics_listen")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key: give both or neither")
+        if (self.tls_client_ca or self.peer_ca) and not self.tls_cert:
+            raise ValueError("tls_client_ca/peer_ca need tls_cert and tls_key")
         if self.drain_seconds < 0 or self.transfer_timeout_s <= 0 or self.connect_timeout_s <= 0:
             raise ValueError(
                 "drain_seconds, transfer_timeout_s, connect_timeout_s must be positive"
@@ -85,3 +97,8 @@ def load_config(path: str | None, overrides: dict[str, Any]) -> DaemonConfig:
         values["config_file"] = path
     values.update({k: v for k, v in overrides.items() if v is not None and k in known})
     return replace(DaemonConfig(), **values).validated()
+
+
+def read_pem(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()

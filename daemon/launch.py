@@ -78,6 +78,8 @@ def start_daemon(
     sock = workdir / f"{name}.sock"
     ready = workdir / f"{name}.ready"
     log_path = workdir / f"{name}.log"
+    # A ready file left by a killed predecessor must not pass for this one's.
+    ready.unlink(missing_ok=True)
     args = [
         sys.executable,
         "-m",

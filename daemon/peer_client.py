@@ -9,6 +9,7 @@ import grpc
 from grpc import aio
 
 from kvmap.daemon import convert
+from kvmap.daemon.config import DaemonConfig, read_pem
 from kvmap.daemon.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -50,15 +51,21 @@ class PeerHandshake:
 class PeerClient:
     """One channel per remote target, reused across transfers."""
 
-    def __init__(self, connect_timeout_s: float) -> None:
+    def __init__(
+        self, connect_timeout_s: float, credentials: grpc.ChannelCredentials | None = None
+    ) -> None:
         self._timeout = connect_timeout_s
+        self._credentials = credentials
         self._channels: dict[str, aio.Channel] = {}
 
     def _stub(self, target: str) -> peer_pb2_grpc.PeerAsyncStub:
         channel = self._channels.get(target)
         if channel is None:
-            channel = aio.insecure_channel(
-                target, options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+            options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+            channel = (
+                aio.secure_channel(target, self._credentials, options=options)
+                if self._credentials is not None
+                else aio.insecure_channel(target, options=options)
             )
             self._channels[target] = channel
         return peer_pb2_grpc.PeerStub(channel)
@@ -99,3 +106,15 @@ class PeerClient:
         for channel in self._channels.values():
             await channel.close(grace=None)
         self._channels.clear()
+
+
+def peer_credentials(config: DaemonConfig) -> grpc.ChannelCredentials | None:
+    """mTLS towards peers when this daemon has a certificate."""
+    if not config.tls_cert:
+        return None
+    ca = config.peer_ca or config.tls_client_ca
+    return grpc.ssl_channel_credentials(
+        root_certificates=read_pem(ca) if ca else None,
+        private_key=read_pem(config.tls_key),
+        certificate_chain=read_pem(config.tls_cert),
+    )

@@ -11,6 +11,7 @@ import signal
 import uuid
 from pathlib import Path
 
+import grpc
 import structlog
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -18,7 +19,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from kvmap.daemon.app import DaemonApp
-from kvmap.daemon.config import DaemonConfig
+from kvmap.daemon.config import DaemonConfig, read_pem
 from kvmap.daemon.metrics import Metrics
 from kvmap.daemon.rpc import ErrorsAndContext
 from kvmap.daemon.services import (
@@ -79,7 +80,16 @@ class Daemon:
         add_tcp_services(self._tcp, self.app)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._tcp)
         reflection.enable_server_reflection(tcp_service_names(), self._tcp)
-        self.tcp_port = self._tcp.add_insecure_port(cfg.listen)
+        if cfg.tls_cert:
+            client_ca = read_pem(cfg.tls_client_ca) if cfg.tls_client_ca else None
+            creds = grpc.ssl_server_credentials(
+                [(read_pem(cfg.tls_key), read_pem(cfg.tls_cert))],
+                root_certificates=client_ca,
+                require_client_auth=client_ca is not None,
+            )
+            self.tcp_port = self._tcp.add_secure_port(cfg.listen, creds)
+        else:
+            self.tcp_port = self._tcp.add_insecure_port(cfg.listen)
 
         await self._unix.start()
         await self._tcp.start()
@@ -135,6 +145,9 @@ def write_ready_file(path: str, daemon: Daemon) -> None:
 
 
 async def serve(config: DaemonConfig, ready_file: str | None = None) -> int:
+    # Sockets are born owner/group-only (no window before the chmod below);
+    # "other" never gets access to anything the daemon creates.
+    os.umask(0o007)
     daemon = Daemon(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

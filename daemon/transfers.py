@@ -34,7 +34,7 @@ from kvmap.daemon.leases import notification
 from kvmap.daemon.metrics import Metrics
 from kvmap.daemon.nixl_agent import NixlAgent, XferOp, XferState
 from kvmap.daemon.nixl_thread import NixlRunner
-from kvmap.daemon.peer_client import PeerClient, PeerHandshake
+from kvmap.daemon.peer_client import PeerClient, PeerHandshake, peer_credentials
 from kvmap.daemon.progress import Progress
 from kvmap.daemon.transfer_pieces import LayerSelection, PieceTable, Side, build_piece_table
 from kvmap.daemon.transfer_plan import (
@@ -146,7 +146,7 @@ class TransferEngine:
         self._progress = progress
         self._metrics = metrics
         self._counters = counters
-        self.peers = PeerClient(config.connect_timeout_s)
+        self.peers = PeerClient(config.connect_timeout_s, peer_credentials(config))
         self._agents: dict[str, RemoteAgent] = {}
         self._handshakes: dict[tuple[str, WorkerKey], PeerHandshake] = {}
         self._prepared: dict[tuple[Any, ...], Prepared] = {}

@@ -13,7 +13,12 @@ _HIGHER_IS_BETTER = dict(RATIO_KEYS)
 # (result key, panel title, log scale, scale factor for display)
 PANELS: tuple[tuple[str, str, bool, float], ...] = (
     ("descriptors", "registered descriptors (full scale)", True, 1.0),
-    ("descriptors_per_transfer_scattered", "descriptors per 128K-token transfer (scattered)", True, 1.0),
+    (
+        "descriptors_per_transfer_scattered",
+        "descriptors per 128K-token transfer (scattered)",
+        True,
+        1.0,
+    ),
     ("post_seconds_scattered", "post ms, scattered 128K-token request", True, 1e3),
     ("post_seconds_contiguous", "post ms, contiguous 128K-token request", True, 1e3),
     ("ready_seconds", "ready ms (RegisterWorker, full scale)", False, 1e3),

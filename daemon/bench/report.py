@@ -44,7 +44,8 @@ ROWS = (
     Row("agent metadata bytes", "agent_metadata_bytes", _int),
     Row("region map bytes", "region_map_bytes", _int),
     Row("ready ms (RegisterWorker)", "ready_seconds", _ms),
-    Row("first contact ms", "first_contact_seconds", _ms),
+    Row("first contact ms (cold daemon pair)", "first_contact_seconds", _ms),
+    Row("first contact ms (new remote worker)", "first_contact_new_worker_seconds", _ms),
     Row("scattered: descriptors/transfer", "descriptors_per_transfer_scattered", _int),
     Row("scattered: post ms", "post_seconds_scattered", _ms),
     Row("scattered: completion ms", "completion_seconds_scattered", _ms),
@@ -66,7 +67,9 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
     out = []
     for r in [headers, *rows]:
-        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)]
+        cells = [r[0].ljust(widths[0])] + [
+            c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)
+        ]
         out.append("  " + "  ".join(cells).rstrip())
     return out
 
@@ -90,7 +93,8 @@ def render_profile(name: str, results: dict[str, Any], info: dict[str, Any]) -> 
         f"  scattered ids: consecutive neighbours {frag['ascending_pairs_local']:.1%} decode, "
         f"{frag['ascending_pairs_remote']:.1%} prefill, {frag['ascending_pairs_both']:.1%} both",
         f"  bandwidth: {'+'.join(str(n) for n in bw['blocks'])} scattered blocks at full page "
-        f"size ({_mb(bw['bytes'])}); times are medians of {results[planners[0]]['repeats']}",
+        f"size ({_mb(bw['bytes'])}); memcpy {info['memcpy_gbps']:.2f} GB/s; times are medians "
+        f"of {results[planners[0]]['repeats']}",
         "",
     ]
     headers = ["", *planners, *(f"{p} vs baseline" for p in others)]
@@ -128,7 +132,7 @@ def render(result: dict[str, Any]) -> str:
         f"kvmapd bench: {m['cpu']}, {m['cpus']} CPUs, {m['memory_bytes'] / 2**30:.0f} GiB; "
         f"{m['transport']}",
         f"memcpy {result['memcpy_gbps']:.2f} GB/s (single thread, {_mb(result['memcpy_bytes'])}, "
-        "median): the physical limit of a pull on this machine",
+        "median over the run): the physical limit of a pull on this machine",
         "",
     ]
     for name, results in result["profiles"].items():

@@ -314,7 +314,9 @@ class Pair:
         self.startup_seconds = time.perf_counter() - t0
         self._n = 0
 
-    def pull(self, name: str, req: Request) -> dict[str, Any]:
+    def pull(self, name: str, req: Request, remote: str = "") -> dict[str, Any]:
+        """Decode worker ``name`` pulls ``req`` from prefill worker ``remote``
+        (default: the prefill worker of the same name)."""
         self._n += 1
         return _call(
             self.dw,
@@ -323,8 +325,20 @@ class Pair:
                 "name": name,
                 "request_id": f"bench-{name}-{self._n}",
                 "remote_target": self.prefill.tcp_target,
-                "remote_engine_id": f"prefill-{name}",
+                "remote_engine_id": f"prefill-{remote or name}",
                 "groups": req.spec(),
+            },
+        )
+
+    def register(self, side: str, name: str, profile: str, divisor: int) -> dict[str, Any]:
+        return _call(
+            self.pw if side == "prefill" else self.dw,
+            {
+                "cmd": "register",
+                "name": name,
+                "engine_id": f"{side}-{name}",
+                "profile": profile,
+                "divisor": divisor,
             },
         )
 
@@ -368,7 +382,8 @@ def full_scale_descriptors(local: RegionMapModel, remote: RegionMapModel, req: R
     """Descriptors ``req`` takes between two full-scale maps (pure planning)."""
     table = build_piece_table(local, remote, [LayerSelection(g) for g in req.groups])
     pairs = [
-        GroupPairs(g, loc, rem) for g, loc, rem in zip(req.groups, req.local, req.remote, strict=True)
+        GroupPairs(g, loc, rem)
+        for g, loc, rem in zip(req.groups, req.local, req.remote, strict=True)
     ]
     return plan_transfer(table, pairs).descriptors
 
@@ -442,6 +457,24 @@ def plan_profile(profile: Profile, opts: Options) -> ProfilePlan:
 
 def measure(pp: ProfilePlan, planner_name: str, opts: Options) -> dict[str, Any]:
     """One profile under one planner, end to end, on fresh daemons."""
+    with tempfile.TemporaryDirectory(prefix="kvmap-bench-") as tmp:
+        try:
+            return _measure(pp, planner_name, opts, Path(tmp))
+        except (RuntimeError, TimeoutError, AssertionError, OSError) as err:
+            raise RuntimeError(
+                f"{pp.profile.name}/{planner_name}: {err}{_log_tails(Path(tmp))}"
+            ) from err
+
+
+def _log_tails(workdir: Path, n: int = 1500) -> str:
+    out = []
+    for log in sorted(workdir.glob("*/*.log")):
+        with contextlib.suppress(OSError):
+            out.append(f"\n--- {log.name} (last {n} chars) ---\n{log.read_text()[-n:]}")
+    return "".join(out)
+
+
+def _measure(pp: ProfilePlan, planner_name: str, opts: Options, workdir: Path) -> dict[str, Any]:
     profile = pp.profile
     say = opts.progress
     geometry = profile.geometry()
@@ -449,46 +482,58 @@ def measure(pp: ProfilePlan, planner_name: str, opts: Options) -> dict[str, Any]
     start = time.perf_counter()
     plan = planner.plan(geometry)
     plan_s = time.perf_counter() - start
-    with (
-        contextlib.ExitStack() as stack,
-        tempfile.TemporaryDirectory(prefix="kvmap-bench-") as tmp,
-    ):
-        pair = Pair(stack, Path(tmp), planner_name)
+    with contextlib.ExitStack() as stack:
+        pair = Pair(stack, workdir, planner_name)
         say(f"{profile.name}/{planner_name}: daemons and workers up in {pair.startup_seconds:.1f}s")
-        reg: dict[tuple[str, str], dict[str, Any]] = {}
-        for name, divisor in (("full", 1), ("req", pp.divisor)):
-            for side, w in (("prefill", pair.pw), ("decode", pair.dw)):
-                reg[(name, side)] = _call(
-                    w,
-                    {
-                        "cmd": "register",
-                        "name": name,
-                        "engine_id": f"{side}-{name}",
-                        "profile": profile.name,
-                        "divisor": divisor,
-                    },
-                )
-        full_map = _model(reg[("full", "prefill")]["region_map"])
+        # Prefill: the full-scale worker alone first, so that the agent
+        # metadata is one worker's; then the request worker; then one
+        # full-scale worker per timed registration ("ready" samples), each
+        # later the remote of one first contact.
+        full_p = pair.register("prefill", "full", profile.name, 1)
+        hs = agent_metadata(pair.prefill.tcp_target, "prefill-full")
+        pair.register("prefill", "req", profile.name, pp.divisor)
+        contacts = [f"c{i}" for i in range(max(2, opts.repeats))]
+        ready = [
+            float(pair.register("prefill", c, profile.name, 1)["ready_seconds"]) for c in contacts
+        ]
+        full_d = pair.register("decode", "full", profile.name, 1)
+        pair.register("decode", "req", profile.name, pp.divisor)
+        full_map = _model(full_p["region_map"])
         if full_map.descriptor_count != plan.descriptor_count:
             raise RuntimeError(
                 f"{profile.name}/{planner_name}: daemon registered {full_map.descriptor_count} "
                 f"descriptors, the planner alone plans {plan.descriptor_count}"
             )
-        hs = agent_metadata(pair.prefill.tcp_target, "prefill-full")
         rss_ready = {
             "prefill": daemon_rss(pair.prefill.proc.pid),
             "decode": daemon_rss(pair.decode.proc.pid),
         }
         _fill(pair.pw, "full", [pp.bandwidth, pp.first_contact])
         _fill(pair.pw, "req", [pp.scattered, pp.contiguous])
+        for c in contacts:
+            _fill(pair.pw, c, [pp.first_contact])
 
-        # First contact: the decode daemon's very first pull (handshake, load
-        # the remote agent, connect, prepare both lists) minus a warm one.
-        first = pair.pull("full", pp.first_contact)
-        warm = [pair.pull("full", pp.first_contact)["wall_seconds"]]
-        warm += [pair.pull("full", pp.first_contact)["wall_seconds"] for _ in range(2)]
-        first_contact_s = max(0.0, first["wall_seconds"] - _median(warm))
-        say(f"{profile.name}/{planner_name}: first contact {first_contact_s * 1e3:.1f} ms")
+        # First contact: a pull's wall time minus a warm pull's. The decode
+        # daemon's very first pull (cold: handshake, load the remote agent,
+        # connect UCX, build the piece table, prepare both lists) happens
+        # once per daemon pair; each further new remote worker repeats all
+        # of it but the agent load and the connection.
+        cold = pair.pull("full", pp.first_contact, remote=contacts[0])
+        warm = _median(
+            [
+                pair.pull("full", pp.first_contact, remote=contacts[0])["wall_seconds"]
+                for _ in range(FIRST_CONTACT_REPEATS)
+            ]
+        )
+        first_contact_s = max(0.0, cold["wall_seconds"] - warm)
+        new_worker = [
+            max(0.0, pair.pull("full", pp.first_contact, remote=c)["wall_seconds"] - warm)
+            for c in contacts[1:]
+        ]
+        say(
+            f"{profile.name}/{planner_name}: ready {_median(ready) * 1e3:.1f} ms, first contact "
+            f"{first_contact_s * 1e3:.1f} ms cold, {_median(new_worker) * 1e3:.1f} ms new worker"
+        )
 
         bw = pair.series("full", pp.bandwidth, opts.repeats)
         sc = pair.series("req", pp.scattered, opts.repeats)
@@ -501,13 +546,10 @@ def measure(pp: ProfilePlan, planner_name: str, opts: Options) -> dict[str, Any]
             "prefill": daemon_rss(pair.prefill.proc.pid),
             "decode": daemon_rss(pair.decode.proc.pid),
         }
-        notified = _notified(pair, ("full", "req"))
-        expected_full = full_scale_descriptors(
-            _model(reg[("full", "decode")]["region_map"]), full_map, pp.scattered
-        )
-        expected_contiguous = full_scale_descriptors(
-            _model(reg[("full", "decode")]["region_map"]), full_map, pp.contiguous
-        )
+        notified = _notified(pair, ("full", "req", *contacts))
+        local_map = _model(full_d["region_map"])
+        expected_full = full_scale_descriptors(local_map, full_map, pp.scattered)
+        expected_contiguous = full_scale_descriptors(local_map, full_map, pp.contiguous)
     series = {"bandwidth": bw, "scattered": sc, "contiguous": co}
     bad = sum(s.bad_blocks for s in series.values())
     return {
@@ -520,12 +562,12 @@ def measure(pp: ProfilePlan, planner_name: str, opts: Options) -> dict[str, Any]
         "nixl_registrations": len(full_map.allocations),
         "agent_metadata_bytes": len(hs.agent_metadata),
         "region_map_bytes": hs.region_map.ByteSize(),
-        "registration_request_bytes": int(reg[("full", "prefill")]["request_bytes"]),
+        "registration_request_bytes": int(full_p["request_bytes"]),
         "plan_seconds": plan_s,
-        "ready_seconds": float(reg[("full", "prefill")]["ready_seconds"]),
-        "ready_seconds_decode": float(reg[("full", "decode")]["ready_seconds"]),
+        "ready_seconds": _median(ready),
         "first_contact_seconds": first_contact_s,
-        "first_contact_handshaked": bool(first["stats"]["handshaked"]),
+        "first_contact_new_worker_seconds": _median(new_worker),
+        "first_contact_handshaked": bool(cold["stats"]["handshaked"]),
         "descriptors_per_transfer_scattered": sc.descriptors,
         "descriptors_per_transfer_scattered_full_scale": expected_full,
         "post_seconds_scattered": _median(sc.post),
@@ -551,8 +593,12 @@ def measure(pp: ProfilePlan, planner_name: str, opts: Options) -> dict[str, Any]
         "owner_notified": notified,
         "repeats": opts.repeats,
         "samples": {
-            kind: {"post_seconds": s.post, "completion_seconds": s.completion, "wall": s.wall}
-            for kind, s in series.items()
+            "ready_seconds": ready,
+            "first_contact_new_worker_seconds": new_worker,
+            **{
+                kind: {"post_seconds": s.post, "completion_seconds": s.completion, "wall": s.wall}
+                for kind, s in series.items()
+            },
         },
     }
 
@@ -578,6 +624,7 @@ RATIO_KEYS: tuple[tuple[str, bool], ...] = (
     ("region_map_bytes", False),
     ("ready_seconds", False),
     ("first_contact_seconds", False),
+    ("first_contact_new_worker_seconds", False),
     ("descriptors_per_transfer_scattered", False),
     ("post_seconds_scattered", False),
     ("completion_seconds_scattered", False),
@@ -649,18 +696,24 @@ def run_bench(opts: Options) -> dict[str, Any]:
     out: dict[str, Any] = {
         "schema": SCHEMA,
         "machine": machine(),
-        "memcpy_gbps": memcpy_gbps(opts.memcpy_bytes),
+        "memcpy_gbps": 0.0,
         "memcpy_bytes": opts.memcpy_bytes,
         "repeats": opts.repeats,
         "profiles": {},
         "profile_info": {},
     }
-    opts.progress(f"memcpy {out['memcpy_gbps']:.2f} GB/s")
+    # memcpy is measured next to every profile's pulls, so that a busy
+    # neighbour slows both alike; the headline figure is their median.
+    memcpy: list[float] = []
     for profile in profiles:
+        memcpy.append(memcpy_gbps(opts.memcpy_bytes))
+        opts.progress(f"{profile.name}: memcpy {memcpy[-1]:.2f} GB/s")
         pp = plan_profile(profile, opts)
+        pp.info["memcpy_gbps"] = memcpy[-1]
         results = {name: measure(pp, name, opts) for name in opts.planners}
         add_ratios(results)
         out["profiles"][profile.name] = results
         out["profile_info"][profile.name] = pp.info
+    out["memcpy_gbps"] = _median(memcpy)
     out["seconds"] = time.perf_counter() - started
     return out

@@ -31,7 +31,7 @@ import numpy.typing as npt
 from numpy.lib.stride_tricks import as_strided
 
 from kvmap.client.client import KvmapClient
-from kvmap.client.errors import KvmapClientError
+from kvmap.client.errors import KvmapClientError, Unavailable
 from kvmap.daemon.bench.profiles import WORD, get_profile
 from kvmap.daemon.geometry import ViewSpec, WorkerGeometry
 from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
@@ -41,6 +41,7 @@ Words = npt.NDArray[np.uint32]
 # Spreads view indices over the word space so two layers never share a pattern.
 _VIEW_SALT = 2654435761
 _BLOCK_SALT = 65537
+REGISTER_ATTEMPTS = 3
 
 
 def pattern(view_index: int, blocks: npt.NDArray[np.int64], words: int) -> Words:
@@ -132,9 +133,7 @@ class BenchWorker:
                     block_stride_bytes=v.block_stride_bytes,
                     num_blocks=v.num_blocks,
                 )
-            start = time.perf_counter()
-            region_map = self.client.register(req, fds)
-            ready_s = time.perf_counter() - start
+            region_map, ready_s = self._register(req, fds)
         finally:
             for fd in fds:
                 os.close(fd)  # the daemon holds its own duplicates now
@@ -148,6 +147,23 @@ class BenchWorker:
             "request_bytes": req.ByteSize(),
             "region_map": base64.b64encode(raw).decode(),
         }
+
+    def _register(
+        self, req: registry_pb2.RegisterWorkerRequest, fds: list[int]
+    ) -> tuple[types_pb2.RegionMap, float]:
+        """Register, timing the attempt that succeeds: on a busy machine the
+        first connection to a just-started daemon can time out."""
+        for attempt in range(REGISTER_ATTEMPTS):
+            start = time.perf_counter()
+            try:
+                region_map = self.client.register(req, fds)
+            except Unavailable:
+                if attempt == REGISTER_ATTEMPTS - 1:
+                    raise
+                time.sleep(0.5 * (attempt + 1))
+                continue
+            return region_map, time.perf_counter() - start
+        raise AssertionError("unreachable")
 
     def _attach(self, reg: Registered) -> None:
         stream = self.client.attach(reg.worker)

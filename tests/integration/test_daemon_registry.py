@@ -4,6 +4,8 @@ BLHNC KV cache over the Unix socket, and the real grpcurl binary over TCP."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import time
 from collections.abc import Iterator
@@ -194,3 +196,8 @@ def test_killed_worker_is_deregistered(daemon: DaemonProc, worker: WorkerProc) -
                 break
             assert time.monotonic() < deadline, "worker still registered 10 s after kill -9"
             time.sleep(0.05)
+
+
+def test_unix_sockets_are_owner_and_group_only(daemon: DaemonProc) -> None:
+    for path in (daemon.socket, daemon.socket + ".fds"):
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o660, path
