@@ -13,12 +13,12 @@ from typing import Any
 
 import structlog
 
-from kvmap.daemon import memory
+from kvmap.daemon import convert, memory
 from kvmap.daemon import planner as planners
 from kvmap.daemon.config import DaemonConfig, load_config
 from kvmap.daemon.errors import NotFound, Unavailable
 from kvmap.daemon.fd_handoff import FdHandoffServer
-from kvmap.daemon.geometry import PlannerInfo, WorkerKey
+from kvmap.daemon.geometry import WorkerKey
 from kvmap.daemon.leases import LeaseTable, token_of
 from kvmap.daemon.metrics import Metrics
 from kvmap.daemon.nixl_agent import NixlAgent
@@ -28,7 +28,7 @@ from kvmap.daemon.registration import Registrar
 from kvmap.daemon.state_store import StateStore
 from kvmap.daemon.transfers import TransferEngine
 from kvmap.daemon.workers import WorkerRecord, WorkerTable
-from kvmap.v1 import admin_pb2, registry_pb2, types_pb2
+from kvmap.v1 import admin_pb2, registry_pb2
 
 log = structlog.get_logger("kvmapd")
 
@@ -234,7 +234,7 @@ class DaemonApp:
             workers=len(self.table),
             remote_agents=self.engine.remote_agent_count,
             daemon_instance=self.instance,
-            planner=_planner_pb(self.planner.info),
+            planner=convert.planner_info_to_proto(self.planner.info),
             mapped_allocations=memory.live_mappings(),
             mapped_bytes=sum(r.memory.size_bytes for r in self.table.records()),
             nixl_registrations=len(self.agent.registrations),
@@ -258,7 +258,7 @@ class DaemonApp:
             registry_pb2.AttachResponse(
                 region_map_changed=registry_pb2.RegionMapChangedEvent(
                     generation=record.generation,
-                    planner=_planner_pb(planner),
+                    planner=convert.planner_info_to_proto(planner),
                 )
             ),
         )
@@ -289,7 +289,3 @@ class DaemonApp:
         self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("background_task_failed", error=str(task.exception()))
-
-
-def _planner_pb(info: PlannerInfo) -> types_pb2.PlannerInfo:
-    return types_pb2.PlannerInfo(name=info.name, version=info.version)

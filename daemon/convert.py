@@ -99,6 +99,13 @@ def worker_key_from_proto(msg: types_pb2.WorkerId) -> WorkerKey:
     return WorkerKey(msg.engine_id, msg.dp_rank, msg.tp_rank, msg.pp_rank)
 
 
+def requested_worker(msg: types_pb2.WorkerId, field: str) -> WorkerKey:
+    """The worker a request names; ``field`` is its path for the error."""
+    if not msg.engine_id:
+        raise InvalidArgument(f"{field}.engine_id", "must not be empty")
+    return worker_key_from_proto(msg)
+
+
 def worker_id_to_proto(key: WorkerKey) -> types_pb2.WorkerId:
     return types_pb2.WorkerId(
         engine_id=key.engine_id, dp_rank=key.dp_rank, tp_rank=key.tp_rank, pp_rank=key.pp_rank

@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection
 from kvmap.daemon import convert
 from kvmap.daemon import planner as planners
 from kvmap.daemon.app import DaemonApp
-from kvmap.daemon.errors import FailedPrecondition, InvalidArgument, Unavailable
+from kvmap.daemon.errors import FailedPrecondition, Unavailable
 from kvmap.daemon.geometry import WorkerKey
 from kvmap.daemon.leases import DEFAULT_LEASE_S
 from kvmap.v1 import (
@@ -35,13 +35,7 @@ Ctx = aio.ServicerContext[Any, Any]
 
 
 def worker_key(msg: types_pb2.WorkerId, field: str = "worker") -> WorkerKey:
-    if not msg.engine_id:
-        raise InvalidArgument(f"{field}.engine_id", "must not be empty")
-    return WorkerKey(msg.engine_id, msg.dp_rank, msg.tp_rank, msg.pp_rank)
-
-
-def planner_pb(info: Any) -> types_pb2.PlannerInfo:
-    return types_pb2.PlannerInfo(name=info.name, version=info.version)
+    return convert.requested_worker(msg, field)
 
 
 class RegistryService(registry_pb2_grpc.RegistryServicer):
@@ -109,20 +103,15 @@ class RegionMapsService(region_maps_pb2_grpc.RegionMapsServicer):
         self, request: region_maps_pb2.ListWorkersRequest, context: Ctx
     ) -> region_maps_pb2.ListWorkersResponse:
         resp = region_maps_pb2.ListWorkersResponse(
-            daemon_instance=self.app.instance, planner=planner_pb(self.app.planner.info)
+            daemon_instance=self.app.instance,
+            planner=convert.planner_info_to_proto(self.app.planner.info),
         )
         for record in self.app.table.records():
             m = record.model
-            key = record.key
             resp.workers.add(
-                worker=types_pb2.WorkerId(
-                    engine_id=key.engine_id,
-                    dp_rank=key.dp_rank,
-                    tp_rank=key.tp_rank,
-                    pp_rank=key.pp_rank,
-                ),
+                worker=convert.worker_id_to_proto(record.key),
                 generation=m.generation,
-                planner=planner_pb(m.planner),
+                planner=convert.planner_info_to_proto(m.planner),
                 region_count=len(m.regions),
                 view_count=m.view_count,
                 descriptor_count=m.descriptor_count,
@@ -157,13 +146,12 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         self, request: admin_pb2.ReplanRequest, context: Ctx
     ) -> admin_pb2.ReplanResponse:
         records = await self.app.replan(request.planner)
-        resp = admin_pb2.ReplanResponse(planner=planner_pb(self.app.planner.info))
+        resp = admin_pb2.ReplanResponse(
+            planner=convert.planner_info_to_proto(self.app.planner.info)
+        )
         for record in records:
-            k = record.key
             resp.workers.add(
-                worker=types_pb2.WorkerId(
-                    engine_id=k.engine_id, dp_rank=k.dp_rank, tp_rank=k.tp_rank, pp_rank=k.pp_rank
-                ),
+                worker=convert.worker_id_to_proto(record.key),
                 generation=record.generation,
                 descriptor_count=record.model.descriptor_count,
             )

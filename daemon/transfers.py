@@ -21,7 +21,7 @@ from typing import Any
 import structlog
 
 from kvmap.daemon.config import DaemonConfig
-from kvmap.daemon.convert import worker_id_to_proto
+from kvmap.daemon.convert import requested_worker, worker_id_to_proto
 from kvmap.daemon.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -45,15 +45,9 @@ from kvmap.daemon.transfer_plan import (
     run_dlist_rows,
 )
 from kvmap.daemon.workers import WorkerRecord, WorkerTable
-from kvmap.v1 import admin_pb2, peer_pb2, transfers_pb2, types_pb2
+from kvmap.v1 import admin_pb2, peer_pb2, transfers_pb2
 
 log = structlog.get_logger("kvmapd.transfers")
-
-
-def worker_key(msg: types_pb2.WorkerId, field: str) -> WorkerKey:
-    if not msg.engine_id:
-        raise InvalidArgument(f"{field}.engine_id", "must not be empty")
-    return WorkerKey(msg.engine_id, msg.dp_rank, msg.tp_rank, msg.pp_rank)
 
 
 @dataclass
@@ -102,9 +96,9 @@ class Request:
             raise InvalidArgument("spec.groups", "at least one transfer group is required")
         return cls(
             request_id=spec.request_id[:256],
-            local=worker_key(spec.local_worker, "spec.local_worker"),
+            local=requested_worker(spec.local_worker, "spec.local_worker"),
             target=spec.remote_target,
-            remote=worker_key(spec.remote_worker, "spec.remote_worker"),
+            remote=requested_worker(spec.remote_worker, "spec.remote_worker"),
             selections=tuple(
                 LayerSelection(g.transfer_group, tuple(g.layer_names)) for g in spec.groups
             ),
