@@ -6,19 +6,39 @@ daemons and real NIXL agents on this machine.
 
 Modules: ``profiles`` (the geometries, with their sources), ``blockpool``
 (request block ids and the fragmentation model), ``worker`` (the stand-in
-vLLM worker process), ``runner`` (the measurement), ``report`` (tables) and
-``plot`` (matplotlib). See docs/benchmarks.md.
+vLLM worker process), ``contact`` (first-contact steps, timed one by one),
+``runner`` (the measurement), ``report`` (tables) and ``plot`` (matplotlib).
+See docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
 
 from kvmap.daemon.bench.profiles import DEFAULT_PROFILES, PROFILES
 
 MIB = 1024 * 1024
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM behaves like Ctrl-C, so the runner stops every daemon and
+    worker process it started either way."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -80,10 +100,14 @@ def run(args: argparse.Namespace) -> int:
         progress=progress,
     )
     try:
-        result = runner.run_bench(opts)
+        with _sigterm_raises():
+            result = runner.run_bench(opts)
     except (ValueError, RuntimeError, TimeoutError, AssertionError) as err:
         print(f"kvmapd bench: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("kvmapd bench: interrupted; every process it started was stopped", file=sys.stderr)
+        return 130
     if args.plot:
         from kvmap.daemon.bench import plot  # noqa: PLC0415
 

@@ -18,6 +18,7 @@ modelled.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections import deque
@@ -98,7 +99,7 @@ def ascending_pairs(ids: list[int]) -> float:
     """Share of neighbours (i, i+1) in ``ids`` whose ids are consecutive."""
     if len(ids) < 2:
         return 0.0
-    return sum(b == a + 1 for a, b in zip(ids, ids[1:], strict=False)) / (len(ids) - 1)
+    return sum(b == a + 1 for a, b in itertools.pairwise(ids)) / (len(ids) - 1)
 
 
 def joint_ascending_pairs(local: list[int], remote: list[int]) -> float:

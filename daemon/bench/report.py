@@ -44,8 +44,8 @@ ROWS = (
     Row("agent metadata bytes", "agent_metadata_bytes", _int),
     Row("region map bytes", "region_map_bytes", _int),
     Row("ready ms (RegisterWorker)", "ready_seconds", _ms),
-    Row("first contact ms (cold daemon pair)", "first_contact_seconds", _ms),
-    Row("first contact ms (new remote worker)", "first_contact_new_worker_seconds", _ms),
+    Row("first contact ms (cold, end to end)", "first_contact_seconds", _ms),
+    Row("first contact ms (steps, median)", "first_contact_steps_seconds", _ms),
     Row("scattered: descriptors/transfer", "descriptors_per_transfer_scattered", _int),
     Row("scattered: post ms", "post_seconds_scattered", _ms),
     Row("scattered: completion ms", "completion_seconds_scattered", _ms),
@@ -104,7 +104,9 @@ def render_profile(name: str, results: dict[str, Any], info: dict[str, Any]) -> 
         cells += [_gain(results["baseline"], results[p], row.key) for p in others]
         rows.append(cells)
     rss = [
-        f"{r['daemon_rss_bytes']['prefill'] / 1e6:,.0f} / {r['daemon_rss_bytes']['decode'] / 1e6:,.0f}"
+        "{prefill:,.0f} / {decode:,.0f}".format(
+            **{side: n / 1e6 for side, n in r["daemon_rss_bytes"].items()}
+        )
         for r in results.values()
     ]
     rows.append(["daemon RSS MB (prefill / decode)", *rss, *([""] * len(others))])

@@ -9,8 +9,9 @@ What is measured where (``docs/benchmarks.md`` has the long version):
   but the blocks a pull moves): regions, registered descriptors, NIXL
   registrations, agent metadata and region-map bytes, ready time
   (RegisterWorker round trip: fd hand-off, import, validate, plan, NIXL
-  register, prepare the local list), first-contact cost, pull bandwidth at
-  full page size, daemon resident memory.
+  register, prepare the local list), first-contact cost (end to end through
+  the daemons, and step by step in ``contact``), pull bandwidth at full page
+  size, daemon resident memory.
 - ``req`` worker, the same geometry with every page divided by a stated
   power of two so that a 128K-token request fits in memory: layers, blocks
   and block ids are untouched, so descriptors per transfer are exactly the
@@ -64,7 +65,6 @@ REQUIRED_KEYS = (
     "pull_gbps",
 )
 WORKER_TIMEOUT_S = 180.0
-FIRST_CONTACT_REPEATS = 3
 PREFILL_SEED, DECODE_SEED = 1, 2
 
 Ids = list[list[int]]  # block ids per request group
@@ -80,6 +80,7 @@ class Options:
     # Bytes per side of the full-page-size bandwidth request.
     bandwidth_budget: int = 256 * MIB
     memcpy_bytes: int = 256 * MIB
+    contact_repeats: int = 20
     progress: Callable[[str], None] = field(default=lambda line: None)
 
 
@@ -103,10 +104,6 @@ class Request:
     def head(self, k: int) -> Request:
         """The first ``k`` blocks of every group."""
         return Request(self.groups, [ids[:k] for ids in self.local], [r[:k] for r in self.remote])
-
-    @property
-    def blocks(self) -> int:
-        return sum(len(ids) for ids in self.local)
 
 
 def _request_ids(profile: Profile, draw: Callable[[list[int]], Ids]) -> Ids:
@@ -168,18 +165,27 @@ def bandwidth_blocks(geometry: WorkerGeometry, req: Request, budget: int) -> int
 # Processes -------------------------------------------------------------------
 
 
-def _start_daemons(workdir: Path, planner: str) -> tuple[DaemonProc, DaemonProc]:
-    """Start the prefill and decode daemons side by side."""
-    out: dict[str, DaemonProc] = {}
+def _start_daemons(workdir: Path, planners_: list[str]) -> dict[str, tuple[DaemonProc, DaemonProc]]:
+    """Start a prefill and a decode daemon per planner, all at once."""
+    out: dict[tuple[str, str], DaemonProc] = {}
     errors: list[BaseException] = []
+    lock = threading.Lock()
 
-    def start(name: str) -> None:
+    def start(planner: str, side: str) -> None:
         try:
-            out[name] = start_daemon(workdir / name, "--planner", planner, name=name)
+            d = start_daemon(workdir / planner / side, "--planner", planner, name=side)
         except BaseException as err:
-            errors.append(err)
+            with lock:
+                errors.append(err)
+            return
+        with lock:
+            out[(planner, side)] = d
 
-    threads = [threading.Thread(target=start, args=(n,)) for n in ("prefill", "decode")]
+    threads = [
+        threading.Thread(target=start, args=(p, side))
+        for p in planners_
+        for side in ("prefill", "decode")
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -188,7 +194,7 @@ def _start_daemons(workdir: Path, planner: str) -> tuple[DaemonProc, DaemonProc]
         for d in out.values():
             d.kill()
         raise errors[0]
-    return out["prefill"], out["decode"]
+    return {p: (out[(p, "prefill")], out[(p, "decode")]) for p in planners_}
 
 
 def _start_worker(daemon: DaemonProc, side: str) -> WorkerProc:
@@ -253,6 +259,92 @@ def agent_metadata(target: str, engine_id: str) -> peer_pb2.GetAgentMetadataResp
     return resp
 
 
+class Pair:
+    """A planner's two daemons (prefill, decode) and a bench worker next to
+    each. The decode worker pulls; the prefill worker owns the source."""
+
+    def __init__(
+        self, stack: contextlib.ExitStack, planner: str, daemons: tuple[DaemonProc, DaemonProc]
+    ) -> None:
+        self.planner = planner
+        self.prefill, self.decode = daemons
+        stack.callback(_stop_daemon, self.prefill)
+        stack.callback(_stop_daemon, self.decode)
+        self.pw = _start_worker(self.prefill, "prefill")
+        stack.callback(self.pw.stop)
+        self.dw = _start_worker(self.decode, "decode")
+        stack.callback(self.dw.stop)
+        self.pulls = 0
+
+    def register(self, side: str, name: str, profile: str, divisor: int) -> dict[str, Any]:
+        """Register worker ``<side>-<name>`` with the profile's geometry."""
+        return _call(
+            self.pw if side == "prefill" else self.dw,
+            {
+                "cmd": "register",
+                "name": name,
+                "engine_id": f"{side}-{name}",
+                "profile": profile,
+                "divisor": divisor,
+            },
+        )
+
+    def pull(self, name: str, req: Request, remote: str = "") -> dict[str, Any]:
+        """Decode worker ``name`` pulls ``req`` from prefill worker ``remote``
+        (default: the prefill worker of the same name)."""
+        self.pulls += 1
+        return _call(
+            self.dw,
+            {
+                "cmd": "pull",
+                "name": name,
+                "request_id": f"bench-{name}-{self.pulls}",
+                "remote_target": self.prefill.tcp_target,
+                "remote_engine_id": f"prefill-{remote or name}",
+                "groups": req.spec(),
+            },
+        )
+
+    def fill(self, name: str, req: Request) -> None:
+        """Write the pattern into the source blocks of ``req``."""
+        groups = [
+            {"group": g, "blocks": ids} for g, ids in zip(req.groups, req.remote, strict=True)
+        ]
+        _call(self.pw, {"cmd": "fill", "name": name, "groups": groups})
+
+    def zero(self, name: str, req: Request) -> None:
+        _call(self.dw, {"cmd": "zero", "name": name, "groups": req.spec()})
+
+    def verify(self, name: str, req: Request) -> tuple[int, int]:
+        """(bytes checked, blocks that differ) of ``req``'s destination."""
+        out = _call(self.dw, {"cmd": "verify", "name": name, "groups": req.spec()})
+        return int(out["bytes"]), int(out["bad_blocks"])
+
+    def contact(self, profile: str, repeats: int) -> dict[str, Any]:
+        """First-contact steps timed in the decode worker (bench.contact)."""
+        return _call(
+            self.dw,
+            {
+                "cmd": "contact",
+                "remote_target": self.prefill.tcp_target,
+                "remote_engine_id": "prefill-full",
+                "profile": profile,
+                "planner": self.planner,
+                "repeats": repeats,
+            },
+        )
+
+    def rss(self) -> dict[str, int]:
+        return {
+            "prefill": daemon_rss(self.prefill.proc.pid),
+            "decode": daemon_rss(self.decode.proc.pid),
+        }
+
+    def notified(self) -> int:
+        """Transfers the prefill worker was told of (TransferFinished events)."""
+        return int(_call(self.pw, {"cmd": "events"})["finished"])
+
+
 # Measurement -----------------------------------------------------------------
 
 
@@ -272,6 +364,16 @@ def memcpy_gbps(nbytes: int, rounds: int = 5) -> float:
 
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
+
+
+def _order(pairs: list[Pair], i: int) -> list[Pair]:
+    """The pairs in round ``i``: reversed every other round (ABBA), so that a
+    change in machine load while the bench runs hits every planner alike."""
+    return pairs if i % 2 == 0 else pairs[::-1]
+
+
+def _rounds(pairs: list[Pair], n: int) -> list[Pair]:
+    return [pair for i in range(n) for pair in _order(pairs, i)]
 
 
 @dataclass
@@ -298,80 +400,26 @@ class PullSeries:
     def transfer(self) -> list[float]:
         return [p + c for p, c in zip(self.post, self.completion, strict=True)]
 
-
-class Pair:
-    """Two daemons and their bench workers, for one profile and planner."""
-
-    def __init__(self, stack: contextlib.ExitStack, workdir: Path, planner: str) -> None:
-        t0 = time.perf_counter()
-        self.prefill, self.decode = _start_daemons(workdir, planner)
-        stack.callback(_stop_daemon, self.prefill)
-        stack.callback(_stop_daemon, self.decode)
-        self.pw = _start_worker(self.prefill, "prefill")
-        stack.callback(self.pw.stop)
-        self.dw = _start_worker(self.decode, "decode")
-        stack.callback(self.dw.stop)
-        self.startup_seconds = time.perf_counter() - t0
-        self._n = 0
-
-    def pull(self, name: str, req: Request, remote: str = "") -> dict[str, Any]:
-        """Decode worker ``name`` pulls ``req`` from prefill worker ``remote``
-        (default: the prefill worker of the same name)."""
-        self._n += 1
-        return _call(
-            self.dw,
-            {
-                "cmd": "pull",
-                "name": name,
-                "request_id": f"bench-{name}-{self._n}",
-                "remote_target": self.prefill.tcp_target,
-                "remote_engine_id": f"prefill-{remote or name}",
-                "groups": req.spec(),
-            },
-        )
-
-    def register(self, side: str, name: str, profile: str, divisor: int) -> dict[str, Any]:
-        return _call(
-            self.pw if side == "prefill" else self.dw,
-            {
-                "cmd": "register",
-                "name": name,
-                "engine_id": f"{side}-{name}",
-                "profile": profile,
-                "divisor": divisor,
-            },
-        )
-
-    def series(self, name: str, req: Request, repeats: int) -> PullSeries:
-        """Warm up once, clear the destination, pull ``repeats`` times, verify
-        every byte (only the timed pulls can have written them)."""
-        s = PullSeries()
-        self.pull(name, req)
-        _call(self.dw, {"cmd": "zero", "name": name, "groups": req.spec()})
-        for _ in range(repeats):
-            s.add(self.pull(name, req))
-        v = _call(self.dw, {"cmd": "verify", "name": name, "groups": req.spec()})
-        s.verified_bytes, s.bad_blocks = int(v["bytes"]), int(v["bad_blocks"])
-        return s
-
-    @property
-    def pulls(self) -> int:
-        return self._n
+    def samples(self) -> dict[str, list[float]]:
+        return {"post_seconds": self.post, "completion_seconds": self.completion, "wall": self.wall}
 
 
-def _fill(w: WorkerProc, name: str, reqs: list[Request]) -> None:
-    groups: dict[int, set[int]] = {}
-    for r in reqs:
-        for g, ids in zip(r.groups, r.remote, strict=True):
-            groups.setdefault(g, set()).update(ids)
-    _call(
-        w,
-        {
-            "cmd": "fill",
-            "name": name,
-            "groups": [{"group": g, "blocks": sorted(ids)} for g, ids in groups.items()],
-        },
-    )
+@dataclass
+class PlannerRun:
+    """What one planner's pair measured in one profile."""
+
+    pair: Pair
+    full_prefill: dict[str, Any] = field(default_factory=dict)
+    full_decode: dict[str, Any] = field(default_factory=dict)
+    metadata: peer_pb2.GetAgentMetadataResponse | None = None
+    ready: list[float] = field(default_factory=list)
+    cold_contact: float = 0.0
+    contact_steps: dict[str, Any] = field(default_factory=dict)
+    handshaked: bool = False
+    series: dict[str, PullSeries] = field(default_factory=dict)
+    rss_ready: dict[str, int] = field(default_factory=dict)
+    rss: dict[str, int] = field(default_factory=dict)
+    notified: int = 0
 
 
 def _model(b64: str) -> RegionMapModel:
@@ -455,127 +503,157 @@ def plan_profile(profile: Profile, opts: Options) -> ProfilePlan:
     )
 
 
-def measure(pp: ProfilePlan, planner_name: str, opts: Options) -> dict[str, Any]:
-    """One profile under one planner, end to end, on fresh daemons."""
+def measure_profile(pp: ProfilePlan, opts: Options) -> dict[str, dict[str, Any]]:
+    """One profile under every planner, on fresh daemons."""
     with tempfile.TemporaryDirectory(prefix="kvmap-bench-") as tmp:
         try:
-            return _measure(pp, planner_name, opts, Path(tmp))
+            return _measure(pp, opts, Path(tmp))
         except (RuntimeError, TimeoutError, AssertionError, OSError) as err:
-            raise RuntimeError(
-                f"{pp.profile.name}/{planner_name}: {err}{_log_tails(Path(tmp))}"
-            ) from err
+            raise RuntimeError(f"{pp.profile.name}: {err}{_log_tails(Path(tmp))}") from err
 
 
 def _log_tails(workdir: Path, n: int = 1500) -> str:
     out = []
-    for log in sorted(workdir.glob("*/*.log")):
+    for log in sorted(workdir.glob("*/*/*.log")):
         with contextlib.suppress(OSError):
-            out.append(f"\n--- {log.name} (last {n} chars) ---\n{log.read_text()[-n:]}")
+            out.append(f"\n--- {log.parent.parent.name}/{log.name} (last {n} chars) ---\n")
+            out.append(log.read_text(errors="replace")[-n:])
     return "".join(out)
 
 
-def _measure(pp: ProfilePlan, planner_name: str, opts: Options, workdir: Path) -> dict[str, Any]:
-    profile = pp.profile
-    say = opts.progress
-    geometry = profile.geometry()
-    planner = planners.get_planner(planner_name)
+def _measure(pp: ProfilePlan, opts: Options, workdir: Path) -> dict[str, dict[str, Any]]:
+    profile, say = pp.profile, opts.progress
+    # Extra full-scale prefill workers whose registrations are the timed
+    # "ready" samples; the first is also the remote of the cold first contact.
+    fresh = [f"ready{i}" for i in range(opts.repeats)]
+    with contextlib.ExitStack() as stack:
+        t0 = time.perf_counter()
+        daemons = _start_daemons(workdir, opts.planners)
+        pairs = [Pair(stack, p, daemons[p]) for p in opts.planners]
+        say(f"{profile.name}: {2 * len(pairs)} daemons and workers up in "
+            f"{time.perf_counter() - t0:.1f}s")  # fmt: skip
+        runs = {pair.planner: PlannerRun(pair) for pair in pairs}
+
+        # Registration. Prefill: the full-scale worker alone first (so the
+        # agent metadata is one worker's), then the request worker.
+        for run in runs.values():
+            run.full_prefill = run.pair.register("prefill", "full", profile.name, 1)
+            run.metadata = agent_metadata(run.pair.prefill.tcp_target, "prefill-full")
+            run.pair.register("prefill", "req", profile.name, pp.divisor)
+            run.full_decode = run.pair.register("decode", "full", profile.name, 1)
+            run.pair.register("decode", "req", profile.name, pp.divisor)
+        for i, name in enumerate(fresh):
+            for pair in _order(pairs, i):
+                out = pair.register("prefill", name, profile.name, 1)
+                runs[pair.planner].ready.append(float(out["ready_seconds"]))
+        for pair in pairs:
+            pair.fill(fresh[0], pp.first_contact)
+        for run in runs.values():
+            run.rss_ready = run.pair.rss()
+
+        # First contact, end to end: the decode daemon's very first pull
+        # (handshake, load the remote agent, connect UCX, build the piece
+        # table, prepare both lists) minus the next identical one. Then the
+        # same steps one by one, repeated, from the decode worker's process.
+        for pair in pairs:
+            first = pair.pull("full", pp.first_contact, remote=fresh[0])
+            again = pair.pull("full", pp.first_contact, remote=fresh[0])
+            run = runs[pair.planner]
+            run.cold_contact = first["wall_seconds"] - again["wall_seconds"]
+            run.handshaked = bool(first["stats"]["handshaked"])
+        for pair in pairs:
+            runs[pair.planner].contact_steps = pair.contact(profile.name, opts.contact_repeats)
+        say(f"{profile.name}: first contact " + ", ".join(
+            f"{p} {r.cold_contact * 1e3:.1f} ms cold, "
+            f"{r.contact_steps['total_seconds'] * 1e3:.2f} ms in steps" for p, r in runs.items()
+        ))  # fmt: skip
+
+        # Timed pulls, planners interleaved ABBA. Each series: write the
+        # source, warm up once, clear the destination, pull, verify every
+        # byte (only the timed pulls can have written it).
+        for kind, name, req in (
+            ("bandwidth", "full", pp.bandwidth),
+            ("scattered", "req", pp.scattered),
+            ("contiguous", "req", pp.contiguous),
+        ):
+            for pair in pairs:
+                pair.fill(name, req)
+                pair.pull(name, req)
+                pair.zero(name, req)
+                runs[pair.planner].series[kind] = PullSeries()
+            for pair in _rounds(pairs, opts.repeats):
+                runs[pair.planner].series[kind].add(pair.pull(name, req))
+            for pair in pairs:
+                s = runs[pair.planner].series[kind]
+                s.verified_bytes, s.bad_blocks = pair.verify(name, req)
+            say(f"{profile.name}: {kind} " + ", ".join(
+                f"{p} {r.series[kind].descriptors:,} descriptors post "
+                f"{_median(r.series[kind].post) * 1e3:.1f} ms" for p, r in runs.items()
+            ))  # fmt: skip
+        for run in runs.values():
+            run.rss = run.pair.rss()
+            run.notified = _notified(run.pair)
+    return {planner: _result(pp, run, opts) for planner, run in runs.items()}
+
+
+def _notified(pair: Pair, timeout_s: float = 10.0) -> int:
+    """Wait (bounded) until the prefill worker was told of every pull."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        n = pair.notified()
+        if n >= pair.pulls or time.monotonic() > deadline:
+            return n
+        time.sleep(0.05)
+
+
+def _result(pp: ProfilePlan, run: PlannerRun, opts: Options) -> dict[str, Any]:
+    planner = planners.get_planner(run.pair.planner)
+    geometry = pp.profile.geometry()
     start = time.perf_counter()
     plan = planner.plan(geometry)
     plan_s = time.perf_counter() - start
-    with contextlib.ExitStack() as stack:
-        pair = Pair(stack, workdir, planner_name)
-        say(f"{profile.name}/{planner_name}: daemons and workers up in {pair.startup_seconds:.1f}s")
-        # Prefill: the full-scale worker alone first, so that the agent
-        # metadata is one worker's; then the request worker; then one
-        # full-scale worker per timed registration ("ready" samples), each
-        # later the remote of one first contact.
-        full_p = pair.register("prefill", "full", profile.name, 1)
-        hs = agent_metadata(pair.prefill.tcp_target, "prefill-full")
-        pair.register("prefill", "req", profile.name, pp.divisor)
-        contacts = [f"c{i}" for i in range(max(2, opts.repeats))]
-        ready = [
-            float(pair.register("prefill", c, profile.name, 1)["ready_seconds"]) for c in contacts
-        ]
-        full_d = pair.register("decode", "full", profile.name, 1)
-        pair.register("decode", "req", profile.name, pp.divisor)
-        full_map = _model(full_p["region_map"])
-        if full_map.descriptor_count != plan.descriptor_count:
-            raise RuntimeError(
-                f"{profile.name}/{planner_name}: daemon registered {full_map.descriptor_count} "
-                f"descriptors, the planner alone plans {plan.descriptor_count}"
-            )
-        rss_ready = {
-            "prefill": daemon_rss(pair.prefill.proc.pid),
-            "decode": daemon_rss(pair.decode.proc.pid),
-        }
-        _fill(pair.pw, "full", [pp.bandwidth, pp.first_contact])
-        _fill(pair.pw, "req", [pp.scattered, pp.contiguous])
-        for c in contacts:
-            _fill(pair.pw, c, [pp.first_contact])
-
-        # First contact: a pull's wall time minus a warm pull's. The decode
-        # daemon's very first pull (cold: handshake, load the remote agent,
-        # connect UCX, build the piece table, prepare both lists) happens
-        # once per daemon pair; each further new remote worker repeats all
-        # of it but the agent load and the connection.
-        cold = pair.pull("full", pp.first_contact, remote=contacts[0])
-        warm = _median(
-            [
-                pair.pull("full", pp.first_contact, remote=contacts[0])["wall_seconds"]
-                for _ in range(FIRST_CONTACT_REPEATS)
-            ]
+    remote_map = _model(run.full_prefill["region_map"])
+    local_map = _model(run.full_decode["region_map"])
+    if remote_map.descriptor_count != plan.descriptor_count:
+        raise RuntimeError(
+            f"{pp.profile.name}/{planner.info.name}: the daemon registered "
+            f"{remote_map.descriptor_count} descriptors, the planner alone plans "
+            f"{plan.descriptor_count}"
         )
-        first_contact_s = max(0.0, cold["wall_seconds"] - warm)
-        new_worker = [
-            max(0.0, pair.pull("full", pp.first_contact, remote=c)["wall_seconds"] - warm)
-            for c in contacts[1:]
-        ]
-        say(
-            f"{profile.name}/{planner_name}: ready {_median(ready) * 1e3:.1f} ms, first contact "
-            f"{first_contact_s * 1e3:.1f} ms cold, {_median(new_worker) * 1e3:.1f} ms new worker"
-        )
-
-        bw = pair.series("full", pp.bandwidth, opts.repeats)
-        sc = pair.series("req", pp.scattered, opts.repeats)
-        say(
-            f"{profile.name}/{planner_name}: scattered {sc.descriptors:,} descriptors, "
-            f"post {_median(sc.post) * 1e3:.1f} ms"
-        )
-        co = pair.series("req", pp.contiguous, opts.repeats)
-        rss = {
-            "prefill": daemon_rss(pair.prefill.proc.pid),
-            "decode": daemon_rss(pair.decode.proc.pid),
-        }
-        notified = _notified(pair, ("full", "req", *contacts))
-        local_map = _model(full_d["region_map"])
-        expected_full = full_scale_descriptors(local_map, full_map, pp.scattered)
-        expected_contiguous = full_scale_descriptors(local_map, full_map, pp.contiguous)
-    series = {"bandwidth": bw, "scattered": sc, "contiguous": co}
-    bad = sum(s.bad_blocks for s in series.values())
+    assert run.metadata is not None
+    bw, sc, co = (run.series[k] for k in ("bandwidth", "scattered", "contiguous"))
+    bad = sum(s.bad_blocks for s in run.series.values())
     return {
         "planner": {"name": planner.info.name, "version": planner.info.version},
-        "regions": len(full_map.regions),
-        "descriptors": full_map.descriptor_count,
-        "baseline_descriptors": full_map.baseline_descriptor_count,
+        "regions": len(remote_map.regions),
+        "descriptors": remote_map.descriptor_count,
+        "baseline_descriptors": remote_map.baseline_descriptor_count,
         # The daemon registers each allocation with NIXL exactly once
         # (registration.py), whatever the planner.
-        "nixl_registrations": len(full_map.allocations),
-        "agent_metadata_bytes": len(hs.agent_metadata),
-        "region_map_bytes": hs.region_map.ByteSize(),
-        "registration_request_bytes": int(full_p["request_bytes"]),
+        "nixl_registrations": len(remote_map.allocations),
+        "agent_metadata_bytes": len(run.metadata.agent_metadata),
+        "region_map_bytes": run.metadata.region_map.ByteSize(),
+        "registration_request_bytes": int(run.full_prefill["request_bytes"]),
         "plan_seconds": plan_s,
-        "ready_seconds": _median(ready),
-        "first_contact_seconds": first_contact_s,
-        "first_contact_new_worker_seconds": _median(new_worker),
-        "first_contact_handshaked": bool(cold["stats"]["handshaked"]),
+        "ready_seconds": _median(run.ready),
+        "first_contact_seconds": max(0.0, run.cold_contact),
+        "first_contact_steps_seconds": run.contact_steps["total_seconds"],
+        "first_contact_steps": {
+            k: v for k, v in run.contact_steps.items() if k.endswith("_seconds") or k == "pieces"
+        },
+        "first_contact_handshaked": run.handshaked,
         "descriptors_per_transfer_scattered": sc.descriptors,
-        "descriptors_per_transfer_scattered_full_scale": expected_full,
+        "descriptors_per_transfer_scattered_full_scale": full_scale_descriptors(
+            local_map, remote_map, pp.scattered
+        ),
         "post_seconds_scattered": _median(sc.post),
         "completion_seconds_scattered": _median(sc.completion),
         "transfer_seconds_scattered": _median(sc.transfer),
         "bytes_scattered": sc.bytes,
         "descriptors_per_transfer_contiguous": co.descriptors,
-        "descriptors_per_transfer_contiguous_full_scale": expected_contiguous,
+        "descriptors_per_transfer_contiguous_full_scale": full_scale_descriptors(
+            local_map, remote_map, pp.contiguous
+        ),
         "post_seconds_contiguous": _median(co.post),
         "completion_seconds_contiguous": _median(co.completion),
         "transfer_seconds_contiguous": _median(co.transfer),
@@ -584,33 +662,20 @@ def _measure(pp: ProfilePlan, planner_name: str, opts: Options, workdir: Path) -
         "pull_gbps_wall": bw.bytes / _median(bw.wall) / 1e9 if bw.wall else 0.0,
         "pull_bytes": bw.bytes,
         "pull_descriptors": bw.descriptors,
-        "daemon_rss_bytes": rss,
-        "daemon_rss_ready_bytes": rss_ready,
-        "bytes_verified": sum(s.verified_bytes for s in series.values()),
+        "daemon_rss_bytes": run.rss,
+        "daemon_rss_ready_bytes": run.rss_ready,
+        "bytes_verified": sum(s.verified_bytes for s in run.series.values()),
         "bad_blocks": bad,
         "verified": bad == 0,
-        "pulls": pair.pulls,
-        "owner_notified": notified,
+        "pulls": run.pair.pulls,
+        "owner_notified": run.notified,
         "repeats": opts.repeats,
         "samples": {
-            "ready_seconds": ready,
-            "first_contact_new_worker_seconds": new_worker,
-            **{
-                kind: {"post_seconds": s.post, "completion_seconds": s.completion, "wall": s.wall}
-                for kind, s in series.items()
-            },
+            "ready_seconds": run.ready,
+            "first_contact_steps": run.contact_steps["samples"],
+            **{kind: s.samples() for kind, s in run.series.items()},
         },
     }
-
-
-def _notified(pair: Pair, names: tuple[str, ...], timeout_s: float = 10.0) -> int:
-    """Transfers the prefill worker was told of (TransferFinished events)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        total = sum(int(_call(pair.pw, {"cmd": "events", "name": n})["finished"]) for n in names)
-        if total >= pair.pulls or time.monotonic() > deadline:
-            return total
-        time.sleep(0.05)
 
 
 # Ratios ----------------------------------------------------------------------
@@ -624,7 +689,7 @@ RATIO_KEYS: tuple[tuple[str, bool], ...] = (
     ("region_map_bytes", False),
     ("ready_seconds", False),
     ("first_contact_seconds", False),
-    ("first_contact_new_worker_seconds", False),
+    ("first_contact_steps_seconds", False),
     ("descriptors_per_transfer_scattered", False),
     ("post_seconds_scattered", False),
     ("completion_seconds_scattered", False),
@@ -710,7 +775,7 @@ def run_bench(opts: Options) -> dict[str, Any]:
         opts.progress(f"{profile.name}: memcpy {memcpy[-1]:.2f} GB/s")
         pp = plan_profile(profile, opts)
         pp.info["memcpy_gbps"] = memcpy[-1]
-        results = {name: measure(pp, name, opts) for name in opts.planners}
+        results = measure_profile(pp, opts)
         add_ratios(results)
         out["profiles"][profile.name] = results
         out["profile_info"][profile.name] = pp.info

@@ -126,7 +126,7 @@ class BenchWorker:
                     layer_name=v.layer_name,
                     allocation_id=v.allocation_id,
                     transfer_group=v.transfer_group,
-                    cache_kind=int(v.cache_kind),  # type: ignore[arg-type]
+                    cache_kind=int(v.cache_kind),
                     dtype=v.dtype,
                     offset_bytes=v.offset_bytes,
                     block_len_bytes=v.block_len_bytes,
@@ -233,10 +233,29 @@ class BenchWorker:
         wall = time.perf_counter() - start
         return {"ok": True, "wall_seconds": wall, "stats": dict(result.__dict__)}
 
+    def contact(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Time the steps of a first contact with a remote daemon (bench.contact)."""
+        from kvmap.daemon.bench.contact import first_contact_steps  # noqa: PLC0415  (NIXL)
+
+        steps = first_contact_steps(
+            cmd["remote_target"],
+            cmd["remote_engine_id"],
+            cmd["profile"],
+            cmd["planner"],
+            int(cmd.get("repeats", 10)),
+        )
+        return {"ok": True, **steps}
+
     def events(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        reg = self.workers[cmd["name"]]
-        with reg.lock:
-            return {"ok": True, "finished": reg.finished, "stream_errors": list(reg.stream_errors)}
+        """TransferFinished events of worker ``name`` (default: all of them)."""
+        names = [cmd["name"]] if cmd.get("name") else list(self.workers)
+        finished, errors = 0, []
+        for name in names:
+            reg = self.workers[name]
+            with reg.lock:
+                finished += reg.finished
+                errors += reg.stream_errors
+        return {"ok": True, "finished": finished, "stream_errors": errors}
 
     def close(self) -> None:
         self.client.close()
@@ -244,7 +263,7 @@ class BenchWorker:
             reg.close()
 
 
-COMMANDS = ("register", "fill", "zero", "verify", "pull", "events")
+COMMANDS = ("register", "fill", "zero", "verify", "pull", "contact", "events")
 
 
 def handle(w: BenchWorker, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -262,8 +281,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvmap-bench-worker")
     p.add_argument("--socket", required=True)
     args = p.parse_args(argv)
+    # Answers go to the original stdout; anything else a library writes to
+    # fd 1 (NIXL and UCX log there) goes to stderr, the worker's log file.
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     w = BenchWorker(args.socket)
-    print(json.dumps({"ready": True, "pid": os.getpid()}), flush=True)
+    answers.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
     try:
         for line in sys.stdin:
             if not line.strip():
@@ -271,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             cmd = json.loads(line)
             if cmd.get("cmd") == "exit":
                 break
-            print(json.dumps(handle(w, cmd)), flush=True)
+            answers.write(json.dumps(handle(w, cmd)) + "\n")
     finally:
         w.close()
     return 0

@@ -1,0 +1,168 @@
+"""``kvmapd bench`` on the tiny profile: the figures are present and agree with
+each other (not timed: nothing here depends on how fast the machine is)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvmap.daemon import planner as planners
+from kvmap.daemon.bench import blockpool, report, runner
+from kvmap.daemon.bench.profiles import DEFAULT_PROFILES, PROFILES, get_profile
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    out = tmp_path_factory.mktemp("bench")
+    png = out / "bench.png"
+    args = ["--profile", "tiny", "--repeats", "2", "--memcpy-mib", "16", "--json", "--quiet"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvmap.daemon.cli", "bench", *args, "--plot", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=out,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(proc.stdout), png
+
+
+@pytest.mark.integration
+def test_json_schema(tiny: tuple[dict[str, Any], Path]) -> None:
+    result, _ = tiny
+    assert result["schema"] == runner.SCHEMA
+    assert result["memcpy_gbps"] > 0
+    assert set(result["profiles"]) == {"tiny"}
+    planners_run = list(result["profiles"]["tiny"])
+    assert planners_run[0] == "baseline"
+    assert set(planners_run) == set(planners.PLANNERS)
+    for name, r in result["profiles"]["tiny"].items():
+        missing = [k for k in runner.REQUIRED_KEYS if k not in r]
+        assert not missing, (name, missing)
+        for key in (
+            "nixl_registrations",
+            "agent_metadata_bytes",
+            "descriptors_per_transfer_contiguous",
+            "post_seconds_contiguous",
+            "completion_seconds_scattered",
+            "completion_seconds_contiguous",
+            "daemon_rss_bytes",
+        ):
+            assert key in r, (name, key)
+        assert r["planner"]["name"] == name
+        if name != "baseline":
+            assert set(r["vs_baseline"]) == {k for k, _ in runner.RATIO_KEYS}
+    info = result["profile_info"]["tiny"]
+    assert info["timing_scale"]["page_divisor"] == 1  # tiny fits at full scale
+
+
+@pytest.mark.integration
+def test_figures_are_consistent(tiny: tuple[dict[str, Any], Path]) -> None:
+    result, _ = tiny
+    profile = get_profile("tiny")
+    geometry = profile.geometry()
+    layers, blocks = len(geometry.views), profile.num_blocks
+    request_blocks = result["profile_info"]["tiny"]["request_blocks"]
+    base = result["profiles"]["tiny"]["baseline"]
+    assert base["regions"] == layers
+    assert base["descriptors"] == layers * blocks == base["baseline_descriptors"]
+    # Per-layer regions of a block-outermost cache are never whole rows: one
+    # descriptor per layer per block, scattered or not.
+    per_transfer = sum(
+        n * sum(1 for v in geometry.views if v.transfer_group == g.transfer_group)
+        for n, g in zip(request_blocks, profile.request_groups, strict=True)
+    )
+    assert base["descriptors_per_transfer_scattered"] == per_transfer
+    assert base["descriptors_per_transfer_contiguous"] == per_transfer
+    for name, r in result["profiles"]["tiny"].items():
+        assert r["descriptors"] <= base["descriptors"], name
+        assert r["regions"] <= base["regions"], name
+        assert r["descriptors_per_transfer_scattered"] <= per_transfer, name
+        assert (
+            r["descriptors_per_transfer_scattered"]
+            == r["descriptors_per_transfer_scattered_full_scale"]
+        ), name
+        assert (
+            r["descriptors_per_transfer_contiguous"]
+            == r["descriptors_per_transfer_contiguous_full_scale"]
+        ), name
+        # The daemon registers each allocation once, whatever the planner.
+        assert r["nixl_registrations"] == len(geometry.allocations), name
+        assert r["agent_metadata_bytes"] > 0 and r["region_map_bytes"] > 0, name
+        # Every byte of every timed pull was checked, and it was right.
+        assert r["verified"] and r["bad_blocks"] == 0, name
+        assert r["bytes_verified"] == r["pull_bytes"] + r["bytes_scattered"] + r["bytes_contiguous"]
+        assert r["bytes_scattered"] == r["bytes_contiguous"] > 0, name
+        assert r["owner_notified"] == r["pulls"], name
+        assert r["first_contact_handshaked"], name
+        assert r["pull_gbps"] > 0 and r["ready_seconds"] > 0, name
+        assert r["post_seconds_scattered"] > 0 and r["post_seconds_contiguous"] > 0, name
+        assert all(n > 0 for n in r["daemon_rss_bytes"].values()), name
+        assert len(r["samples"]["scattered"]["post_seconds"]) == 2, name
+    coalesce = result["profiles"]["tiny"]["coalesce"]
+    assert coalesce["regions"] == 2  # one full-row region per allocation
+    assert coalesce["descriptors"] == 2 * blocks
+    assert coalesce["descriptors_per_transfer_contiguous"] == 2  # one run per group
+    assert coalesce["vs_baseline"]["descriptors"] == pytest.approx(layers / 2)
+
+
+@pytest.mark.integration
+def test_table_and_plot(tiny: tuple[dict[str, Any], Path]) -> None:
+    result, png = tiny
+    text = report.render(result)
+    for label in ("registered descriptors", "scattered: post ms", "pull GB/s", "bytes verified"):
+        assert label in text
+    assert "coalesce vs baseline" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# Pure parts: no processes. ------------------------------------------------------
+
+
+def test_profiles_at_full_scale() -> None:
+    glm = get_profile("glm53").geometry()
+    assert planners.BASELINE.plan(glm).descriptor_count == 3_234_222  # upstream's "before"
+    assert planners.COALESCE.plan(glm).descriptor_count == 64_044
+    llama = get_profile("llama-mha").geometry()
+    assert (
+        planners.COALESCE.plan(llama).descriptor_count
+        == planners.BASELINE.plan(llama).descriptor_count
+    )
+    assert set(DEFAULT_PROFILES) == {"glm53", "dsv3", "llama-mha", "hybrid"}
+    for profile in PROFILES.values():
+        for divisor in (1, 64):
+            g = profile.geometry(divisor)
+            plan = planners.BASELINE.plan(g)
+            # Scaling pages keeps every view and block: same descriptor count.
+            assert plan.descriptor_count == len(g.views) * profile.num_blocks
+
+
+def test_timing_scale_keeps_requests_within_budget() -> None:
+    glm = get_profile("glm53")
+    scattered, contiguous = runner.requests(glm)
+    assert [len(ids) for ids in scattered.local] == [2048, 2048]  # 128K tokens / 64
+    assert contiguous.local[0] == list(range(1, 2049))
+    divisor = runner.timing_divisor(glm, scattered, 128 * runner.MIB)
+    assert divisor == 64  # 656 B and 132 B pages: one token's bytes per layer
+    assert runner.request_bytes(glm.geometry(divisor), scattered) <= 128 * runner.MIB
+    hybrid = get_profile("hybrid")
+    sc, _ = runner.requests(hybrid)
+    assert [len(ids) for ids in sc.local] == [8192, 9]  # full group, sliding window
+    assert not set(sc.local[0]) & set(sc.local[1])  # one pool: distinct rows
+
+
+def test_block_pool_model() -> None:
+    ids = blockpool.scattered(4096, 16, [512, 0], seed=3)
+    assert len(ids[0]) == 512 and ids[1] == []
+    assert len(set(ids[0])) == 512 and 0 not in ids[0]
+    assert blockpool.ascending_pairs(ids[0]) < 0.99  # churned, not a fresh range
+    assert blockpool.scattered(4096, 16, [512], seed=3) == ids[:1]  # deterministic
+    fresh = blockpool.contiguous(4096, [10, 3])
+    assert fresh == [list(range(1, 11)), [11, 12, 13]]
+    assert blockpool.ascending_pairs(fresh[0]) == 1.0
