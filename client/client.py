@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from kvmap.client.errors import DaemonError
 from kvmap.client.transports import AttachStream, GrpcTransport, Transport
-from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
+from kvmap.v1 import admin_pb2, region_maps_pb2, registry_pb2, transfers_pb2, types_pb2
 
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -83,6 +83,13 @@ class KvmapClient:
             transfers_pb2.PushRequest(spec=spec), timeout_s or self.timeout_s
         )
         return _result(r.status for r in stream)
+
+    def get_region_map(self, worker: types_pb2.WorkerId) -> types_pb2.RegionMap:
+        req = region_maps_pb2.GetRegionMapRequest(worker=worker)
+        return self.transport.get_region_map(req, self.timeout_s).region_map
+
+    def get_stats(self) -> admin_pb2.GetStatsResponse:
+        return self.transport.get_stats(self.timeout_s)
 
     def close(self) -> None:
         self.transport.close()

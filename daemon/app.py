@@ -13,7 +13,7 @@ from typing import Any
 
 import structlog
 
-from kvmap.daemon import convert, memory
+from kvmap.daemon import convert, cuda_ipc, memory
 from kvmap.daemon import planner as planners
 from kvmap.daemon.config import DaemonConfig, load_config
 from kvmap.daemon.errors import NotFound, Unavailable
@@ -235,7 +235,7 @@ class DaemonApp:
             remote_agents=self.engine.remote_agent_count,
             daemon_instance=self.instance,
             planner=convert.planner_info_to_proto(self.planner.info),
-            mapped_allocations=memory.live_mappings(),
+            mapped_allocations=memory.live_mappings() + cuda_ipc.live_mappings(),
             mapped_bytes=sum(r.memory.size_bytes for r in self.table.records()),
             nixl_registrations=len(self.agent.registrations),
             fd_handoff_pending=self.fds.pending_fds,

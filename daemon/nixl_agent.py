@@ -120,6 +120,9 @@ class Registration:
     mem_type: MemoryType
     _dlist: Any = field(repr=False)
     active: bool = True
+    # Registrations of the very same span (a CUDA IPC block a worker
+    # registered again maps at the same address) share one NIXL registration.
+    refs: int = 1
 
 
 @dataclass(eq=False)
@@ -309,6 +312,14 @@ class NixlAgent:
         if dev_id < 0:
             raise InvalidArgument("dev_id", f"device id {dev_id} is negative")
         for other in self._registrations:
+            if (other.mem_type, other.dev_id, other.address, other.size) == (
+                mem_type,
+                dev_id,
+                address,
+                size,
+            ):
+                other.refs += 1
+                return other
             if (
                 other.mem_type is mem_type
                 and other.dev_id == dev_id
@@ -332,8 +343,12 @@ class NixlAgent:
         return self.register(address, size, dev_id, MemoryType.DRAM)
 
     def deregister(self, reg: Registration) -> None:
-        """Deregister; a second call is a no-op."""
+        """Deregister (once every ``register`` of the span has been undone);
+        a call on an inactive registration is a no-op."""
         if not reg.active:
+            return
+        reg.refs -= 1
+        if reg.refs > 0:
             return
         with self._call(f"deregister {reg.size} bytes at {reg.address:#x}") as agent:
             agent.deregister_memory(reg._dlist)
@@ -450,8 +465,10 @@ class NixlAgent:
         *,
         notif: bytes = b"",
         mem_type: MemoryType = MemoryType.DRAM,
+        remote_mem_type: MemoryType | None = None,
     ) -> Xfer:
-        """Create and post a transfer from explicit Nx3 descriptor rows.
+        """Create and post a transfer from explicit Nx3 descriptor rows
+        (``remote_mem_type`` defaults to ``mem_type``, the local side's).
 
         NIXL validates and prepares both lists on every call; prefer
         ``post_prepped`` for repeated transfers over the same regions.
@@ -473,7 +490,7 @@ class NixlAgent:
         what = f"{op.value} with agent {remote_agent!r}"
         with self._call(what, "local_rows") as agent:
             ld = agent.get_xfer_descs(la, mem_type.value)
-            rd = agent.get_xfer_descs(ra, mem_type.value)
+            rd = agent.get_xfer_descs(ra, (remote_mem_type or mem_type).value)
             handle = agent.initialize_xfer(op.value, ld, rd, remote_agent, _notif(notif))
         return self._post(op, remote_agent, int(la.shape[0]), handle, what)
 

@@ -12,17 +12,18 @@ import asyncio
 import contextlib
 import os
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
 import numpy as np
 import structlog
 
-from kvmap.daemon import convert, memory
-from kvmap.daemon.errors import FailedPrecondition, InvalidArgument, KvmapError
+from kvmap.daemon import convert, cuda_ipc, memory
+from kvmap.daemon.errors import InvalidArgument, KvmapError
 from kvmap.daemon.fd_handoff import FdHandoffServer
-from kvmap.daemon.geometry import DeviceKind, Plan, RegionMapModel, WorkerGeometry, WorkerKey
-from kvmap.daemon.nixl_agent import NixlAgent
+from kvmap.daemon.geometry import Plan, RegionMapModel, WorkerGeometry, WorkerKey
+from kvmap.daemon.nixl_agent import MemoryType, NixlAgent
 from kvmap.daemon.nixl_thread import NixlRunner
 from kvmap.daemon.planner import Planner
 from kvmap.daemon.state_store import Reopen, StateStore, StoredWorker
@@ -85,11 +86,15 @@ class Registrar:
             for i, alloc in enumerate(req.allocations):
                 field = f"allocations[{i}]"
                 which = alloc.WhichOneof("handle")
-                if alloc.device.type == types_pb2.DEVICE_TYPE_CUDA or which == "cuda_ipc":
-                    raise FailedPrecondition(
-                        f"{field}.cuda_ipc: this kvmapd was built for CPU memory only"
+                if which == "cuda_ipc":
+                    mapped[alloc.id] = cuda_ipc.import_allocation(alloc, field=field)
+                    # The handle opens again while the worker lives.
+                    reopen[alloc.id] = Reopen(cuda_ipc=alloc.cuda_ipc.handle)
+                elif alloc.device.type == types_pb2.DEVICE_TYPE_CUDA:
+                    raise InvalidArgument(
+                        f"{field}.handle", "a CUDA allocation needs a cuda_ipc handle"
                     )
-                if alloc.id in preopened:  # restored by the daemon itself
+                elif alloc.id in preopened:  # restored by the daemon itself
                     fd = preopened.pop(alloc.id)
                     reopen[alloc.id] = restored_from[alloc.id]
                     mapped[alloc.id] = memory.import_shm_fd(
@@ -133,11 +138,13 @@ class Registrar:
     async def _attach(self, geometry: WorkerGeometry, mapped: dict[str, Any]) -> AttachedMemory:
         regs: list[Any] = []
         try:
-            for alloc_id, m in mapped.items():
-                dev = geometry.allocation(alloc_id).device
-                if dev.kind is not DeviceKind.CPU:
-                    raise FailedPrecondition(f"allocation {alloc_id}: only CPU memory is supported")
-                regs.append(await self._nixl(partial(self._agent.register_dram, m.address, m.size)))
+            for m in mapped.values():
+                dev_id, mem_type = nixl_target(m)
+                regs.append(
+                    await self._nixl(
+                        partial(self._agent.register, m.address, m.size, dev_id, mem_type)
+                    )
+                )
         except BaseException:
             for reg in regs:
                 await self._nixl(partial(self._agent.deregister, reg))
@@ -161,6 +168,16 @@ class Registrar:
     ) -> WorkerRecord:
         generation = self._table.next_generation(geometry.worker)
         model = convert.model_from_plan(geometry, plan, generation, mem.base_addresses())
+        # Like base addresses, device ordinals in a published map are this
+        # daemon's (what NIXL registered), not the worker's.
+        ordinals = {k: nixl_target(m)[0] for k, m in mem.mapped.items()}
+        model = replace(
+            model,
+            allocations=tuple(
+                replace(a, device=replace(a.device, index=ordinals.get(a.id, a.device.index)))
+                for a in model.allocations
+            ),
+        )
         rows = region_rows(model)
         dlist = await self._nixl(partial(self._agent.prep_local, rows))
         mem.refs += 1
@@ -254,6 +271,8 @@ class Registrar:
         open by itself; None when it cannot (its client re-registers)."""
         restored: dict[str, tuple[int, Reopen]] = {}
         for alloc in stored.request.allocations:
+            if alloc.WhichOneof("handle") == "cuda_ipc":
+                continue  # the stored handle itself opens again
             info = stored.reopen.get(alloc.id)
             fd = reopen_fd(info) if info is not None else None
             if fd is None or info is None:
@@ -267,6 +286,13 @@ class Registrar:
         except KvmapError as err:
             log.warning("restore_failed", worker=str(stored.worker), error=str(err))
             return None
+
+
+def nixl_target(m: Any) -> tuple[int, MemoryType]:
+    """(dev_id, memory type) to register a mapping under with NIXL."""
+    if isinstance(m, cuda_ipc.CudaMapping):
+        return m.dev_id, MemoryType.VRAM
+    return 0, MemoryType.DRAM
 
 
 def _handle_offset(alloc: types_pb2.Allocation) -> int:

@@ -24,15 +24,16 @@ from kvmap.daemon.config import DaemonConfig
 from kvmap.daemon.convert import requested_worker, worker_id_to_proto
 from kvmap.daemon.errors import (
     DeadlineExceeded,
+    FailedPrecondition,
     InvalidArgument,
     StaleGeneration,
     TransferError,
     Unavailable,
 )
-from kvmap.daemon.geometry import WorkerKey
+from kvmap.daemon.geometry import DeviceKind, RegionMapModel, WorkerKey
 from kvmap.daemon.leases import notification
 from kvmap.daemon.metrics import Metrics
-from kvmap.daemon.nixl_agent import NixlAgent, XferOp, XferState
+from kvmap.daemon.nixl_agent import MemoryType, NixlAgent, XferOp, XferState
 from kvmap.daemon.nixl_thread import NixlRunner
 from kvmap.daemon.peer_client import PeerClient, PeerHandshake, peer_credentials
 from kvmap.daemon.progress import Progress
@@ -48,6 +49,19 @@ from kvmap.daemon.workers import WorkerRecord, WorkerTable
 from kvmap.v1 import admin_pb2, peer_pb2, transfers_pb2
 
 log = structlog.get_logger("kvmapd.transfers")
+
+
+def side_memory(model: RegionMapModel, who: str) -> tuple[int, MemoryType]:
+    """The one (device ordinal, memory type) a worker's allocations share, as
+    its owning daemon registered them."""
+    kinds = {(a.device.index, a.device.kind) for a in model.allocations}
+    if len(kinds) != 1:
+        raise FailedPrecondition(
+            f"{who} {model.worker}: allocations on several devices {sorted(kinds)}; "
+            "one transfer needs one device per side"
+        )
+    ((index, kind),) = kinds
+    return index, MemoryType.VRAM if kind is DeviceKind.CUDA else MemoryType.DRAM
 
 
 @dataclass
@@ -67,6 +81,9 @@ class Prepared:
     table: PieceTable
     local_dlist: Any
     remote_dlist: Any
+    # (NIXL dev_id, memory type) of each side.
+    local_mem: tuple[int, MemoryType]
+    remote_mem: tuple[int, MemoryType]
     # Transfers between planning and posting with these lists; a stale entry
     # is released by the last of them.
     users: int = 0
@@ -220,13 +237,15 @@ class TransferEngine:
                 found.users += 1
                 return found
             table = build_piece_table(local.model, hs.model, req.selections)
-            local_rows = piece_dlist_rows(table, Side.LOCAL, 0)
-            remote_rows = piece_dlist_rows(table, Side.REMOTE, 0)
-            local_dl = await self._nixl(partial(self._agent.prep_local, local_rows))
+            local_mem = side_memory(local.model, "local worker")
+            remote_mem = side_memory(hs.model, "remote worker")
+            local_rows = piece_dlist_rows(table, Side.LOCAL, local_mem[0])
+            remote_rows = piece_dlist_rows(table, Side.REMOTE, remote_mem[0])
+            local_dl = await self._nixl(partial(self._agent.prep_local, local_rows, local_mem[1]))
             remote_dl = await self._nixl(
-                partial(self._agent.prep_remote, hs.agent_name, remote_rows)
+                partial(self._agent.prep_remote, hs.agent_name, remote_rows, remote_mem[1])
             )
-            prepared = Prepared(table, local_dl, remote_dl, users=1)
+            prepared = Prepared(table, local_dl, remote_dl, local_mem, remote_mem, users=1)
             self._prepared[key] = prepared
             return prepared
 
@@ -365,9 +384,11 @@ class TransferEngine:
                 xfers.append(
                     self._agent.post_descs(
                         op,
-                        run_dlist_rows(plan, Side.LOCAL, 0),
-                        run_dlist_rows(plan, Side.REMOTE, 0),
+                        run_dlist_rows(plan, Side.LOCAL, prepared.local_mem[0]),
+                        run_dlist_rows(plan, Side.REMOTE, prepared.remote_mem[0]),
                         hs.agent_name,
+                        mem_type=prepared.local_mem[1],
+                        remote_mem_type=prepared.remote_mem[1],
                     )
                 )
             return xfers, time.perf_counter() - start

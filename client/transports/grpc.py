@@ -52,7 +52,14 @@ class GrpcTransport:
         self.fd_socket_path = fd_socket_path or f"{socket_path}.fds"
         self._channel = grpc.insecure_channel(
             f"unix://{socket_path}",
-            options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)],
+            options=[
+                ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+                # A restarted sidecar is back within a second or two: retry the
+                # socket quickly instead of gRPC's default backoff (up to 2 min).
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+            ],
         )
         self._registry = registry_pb2_grpc.RegistryStub(self._channel)
         self._transfers = transfers_pb2_grpc.TransfersStub(self._channel)

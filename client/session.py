@@ -1,0 +1,217 @@
+"""Keep one worker registered with its daemon and attached, across daemon
+restarts.
+
+A ``WorkerSession`` registers the worker (sending its fds first), opens the
+``Attach`` stream and reads it on a thread, handing every event to a
+callback. kvmapd treats the end of a worker's last Attach stream as the
+worker's death and forgets the registration, and a restarted kvmapd starts
+without it; so whenever the stream ends without the worker asking, the
+session registers the *same* worker again (same identity, same memory, the
+fds sent anew) and re-attaches, retrying with exponential backoff and jitter
+until it succeeds or the session is stopped. Each successful registration
+gets a new generation from the daemon, which is how peers learn to
+re-handshake.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from kvmap.client.client import KvmapClient
+from kvmap.client.errors import DeadlineExceeded, KvmapClientError
+from kvmap.client.transports.base import AttachStream
+from kvmap.v1 import registry_pb2, types_pb2
+
+log = logging.getLogger("kvmap.client.session")
+
+EventCallback = Callable[[registry_pb2.AttachResponse], None]
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Delays between reconnection attempts: ``initial_s`` growing by
+    ``multiplier`` up to ``max_s``, each scaled by a random factor in
+    ``[1 - jitter, 1]`` so that many workers of one pod do not retry in step."""
+
+    initial_s: float = 0.1
+    max_s: float = 5.0
+    multiplier: float = 2.0
+    jitter: float = 0.2
+
+    def __post_init__(self) -> None:
+        if not 0 < self.initial_s <= self.max_s:
+            raise ValueError(f"backoff: need 0 < initial_s <= max_s, got {self}")
+        if self.multiplier < 1 or not 0 <= self.jitter < 1:
+            raise ValueError(f"backoff: need multiplier >= 1 and 0 <= jitter < 1, got {self}")
+
+    def delays(self, rng: random.Random | None = None) -> Iterator[float]:
+        r = rng or random.Random()
+        delay = self.initial_s
+        while True:
+            yield delay * (1 - self.jitter * r.random())
+            delay = min(delay * self.multiplier, self.max_s)
+
+
+class WorkerSession:
+    def __init__(
+        self,
+        client: KvmapClient,
+        request: registry_pb2.RegisterWorkerRequest,
+        fds: Sequence[int] = (),
+        *,
+        on_event: EventCallback | None = None,
+        backoff: Backoff | None = None,
+    ) -> None:
+        self.client = client
+        self.request = request
+        self.fds = list(fds)
+        self.on_event = on_event
+        self.backoff = backoff or Backoff()
+        self.region_map: types_pb2.RegionMap | None = None
+        self.daemon_instance = ""
+        self.registrations = 0
+        self.disconnects = 0
+        self.connected = threading.Event()
+        self._stream: AttachStream | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def worker(self) -> types_pb2.WorkerId:
+        return self.request.worker
+
+    @property
+    def generation(self) -> int:
+        m = self.region_map
+        return m.generation if m is not None else 0
+
+    def start(self, timeout_s: float) -> types_pb2.RegionMap:
+        """Register and attach, retrying with backoff for up to ``timeout_s``
+        (the daemon may still be starting); then keep the worker attached on a
+        thread. Raises the last error when the time runs out."""
+        if self._thread is not None:
+            raise RuntimeError("session already started")
+        deadline = _Deadline(timeout_s)
+        delays = self.backoff.delays()
+        while True:
+            try:
+                self._connect()
+                break
+            except KvmapClientError as err:
+                delay = next(delays)
+                if deadline.remaining() < delay:
+                    raise DeadlineExceeded(
+                        f"could not register worker {_name(self.worker)} with kvmapd in "
+                        f"{timeout_s}s: {err}"
+                    ) from err
+                log.info("kvmapd not reachable yet (%s); retrying in %.2fs", err, delay)
+                if self._stop.wait(delay):
+                    raise
+        self._thread = threading.Thread(
+            target=self._run, name=f"kvmap-attach-{self.worker.tp_rank}", daemon=True
+        )
+        self._thread.start()
+        assert self.region_map is not None
+        return self.region_map
+
+    def _connect(self) -> None:
+        region_map = self.client.register(self.request, self.fds)
+        stream = self.client.attach(self.worker)
+        with self._lock:
+            if self._stop.is_set():
+                stream.cancel()
+                return
+            self._stream = stream
+            self.region_map = region_map
+            self.registrations += 1
+        self.connected.set()
+        log.info(
+            "kvmap worker %s registered: generation %d, %d regions",
+            _name(self.worker),
+            region_map.generation,
+            len(region_map.regions),
+        )
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                stream = self._stream
+            assert stream is not None
+            error: BaseException | None = None
+            try:
+                for event in stream:
+                    self._handle(event)
+            except KvmapClientError as err:
+                error = err
+            except Exception as err:  # a transport bug must not kill the session
+                log.exception("kvmap attach stream failed")
+                error = err
+            if self._stop.is_set():
+                return
+            self.connected.clear()
+            self.disconnects += 1
+            log.warning(
+                "kvmap attach stream of %s ended (%s); registering again",
+                _name(self.worker),
+                error or "closed by kvmapd",
+            )
+            self._reconnect()
+
+    def _reconnect(self) -> None:
+        for delay in self.backoff.delays():
+            if self._stop.wait(delay):
+                return
+            try:
+                self._connect()
+                return
+            except KvmapClientError as err:
+                log.info("kvmapd still unreachable (%s); next try in up to %.2fs", err, delay)
+
+    def _handle(self, event: registry_pb2.AttachResponse) -> None:
+        which = event.WhichOneof("event")
+        if which == "attached":
+            self.daemon_instance = event.attached.daemon_instance
+        if self.on_event is None:
+            return
+        try:
+            self.on_event(event)
+        except Exception:
+            log.exception("kvmap attach event handler failed on %s", which)
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        return self.connected.wait(timeout_s)
+
+    def stop(self, deregister: bool = True, timeout_s: float = 5.0) -> None:
+        """End the session; with ``deregister`` tell the daemon the worker is
+        gone (best effort: a daemon that is down forgets it anyway)."""
+        self._stop.set()
+        with self._lock:
+            stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.cancel()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self.connected.clear()
+        if deregister:
+            try:
+                self.client.deregister(self.worker)
+            except KvmapClientError as err:
+                log.debug("deregister %s: %s", _name(self.worker), err)
+
+
+class _Deadline:
+    def __init__(self, seconds: float) -> None:
+        self._end = time.monotonic() + seconds
+
+    def remaining(self) -> float:
+        return self._end - time.monotonic()
+
+
+def _name(w: types_pb2.WorkerId) -> str:
+    return f"{w.engine_id}/dp{w.dp_rank}/tp{w.tp_rank}/pp{w.pp_rank}"

@@ -1,0 +1,130 @@
+"""Geometry extraction: layer tensors -> views, for the layouts vLLM uses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmap.client.geometry import (
+    BlockView,
+    GeometryError,
+    LayerSpec,
+    block_views,
+    build_registration,
+)
+from kvmap.client.transports.memory import MemoryNetwork
+from kvmap.v1 import types_pb2
+
+MHA = types_pb2.CACHE_KIND_MHA
+MLA = types_pb2.CACHE_KIND_MLA
+
+
+def views_of(t: torch.Tensor, num_blocks: int, page: int = 0) -> list[BlockView]:
+    return block_views(
+        t.shape,
+        t.stride(),
+        element_size=t.element_size(),
+        storage_offset=t.storage_offset(),
+        num_blocks=num_blocks,
+        page_size_bytes=page,
+    )
+
+
+def test_layer_outermost_cpu_layout_one_view_per_layer() -> None:
+    # vLLM CPU attention, LBHNC: each layer a contiguous [blocks, heads, bs, 2*hd] run.
+    nb, heads, bs, hd2 = 16, 2, 32, 128
+    storage = torch.zeros(2 * nb * heads * bs * hd2, dtype=torch.float32)
+    layers = [
+        storage[i * nb * heads * bs * hd2 :].view(-1)[: nb * heads * bs * hd2] for i in (0, 1)
+    ]
+    page = heads * bs * hd2 * 4
+    for i, flat in enumerate(layers):
+        t = flat.view(nb, heads, bs, hd2)
+        assert views_of(t, nb) == [BlockView("", i * nb * page, page, page, nb)]
+
+
+def test_block_outermost_cross_layer_views_share_rows() -> None:
+    # BLHNC: one [blocks, layers, page] storage; layer l is rows[:, l].
+    nb, layers, page_elems = 10, 3, 656
+    rows = torch.zeros(nb, layers, page_elems, dtype=torch.uint8)
+    for layer in range(layers):
+        (v,) = views_of(rows[:, layer], nb)
+        assert v == BlockView("", layer * page_elems, page_elems, layers * page_elems, nb)
+
+
+def test_kv_split_leading_dim_gives_one_view_per_half() -> None:
+    # FlashAttention-style [2, blocks, bs, heads, hd]: K and V are apart.
+    nb, bs, heads, hd = 8, 16, 2, 4
+    t = torch.zeros(2, nb, bs, heads, hd, dtype=torch.float16)
+    page = bs * heads * hd * 2
+    assert views_of(t, nb) == [
+        BlockView("[0]", 0, page, page, nb),
+        BlockView("[1]", nb * page, page, page, nb),
+    ]
+
+
+def test_physically_permuted_block_is_still_one_page() -> None:
+    # Logical [blocks, bs, heads, hd] over a physical [blocks, heads, bs, hd] (HND).
+    nb, bs, heads, hd = 6, 16, 4, 8
+    phys = torch.zeros(nb, heads, bs, hd)
+    t = phys.permute(0, 2, 1, 3)
+    (v,) = views_of(t, nb)
+    assert (v.block_len_bytes, v.block_stride_bytes) == (bs * heads * hd * 4, bs * heads * hd * 4)
+
+
+def test_block_that_is_not_one_page_is_refused() -> None:
+    nb = 4
+    t = torch.zeros(nb, 8, 8)[:, :, :4]  # every row of a block skips 4 elements
+    with pytest.raises(GeometryError, match="not one contiguous page"):
+        views_of(t, nb)
+
+
+def test_no_block_dimension_is_refused() -> None:
+    with pytest.raises(GeometryError, match="no dimension"):
+        views_of(torch.zeros(3, 5), 7)
+
+
+def test_flat_byte_view_needs_and_uses_the_page_size() -> None:
+    t = torch.zeros(4 * 100, dtype=torch.uint8)
+    with pytest.raises(GeometryError, match="page size"):
+        views_of(t, 4)
+    assert views_of(t, 4, page=100) == [BlockView("", 0, 100, 100, 4)]
+
+
+def test_build_registration_one_allocation_per_storage_and_daemon_accepts_it() -> None:
+    nb, page = 12, 256
+    storage = torch.zeros(2 * nb * page, dtype=torch.uint8)
+    kv = {
+        "model.layers.0.attn": storage[: nb * page].view(nb, page),
+        "model.layers.1.attn": storage[nb * page :].view(nb, page),
+        "model.layers.1.shared": storage[: nb * page].view(nb, page),  # no spec: skipped
+    }
+    specs = {n: LayerSpec(0, MHA, nb) for n in ("model.layers.0.attn", "model.layers.1.attn")}
+    worker = types_pb2.WorkerId(engine_id="e", tp_rank=0)
+    req, fds = build_registration(worker, kv, specs, block_size_tokens=16, tp_size=1)
+    assert len(req.allocations) == 1 and len(fds) == 1
+    assert req.allocations[0].size_bytes == 2 * nb * page
+    assert req.allocations[0].WhichOneof("handle") == "shm_fd"
+    assert [(v.layer_name, v.offset_bytes, v.block_stride_bytes) for v in req.views] == [
+        ("model.layers.0.attn", 0, page),
+        ("model.layers.1.attn", nb * page, page),
+    ]
+    assert all(v.dtype == "uint8" and v.cache_kind == MHA for v in req.views)
+    # The storage moved into shared memory in place: writes stay visible.
+    kv["model.layers.1.attn"][3].fill_(7)
+    daemon = MemoryNetwork().daemon("127.0.0.1:1")
+    token = daemon.send_fds(fds)
+    req.allocations[0].shm_fd.token = token
+    region_map = daemon.register_worker(req)
+    assert region_map.generation == 1 and len(region_map.regions) == 2
+    daemon.stop()
+
+
+def test_build_registration_refuses_mixed_devices_and_empty() -> None:
+    worker = types_pb2.WorkerId(engine_id="e")
+    with pytest.raises(GeometryError, match="no KV cache layer"):
+        build_registration(worker, {"a": torch.zeros(2, 2)}, {}, block_size_tokens=16)
+    with pytest.raises(GeometryError, match="layer a: no dimension"):
+        build_registration(
+            worker, {"a": torch.zeros(3, 5)}, {"a": LayerSpec(0, MLA, 7)}, block_size_tokens=16
+        )

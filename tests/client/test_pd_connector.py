@@ -1,0 +1,306 @@
+"""The connector's P/D state machines (kvmap.client.pd) against in-memory
+daemons: a prefill and a decode worker with real shared-memory KV caches,
+the scheduler decisions of both roles, lease expiry, failures, timeouts."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from kvmap.client.client import KvmapClient
+from kvmap.client.errors import Unavailable
+from kvmap.client.geometry import LayerSpec, build_registration
+from kvmap.client.pd import (
+    WATCHDOG_GRACE_S,
+    ConnectorMeta,
+    ConnectorOptions,
+    RecvTask,
+    RemoteSource,
+    SchedulerCore,
+    WorkerCore,
+    pair_blocks,
+)
+from kvmap.client.transports.memory import MemoryDaemon, MemoryNetwork, MemoryTransport
+from kvmap.v1 import transfers_pb2, types_pb2
+
+NB, PAGE = 32, 128
+LAYERS = ("model.layers.0.attn", "model.layers.1.attn")
+P_ADDR, D_ADDR = "10.0.0.1:50051", "10.0.0.2:50051"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def options(**kw: Any) -> ConnectorOptions:
+    base: dict[str, Any] = {
+        "socket": "/unused",
+        "transfer_timeout_s": 5.0,
+        "lease_seconds": 30.0,
+        "register_timeout_s": 2.0,
+        "reconnect_initial_s": 0.01,
+        "reconnect_max_s": 0.05,
+    }
+    return ConnectorOptions(**{**base, **kw})
+
+
+@dataclass
+class Side:
+    daemon: MemoryDaemon
+    sched: SchedulerCore
+    worker: WorkerCore
+    kv: dict[str, torch.Tensor]
+    clock: FakeClock
+
+
+def make_side(net: MemoryNetwork, addr: str, engine: str, fill: bool, **kw: Any) -> Side:
+    daemon = net.daemon(addr)
+    opts = options(peer_address=addr, **kw)
+    storage = torch.zeros(len(LAYERS) * NB * PAGE, dtype=torch.uint8)
+    kv = {
+        n: storage[i * NB * PAGE : (i + 1) * NB * PAGE].view(NB, PAGE) for i, n in enumerate(LAYERS)
+    }
+    if fill:
+        g = torch.Generator().manual_seed(7)
+        storage.copy_(torch.randint(0, 255, storage.shape, generator=g, dtype=torch.uint8))
+    wid = types_pb2.WorkerId(engine_id=engine)
+    clock = FakeClock()
+    worker = WorkerCore(KvmapClient(MemoryTransport(daemon)), wid, opts, clock=clock)
+    specs = {n: LayerSpec(0, types_pb2.CACHE_KIND_MHA, NB) for n in LAYERS}
+    req, fds = build_registration(wid, kv, specs, block_size_tokens=16)
+    worker.register(req, fds)
+    return Side(daemon, SchedulerCore(engine, opts), worker, kv, clock)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Side, Side]]:
+    net = MemoryNetwork()
+    p = make_side(net, P_ADDR, "prefill", fill=True)
+    d = make_side(net, D_ADDR, "decode", fill=False)
+    yield p, d
+    for s in (p, d):
+        s.worker.shutdown()
+        s.daemon.stop()
+
+
+def step(side: Side, timeout: float = 5.0, want: str = "any") -> Any:
+    """One engine step: scheduler meta -> worker start -> poll, until
+    something finished (or ``timeout``)."""
+    side.worker.start(side.sched.build_meta())
+    deadline = time.monotonic() + timeout
+    while True:
+        r = side.worker.poll()
+        if r.finished_sending or r.finished_recving or time.monotonic() > deadline:
+            return r
+        time.sleep(0.01)
+
+
+def prefill_request(p: Side, rid: str, blocks: list[int], tokens: int) -> dict[str, Any]:
+    params: dict[str, Any] = {"do_remote_decode": True}
+    assert p.sched.num_new_matched_tokens(rid, params, tokens, 0) == (0, False)
+    p.sched.after_alloc(rid, params, [blocks], 0)
+    p.worker.start(p.sched.build_meta())
+    keep, kv = p.sched.request_finished(
+        rid, params, finished_normally=True, block_ids=[blocks], num_computed_tokens=tokens
+    )
+    assert keep and kv is not None
+    p.worker.start(p.sched.build_meta())  # the step that carries the lease
+    return kv
+
+
+def test_full_pd_flow_moves_bytes_and_frees_prefill_blocks(pair: tuple[Side, Side]) -> None:
+    p, d = pair
+    remote_blocks = [3, 17, 4]
+    kv = prefill_request(p, "req-p", remote_blocks, tokens=40)
+    assert kv["remote_target"] == P_ADDR and kv["remote_block_ids"] == [remote_blocks]
+    assert kv["remote_engine_id"] == "prefill" and kv["remote_request_id"] == "req-p"
+    assert p.worker.pending_sends == 1
+
+    # Decode: the whole prompt loads asynchronously, once.
+    params = dict(kv)
+    assert d.sched.num_new_matched_tokens("req-d", params, 40, 0) == (40, True)
+    local_blocks = [9, 0, 30]
+    d.sched.after_alloc("req-d", params, [local_blocks], 40)
+    assert params["do_remote_prefill"] is False
+    d.sched.after_alloc("req-d", params, [[*local_blocks, 31]], 0)  # again: nothing new
+    r = step(d)
+    assert r.finished_recving == {"req-d"} and not r.failed_recving
+    for name in LAYERS:
+        for lb, rb in zip(local_blocks, remote_blocks, strict=True):
+            assert torch.equal(d.kv[name][lb], p.kv[name][rb])
+    assert [x.ok for x in d.worker.loads] == [True]
+    assert d.worker.load_error_blocks() == set()
+    # The decode request needs nothing more from the connector.
+    assert d.sched.request_finished(
+        "req-d", params, finished_normally=True, block_ids=[local_blocks], num_computed_tokens=41
+    ) == (False, None)
+
+    # Prefill: the daemon's event frees the blocks at the next step.
+    r = step(p)
+    assert r.finished_sending == {"req-p"} and p.worker.pending_sends == 0
+    assert p.worker.leases_expired == 0
+    assert d.daemon.get_stats().transfers.blocks == 3
+    assert p.daemon.get_stats().transfers.served_blocks == 3
+
+
+def test_local_prefix_hit_pulls_only_the_tail(pair: tuple[Side, Side]) -> None:
+    p, d = pair
+    kv = prefill_request(p, "req-p", [1, 2, 3, 4], tokens=64)
+    d.sched.after_alloc("req-d", dict(kv), [[20, 21]], 32)  # decode had the first 2 blocks
+    assert step(d).finished_recving == {"req-d"}
+    assert torch.equal(d.kv[LAYERS[0]][20], p.kv[LAYERS[0]][3])
+    assert torch.equal(d.kv[LAYERS[0]][21], p.kv[LAYERS[0]][4])
+    assert d.worker.loads[-1].remote_block_ids == ((3, 4),)
+
+
+def test_unpulled_prefill_blocks_are_freed_when_the_lease_runs_out(
+    pair: tuple[Side, Side],
+) -> None:
+    p, _ = pair
+    prefill_request(p, "req-p", [5], tokens=10)
+    assert p.worker.poll().finished_sending == set()
+    p.clock.now += 29.0
+    assert p.worker.poll().finished_sending == set()
+    p.clock.now += 1.5
+    assert p.worker.poll().finished_sending == {"req-p"}
+    assert p.worker.leases_expired == 1 and p.worker.pending_sends == 0
+    assert p.worker.poll().finished_sending == set()  # reported once
+
+
+def test_aborted_prefill_request_keeps_nothing(pair: tuple[Side, Side]) -> None:
+    p, _ = pair
+    params: dict[str, Any] = {"do_remote_decode": True}
+    p.sched.after_alloc("r", params, [[1]], 0)
+    p.worker.start(p.sched.build_meta())
+    assert p.sched.request_finished(
+        "r", params, finished_normally=False, block_ids=[[1]], num_computed_tokens=5
+    ) == (False, None)
+    meta = p.sched.build_meta()
+    assert meta.not_processed == {"r"} and not meta.send
+    p.worker.start(meta)
+    assert p.worker.pending_sends == 0
+
+
+def test_failed_pull_is_reported_as_a_load_failure(pair: tuple[Side, Side]) -> None:
+    p, d = pair
+    kv = prefill_request(p, "req-p", [1, 2], tokens=20)
+
+    def fail(spec: transfers_pb2.TransferSpec) -> None:
+        raise Unavailable("UNAVAILABLE: peer unreachable")
+
+    d.daemon.pull_hook = fail
+    d.sched.after_alloc("req-d", dict(kv), [[7, 8]], 20)
+    r = step(d)
+    assert r.finished_recving == r.failed_recving == {"req-d"}
+    assert d.worker.load_error_blocks() == {7, 8}
+    assert d.worker.load_error_blocks() == set()  # drained
+    assert "peer unreachable" in d.worker.loads[-1].error
+    assert torch.count_nonzero(d.kv[LAYERS[0]][7]) == 0
+    # The owner was never told: its blocks wait for the lease.
+    assert p.worker.poll().finished_sending == set()
+
+
+def test_pull_that_never_answers_is_given_up_by_the_watchdog(pair: tuple[Side, Side]) -> None:
+    p, d = pair
+    kv = prefill_request(p, "req-p", [1], tokens=8)
+    release = threading.Event()
+    d.daemon.pull_hook = lambda spec: release.wait(10) and None
+    d.sched.after_alloc("req-d", dict(kv), [[3]], 8)
+    d.worker.start(d.sched.build_meta())
+    assert d.worker.poll().finished_recving == set()
+    d.clock.now += 5.0 + WATCHDOG_GRACE_S - 0.1
+    assert d.worker.poll().finished_recving == set()
+    d.clock.now += 0.2
+    r = d.worker.poll()
+    assert r.finished_recving == r.failed_recving == {"req-d"}
+    assert "within" in d.worker.loads[-1].error
+    release.set()
+    time.sleep(0.1)
+    assert d.worker.poll().finished_recving == set()  # a late answer changes nothing
+
+
+def test_unusable_params_fail_fast_or_are_ignored(pair: tuple[Side, Side]) -> None:
+    _, d = pair
+    # Malformed params: not a remote prefill at all.
+    bad = {"do_remote_prefill": True, "remote_block_ids": [[1]]}
+    assert d.sched.num_new_matched_tokens("x", bad, 10, 0) == (0, False)
+    # Different TP sizes: the load fails at once (recompute), no pull is sent.
+    task = RecvTask(
+        "req-d",
+        RemoteSource(P_ADDR, "prefill", "req-p", ((1,),), tp_size=2),
+        ((4,),),
+    )
+    d.worker.start(ConnectorMeta(recv=[task]))
+    r = d.worker.poll()
+    assert r.failed_recving == {"req-d"}
+    assert "tensor-parallel size 2" in d.worker.loads[-1].error
+    assert d.daemon.get_stats().transfers.pulls_done == 0
+
+
+def test_decode_request_aborted_before_scheduling_asks_nothing(pair: tuple[Side, Side]) -> None:
+    p, d = pair
+    kv = prefill_request(p, "req-p", [1], tokens=8)
+    params = dict(kv)
+    assert d.sched.request_finished(
+        "req-d", params, finished_normally=False, block_ids=[[]], num_computed_tokens=0
+    ) == (False, None)
+    assert params["do_remote_prefill"] is False
+    assert d.sched.build_meta().recv == []
+
+
+def test_restarted_decode_daemon_is_rejoined_and_pulls_work_again(
+    pair: tuple[Side, Side],
+) -> None:
+    p, d = pair
+    d.daemon.restart()
+    assert d.worker.session is not None
+    deadline = time.monotonic() + 5
+    while d.worker.session.registrations < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    kv = prefill_request(p, "req-p", [6], tokens=8)
+    d.sched.after_alloc("req-d", dict(kv), [[2]], 8)
+    r = step(d)
+    assert r.finished_recving == {"req-d"} and not r.failed_recving
+    assert torch.equal(d.kv[LAYERS[1]][2], p.kv[LAYERS[1]][6])
+
+
+def test_pair_blocks() -> None:
+    assert pair_blocks(((1, 2),), ((7, 8, 9),)) == (((1, 2),), ((8, 9),))
+    assert pair_blocks(((),), ((7,),)) == (((),), ((),))
+    with pytest.raises(ValueError, match="group 0"):
+        pair_blocks(((1, 2, 3),), ((7,),))
+    with pytest.raises(ValueError, match="groups"):
+        pair_blocks(((1,), (2,)), ((7,),))
+
+
+def test_options_from_extra_config() -> None:
+    o = ConnectorOptions.from_extra_config(
+        {"socket": "/run/kvmap/kvmapd.sock", "peer_address": "10.1.2.3:50051", "lease_seconds": 5},
+        producer=True,
+    )
+    assert (o.socket, o.peer_address, o.lease_seconds) == (
+        "/run/kvmap/kvmapd.sock",
+        "10.1.2.3:50051",
+        5.0,
+    )
+    assert ConnectorOptions.from_extra_config({}, producer=False).socket.endswith("kvmapd.sock")
+    for extra, message in [
+        ({"sockett": "/x"}, "unknown keys"),
+        ({"lease_seconds": "long"}, "lease_seconds: expected float"),
+        ({"transfer_timeout_s": 0}, "transfer_timeout_s: must be positive"),
+        ({"peer_address": "nohost"}, "peer_address: expected HOST:PORT"),
+        ({}, "peer_address: required"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            ConnectorOptions.from_extra_config(extra, producer=True)

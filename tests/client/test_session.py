@@ -1,0 +1,185 @@
+"""WorkerSession against the in-memory daemon: register + attach, events,
+reconnection with backoff after the daemon goes away, stop."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from kvmap.client.aio import AsyncKvmapClient
+from kvmap.client.client import KvmapClient
+from kvmap.client.errors import DeadlineExceeded, NotFound, Unavailable
+from kvmap.client.geometry import LayerSpec, build_registration
+from kvmap.client.session import Backoff, WorkerSession
+from kvmap.client.transports.memory import MemoryDaemon, MemoryNetwork, MemoryTransport
+from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
+
+FAST = Backoff(initial_s=0.01, max_s=0.05)
+WORKER = types_pb2.WorkerId(engine_id="engine-a", tp_rank=0)
+KEY = ("engine-a", 0, 0, 0)
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def daemon() -> Iterator[MemoryDaemon]:
+    d = MemoryNetwork().daemon("127.0.0.1:50051")
+    yield d
+    d.stop()
+
+
+def registration(nb: int = 8) -> tuple[registry_pb2.RegisterWorkerRequest, list[int], torch.Tensor]:
+    kv = torch.zeros(nb, 64, dtype=torch.uint8)
+    req, fds = build_registration(
+        WORKER, {"layer0": kv}, {"layer0": LayerSpec(0, types_pb2.CACHE_KIND_MHA, nb)},
+        block_size_tokens=16,
+    )  # fmt: skip
+    return req, fds, kv
+
+
+def test_backoff_grows_to_its_cap_with_jitter() -> None:
+    b = Backoff(initial_s=0.1, max_s=1.0, multiplier=2.0, jitter=0.2)
+    delays = list(itertools.islice(b.delays(random.Random(1)), 8))
+    assert 0.08 - 1e-9 <= delays[0] <= 0.1
+    assert all(0.8 - 1e-9 <= d <= 1.0 for d in delays[4:])
+    with pytest.raises(ValueError):
+        Backoff(initial_s=2.0, max_s=1.0)
+
+
+def test_start_registers_attaches_and_delivers_events(daemon: MemoryDaemon) -> None:
+    req, fds, _kv = registration()
+    events: list[registry_pb2.AttachResponse] = []
+    session = WorkerSession(
+        KvmapClient(MemoryTransport(daemon)), req, fds, on_event=events.append, backoff=FAST
+    )
+    region_map = session.start(timeout_s=2)
+    assert region_map.generation == 1 and session.registrations == 1
+    wait_for(lambda: daemon.subscriber_count(KEY) == 1)
+    wait_for(lambda: bool(events))
+    assert events[0].WhichOneof("event") == "attached"
+    assert session.daemon_instance == daemon.instance
+    session.stop()
+    assert daemon.workers() == []  # deregistered (and its stream gone)
+
+
+def test_daemon_restart_reregisters_same_worker_with_new_generation(daemon: MemoryDaemon) -> None:
+    req, fds, _kv = registration()
+    session = WorkerSession(KvmapClient(MemoryTransport(daemon)), req, fds, backoff=FAST)
+    session.start(timeout_s=2)
+    first_instance = daemon.instance
+    daemon.stop()
+    wait_for(lambda: not session.connected.is_set())
+    time.sleep(0.1)  # a few failed attempts while it is down
+    assert daemon.workers() == []
+    daemon.restart()
+    assert session.wait_connected(5)
+    wait_for(lambda: daemon.subscriber_count(KEY) == 1)
+    assert daemon.workers() == [KEY]
+    assert daemon.generation(KEY) == 2 and session.generation == 2
+    assert session.registrations == 2 and session.disconnects == 1
+    wait_for(lambda: session.daemon_instance == daemon.instance != first_instance)
+    session.stop()
+
+
+def test_worker_dropped_by_daemon_registers_again(daemon: MemoryDaemon) -> None:
+    req, fds, _kv = registration()
+    session = WorkerSession(KvmapClient(MemoryTransport(daemon)), req, fds, backoff=FAST)
+    session.start(timeout_s=2)
+    # The daemon ends the stream (e.g. it drained): the session comes back.
+    for streams in list(daemon._subscribers.values()):
+        for s in list(streams):
+            s.put(Unavailable("UNAVAILABLE: draining"))
+    wait_for(lambda: session.registrations == 2)
+    wait_for(lambda: daemon.subscriber_count(KEY) == 1)
+    session.stop()
+
+
+def test_start_waits_for_a_daemon_that_comes_up(daemon: MemoryDaemon) -> None:
+    daemon.stop()
+    req, fds, _kv = registration()
+    session = WorkerSession(KvmapClient(MemoryTransport(daemon)), req, fds, backoff=FAST)
+    threading.Timer(0.2, daemon.restart).start()
+    assert session.start(timeout_s=5).generation == 1
+    session.stop()
+
+
+def test_start_gives_up_after_its_timeout(daemon: MemoryDaemon) -> None:
+    daemon.stop()
+    req, fds, _kv = registration()
+    session = WorkerSession(KvmapClient(MemoryTransport(daemon)), req, fds, backoff=FAST)
+    start = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match="could not register worker engine-a"):
+        session.start(timeout_s=0.3)
+    assert time.monotonic() - start < 2
+
+
+def test_attach_to_unregistered_worker_is_not_found(daemon: MemoryDaemon) -> None:
+    client = KvmapClient(MemoryTransport(daemon))
+    with pytest.raises(NotFound):
+        client.attach(WORKER)
+
+
+def test_async_client_registers_attaches_and_reads_events(daemon: MemoryDaemon) -> None:
+    req, fds, _kv = registration()
+
+    async def go() -> tuple[int, str, int]:
+        client = AsyncKvmapClient(MemoryTransport(daemon))
+        m = await client.register(req, fds)
+        stream = await client.attach(WORKER)
+        first = None
+        async for event in stream:
+            first = event.WhichOneof("event")
+            break
+        stream.cancel()
+        stats = await client.get_stats()
+        await client.close()
+        return m.generation, str(first), stats.workers
+
+    assert asyncio.run(go()) == (1, "attached", 1)
+
+
+def test_memory_pull_copies_bytes_counts_and_notifies_owner() -> None:
+    net = MemoryNetwork()
+    pd, dd = net.daemon("p:1"), net.daemon("d:1")
+    kv_p = torch.arange(8 * 64, dtype=torch.int64).to(torch.uint8).view(8, 64)
+    kv_d = torch.zeros(8, 64, dtype=torch.uint8)
+    specs = {"l": LayerSpec(0, types_pb2.CACHE_KIND_MHA, 8)}
+    events: list[registry_pb2.AttachResponse] = []
+    sessions = []
+    for d, engine, kv, on in ((pd, "p", kv_p, events.append), (dd, "d", kv_d, None)):
+        w = types_pb2.WorkerId(engine_id=engine)
+        req, fds = build_registration(w, {"l": kv}, specs, block_size_tokens=16)
+        s = WorkerSession(KvmapClient(MemoryTransport(d)), req, fds, on_event=on, backoff=FAST)
+        s.start(2)
+        sessions.append(s)
+    spec = transfers_pb2.TransferSpec(
+        request_id="r1",
+        local_worker=types_pb2.WorkerId(engine_id="d"),
+        remote_target="p:1",
+        remote_worker=types_pb2.WorkerId(engine_id="p"),
+    )
+    spec.groups.add(transfer_group=0, local_block_ids=[5, 0], remote_block_ids=[2, 7])
+    result = KvmapClient(MemoryTransport(dd)).pull(spec)
+    assert result.bytes == 128
+    assert torch.equal(kv_d[5], kv_p[2]) and torch.equal(kv_d[0], kv_p[7])
+    assert dd.get_stats().transfers.blocks == 2 and pd.get_stats().transfers.served_blocks == 2
+    wait_for(lambda: any(e.WhichOneof("event") == "transfer_finished" for e in events))
+    done = next(e for e in events if e.WhichOneof("event") == "transfer_finished")
+    assert done.transfer_finished.request_id == "r1"
+    assert done.transfer_finished.direction == registry_pb2.TRANSFER_DIRECTION_PULLED_FROM
+    for s in sessions:
+        s.stop()
+    pd.stop()
+    dd.stop()

@@ -1,0 +1,430 @@
+"""CUDA IPC import without a GPU: handle and UUID checks, device choice by
+UUID, one open per block with reference counts, bounds, error messages.
+
+A fake stands in for the CUDA driver only (``cuda_driver.LibCuda``, the
+ctypes layer); the GPU tests in tests/gpu run the same code on a real one.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvmap.daemon import cuda_ipc
+from kvmap.daemon.cuda_driver import CudaCallError, CudaUnavailable, LibCuda
+from kvmap.daemon.cuda_ipc import (
+    CudaIpcImporter,
+    check_handle,
+    format_uuid,
+    import_allocation,
+    parse_uuid,
+)
+from kvmap.daemon.errors import (
+    FailedPrecondition,
+    InternalError,
+    InvalidArgument,
+    ResourceExhausted,
+)
+from kvmap.daemon.nixl_agent import MemoryType
+from kvmap.v1 import types_pb2
+
+pytestmark = pytest.mark.timeout(30)
+
+UUIDS = [bytes([d]) * 16 for d in (0xA0, 0xB1, 0xC2)]
+H1 = bytes(range(1, 65))
+H2 = bytes(range(65, 129))
+BLOCK = 1 << 20
+
+
+@dataclass
+class FakeDriver:
+    """The driver's contract: a handle opens once per process (a second open
+    of an open handle fails), contexts must be retained before use."""
+
+    uuids: list[bytes] = field(default_factory=lambda: list(UUIDS))
+    sizes: dict[bytes, int] = field(default_factory=dict)  # mapping size per handle
+    fail_open: str = ""  # CUresult name to fail cuIpcOpenMemHandle with
+    contexts: set[int] = field(default_factory=set)
+    open: dict[int, tuple[int, bytes]] = field(default_factory=dict)  # base -> (ordinal, handle)
+    calls: list[str] = field(default_factory=list)
+    next_base: int = 0x7F0000000000
+
+    def device_uuids(self) -> list[bytes]:
+        return list(self.uuids)
+
+    def retain_context(self, ordinal: int) -> None:
+        self.calls.append(f"retain {ordinal}")
+        self.contexts.add(ordinal)
+
+    def release_context(self, ordinal: int) -> None:
+        self.calls.append(f"release {ordinal}")
+        self.contexts.discard(ordinal)
+
+    def open_handle(self, ordinal: int, handle: bytes) -> int:
+        assert ordinal in self.contexts, "opened without a retained context"
+        self.calls.append(f"open {ordinal}")
+        if self.fail_open:
+            raise CudaCallError("cuIpcOpenMemHandle", 1, self.fail_open, "driver says no")
+        if any(h == handle for _, h in self.open.values()):
+            raise CudaCallError("cuIpcOpenMemHandle", 208, "CUDA_ERROR_ALREADY_MAPPED", "twice")
+        base = self.next_base
+        self.next_base += 1 << 32
+        self.open[base] = (ordinal, handle)
+        return base
+
+    def close_handle(self, ordinal: int, address: int) -> None:
+        self.calls.append(f"close {ordinal}")
+        assert self.open.pop(address)[0] == ordinal
+
+    def mapped_size(self, ordinal: int, address: int) -> int:
+        return self.sizes.get(self.open[address][1], BLOCK)
+
+
+@pytest.fixture
+def driver() -> FakeDriver:
+    return FakeDriver()
+
+
+@pytest.fixture
+def importer(driver: FakeDriver) -> CudaIpcImporter:
+    return CudaIpcImporter(lambda: driver)
+
+
+def _import(
+    imp: CudaIpcImporter,
+    *,
+    handle: bytes = H1,
+    offset: int = 0,
+    size: int = 4096,
+    block: int = BLOCK,
+    uuid: str = "",
+) -> cuda_ipc.CudaMapping:
+    return imp.import_handle(
+        handle=handle,
+        offset=offset,
+        size=size,
+        block_size=block,
+        device_uuid=uuid or format_uuid(UUIDS[1]),
+        field="allocations[0]",
+    )
+
+
+# UUIDs --------------------------------------------------------------------------
+
+
+def test_uuids_format_like_nvidia_smi_and_parse_back() -> None:
+    raw = bytes.fromhex("5e0e1f2a3b4c5d6e7f8091a2b3c4d5e6")
+    text = format_uuid(raw)
+    assert text == "GPU-5e0e1f2a-3b4c-5d6e-7f80-91a2b3c4d5e6"
+    for spelling in (text, text.upper(), text[4:], "MIG-" + text[4:], text.replace("-", "")[3:]):
+        assert parse_uuid(spelling, "f") == raw, spelling
+
+
+@pytest.mark.parametrize("bad", ["GPU-1234", "GPU-zz0e1f2a-3b4c-5d6e-7f80-91a2b3c4d5e6", "0"])
+def test_malformed_uuid_names_the_field(bad: str) -> None:
+    with pytest.raises(InvalidArgument) as e:
+        parse_uuid(bad, "allocations[2].device.uuid")
+    assert e.value.field == "allocations[2].device.uuid"
+    assert "is not a CUDA device UUID" in e.value.problem
+
+
+def test_missing_uuid_says_why_it_is_needed(importer: CudaIpcImporter) -> None:
+    with pytest.raises(InvalidArgument) as e:
+        _import(importer, uuid=" ")
+    assert e.value.field == "allocations[0].device.uuid"
+    assert "ordinals differ between containers" in e.value.problem
+
+
+# Handles ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [0, 1, 63, 65, 128])
+def test_handle_must_be_64_bytes(n: int) -> None:
+    with pytest.raises(InvalidArgument) as e:
+        check_handle(b"\x01" * n, "allocations[0].cuda_ipc.handle")
+    assert str(e.value) == (
+        f"allocations[0].cuda_ipc.handle: expected 64 bytes (a cudaIpcMemHandle_t), got {n}"
+    )
+
+
+def test_torch_versioned_and_expandable_handles_get_a_hint() -> None:
+    with pytest.raises(InvalidArgument, match="2-byte prefix"):
+        check_handle(b"\x02c" + H1, "h")
+    with pytest.raises(InvalidArgument, match="expandable_segments:True"):
+        check_handle(b"\x02e" + b"\x05" * 40, "h")
+
+
+def test_all_zero_handle_is_rejected() -> None:
+    with pytest.raises(InvalidArgument, match="all zeros"):
+        check_handle(bytes(64), "h")
+
+
+# Offsets and bounds ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("offset", "size", "block", "where", "text"),
+    [
+        (0, 0, BLOCK, "allocations[0].size_bytes", "must be positive"),
+        (0, 16, 0, "allocations[0].cuda_ipc.block_size_bytes", "must be positive"),
+        (-1, 16, BLOCK, "allocations[0].cuda_ipc.offset_bytes", "negative"),
+        (BLOCK - 8, 16, BLOCK, "allocations[0].cuda_ipc.offset_bytes", "past the end"),
+    ],
+)
+def test_bad_spans_are_rejected_before_the_driver_is_loaded(
+    offset: int, size: int, block: int, where: str, text: str
+) -> None:
+    loads: list[int] = []
+
+    def load() -> FakeDriver:
+        loads.append(1)
+        return FakeDriver()
+
+    imp = CudaIpcImporter(load)
+    with pytest.raises(InvalidArgument) as e:
+        _import(imp, offset=offset, size=size, block=block)
+    assert e.value.field == where and text in e.value.problem
+    assert loads == [] and imp.live_handles() == 0
+
+
+def test_address_is_block_base_plus_offset(importer: CudaIpcImporter, driver: FakeDriver) -> None:
+    m = _import(importer, offset=8192, size=4096)
+    (base,) = driver.open
+    assert m.block_address == base and m.address == base + 8192 and m.size == 4096
+    assert m.mem_type is MemoryType.VRAM
+    m.close()
+
+
+def test_allocation_ending_exactly_at_block_end_is_accepted(importer: CudaIpcImporter) -> None:
+    with _import(importer, offset=BLOCK - 4096, size=4096) as m:
+        assert not m.closed
+
+
+def test_block_size_larger_than_the_real_mapping_is_rejected_and_closed(
+    importer: CudaIpcImporter, driver: FakeDriver
+) -> None:
+    driver.sizes[H1] = BLOCK // 2
+    with pytest.raises(InvalidArgument) as e:
+        _import(importer, size=4096, block=BLOCK)
+    assert e.value.field == "allocations[0].cuda_ipc.block_size_bytes"
+    assert f"IPC mapping on {format_uuid(UUIDS[1])} is {BLOCK // 2} bytes" in e.value.problem
+    assert importer.live_handles() == 0 and driver.open == {}
+
+
+# Devices --------------------------------------------------------------------------
+
+
+def test_device_is_chosen_by_uuid_not_by_ordinal(
+    importer: CudaIpcImporter, driver: FakeDriver
+) -> None:
+    m = _import(importer, uuid=format_uuid(UUIDS[2]))
+    assert m.dev_id == 2 and m.device_uuid == format_uuid(UUIDS[2])
+    assert driver.calls == ["retain 2", "open 2"]
+    m.close()
+
+
+def test_unknown_uuid_lists_what_the_daemon_sees(
+    importer: CudaIpcImporter, driver: FakeDriver
+) -> None:
+    other = "GPU-" + "ee" * 4 + "-eeee-eeee-eeee-" + "ee" * 6
+    with pytest.raises(InvalidArgument) as e:
+        _import(importer, uuid=other)
+    assert str(e.value).startswith(
+        f"allocations[0].device.uuid: no visible CUDA device has UUID {other}"
+    )
+    assert format_uuid(UUIDS[0]) in e.value.problem
+    assert driver.open == {} and importer.live_handles() == 0
+
+
+# One open per block, reference counted ------------------------------------------------
+
+
+def test_two_allocations_of_one_block_share_one_open(
+    importer: CudaIpcImporter, driver: FakeDriver
+) -> None:
+    a = _import(importer, offset=0, size=4096)
+    b = _import(importer, offset=65536, size=8192)
+    assert driver.calls.count("open 1") == 1 and len(driver.open) == 1
+    assert b.address - a.address == 65536
+    assert importer.live_handles() == 1 and importer.live_mappings() == 2
+    a.close()
+    assert importer.live_handles() == 1 and driver.open  # b still uses the block
+    a.close()  # idempotent: does not steal b's reference
+    assert importer.live_handles() == 1
+    b.close()
+    assert importer.live_handles() == 0 and importer.live_mappings() == 0
+    assert driver.open == {} and driver.calls.count("close 1") == 1
+    assert a.closed and b.closed
+
+
+def test_a_closed_block_opens_again(importer: CudaIpcImporter, driver: FakeDriver) -> None:
+    _import(importer).close()
+    with _import(importer) as m:
+        assert not m.closed and importer.live_handles() == 1
+    assert driver.calls == ["retain 1", "open 1", "close 1", "open 1", "close 1"]
+
+
+def test_distinct_handles_are_distinct_blocks(importer: CudaIpcImporter) -> None:
+    with _import(importer, handle=H1) as a, _import(importer, handle=H2) as b:
+        assert importer.live_handles() == 2 and a.block_address != b.block_address
+    assert importer.live_handles() == 0
+
+
+def test_same_handle_on_another_device_is_rejected(
+    importer: CudaIpcImporter, driver: FakeDriver
+) -> None:
+    with _import(importer, uuid=format_uuid(UUIDS[1])):
+        with pytest.raises(InvalidArgument) as e:
+            _import(importer, uuid=format_uuid(UUIDS[0]))
+        assert e.value.field == "allocations[0].device.uuid"
+        assert "already open on" in e.value.problem
+        assert importer.live_mappings() == 1
+    assert driver.open == {}
+
+
+def test_concurrent_imports_of_one_handle_open_it_once(
+    importer: CudaIpcImporter, driver: FakeDriver
+) -> None:
+    start = threading.Barrier(8)
+
+    def one(i: int) -> cuda_ipc.CudaMapping:
+        start.wait()
+        return _import(importer, offset=i * 4096)
+
+    with ThreadPoolExecutor(8) as pool:
+        maps = list(pool.map(one, range(8)))
+    assert driver.calls.count("open 1") == 1 and importer.live_mappings() == 8
+    for m in maps:
+        m.close()
+    assert driver.open == {} and importer.live_handles() == 0
+
+
+# Driver failures --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("CUDA_ERROR_INVALID_VALUE", InvalidArgument),
+        ("CUDA_ERROR_MAP_FAILED", InvalidArgument),
+        ("CUDA_ERROR_OUT_OF_MEMORY", ResourceExhausted),
+        ("CUDA_ERROR_NOT_SUPPORTED", FailedPrecondition),
+    ],
+)
+def test_open_failures_map_to_statuses_and_leave_nothing_open(
+    importer: CudaIpcImporter, driver: FakeDriver, name: str, kind: type[Exception]
+) -> None:
+    driver.fail_open = name
+    with pytest.raises(kind) as e:
+        _import(importer)
+    assert "allocations[0].cuda_ipc.handle" in str(e.value) and name in str(e.value)
+    if kind is InvalidArgument:
+        assert "shareProcessNamespace" in str(e.value)
+    assert importer.live_handles() == 0 and importer.live_mappings() == 0
+
+
+def test_no_driver_is_failed_precondition_and_is_retried() -> None:
+    attempts: list[int] = []
+    fake = FakeDriver()
+
+    def load() -> FakeDriver:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise CudaUnavailable("cannot load libcuda.so.1: no such file")
+        return fake
+
+    imp = CudaIpcImporter(load)
+    with pytest.raises(FailedPrecondition) as e:
+        _import(imp)
+    assert str(e.value) == (
+        "no CUDA driver in this kvmapd container: cannot load libcuda.so.1: no such file"
+    )
+    with _import(imp) as m:  # the driver showed up: not cached as missing
+        assert m.dev_id == 1
+    assert len(attempts) == 2
+
+
+def test_bad_input_is_invalid_argument_even_without_a_driver() -> None:
+    def load() -> FakeDriver:
+        raise CudaUnavailable("absent")
+
+    with pytest.raises(InvalidArgument):
+        _import(CudaIpcImporter(load), handle=b"short")
+
+
+def test_failed_size_query_closes_the_handle(importer: CudaIpcImporter, driver: FakeDriver) -> None:
+    def broken(ordinal: int, address: int) -> int:
+        raise CudaCallError("cuMemGetAddressRange", 1, "CUDA_ERROR_INVALID_VALUE", "x")
+
+    driver.mapped_size = broken  # type: ignore[method-assign]
+    with pytest.raises(InternalError):
+        _import(importer)
+    assert driver.open == {} and importer.live_handles() == 0
+
+
+def test_close_errors_are_swallowed(importer: CudaIpcImporter, driver: FakeDriver) -> None:
+    m = _import(importer)
+
+    def broken(ordinal: int, address: int) -> None:
+        raise CudaCallError("cuIpcCloseMemHandle", 1, "CUDA_ERROR_INVALID_VALUE", "x")
+
+    driver.close_handle = broken  # type: ignore[method-assign]
+    m.close()  # must not raise: it runs while a worker is being released
+    assert importer.live_handles() == 0
+
+
+# Shutdown and the process-wide importer ---------------------------------------------
+
+
+def test_shutdown_closes_everything_and_releases_contexts(
+    importer: CudaIpcImporter, driver: FakeDriver
+) -> None:
+    a = _import(importer, uuid=format_uuid(UUIDS[0]))
+    b = _import(importer, handle=H2, uuid=format_uuid(UUIDS[2]))
+    importer.shutdown()
+    assert driver.open == {} and driver.contexts == set()
+    assert a.closed and b.closed and importer.live_handles() == 0
+    a.close()  # after shutdown: nothing left to do, nothing raised
+    assert importer.live_mappings() == 0
+
+
+def test_import_allocation_reads_the_proto_fields(
+    importer: CudaIpcImporter, driver: FakeDriver
+) -> None:
+    alloc = types_pb2.Allocation(
+        id="kv0",
+        size_bytes=4096,
+        device=types_pb2.Device(
+            type=types_pb2.DEVICE_TYPE_CUDA, index=5, uuid=format_uuid(UUIDS[0])
+        ),
+        cuda_ipc=types_pb2.CudaIpcHandle(handle=H1, offset_bytes=1024, block_size_bytes=BLOCK),
+    )
+    with import_allocation(alloc, field="allocations[3]", importer=importer) as m:
+        # The worker's ordinal (5) is ignored; the daemon's (0) is what NIXL gets.
+        assert m.dev_id == 0 and m.address == m.block_address + 1024 and m.size == 4096
+    alloc.cuda_ipc.block_size_bytes = 0
+    with pytest.raises(InvalidArgument) as e:
+        import_allocation(alloc, field="allocations[3]", importer=importer)
+    assert e.value.field == "allocations[3].cuda_ipc.block_size_bytes"
+
+
+def test_module_counters_are_zero_before_any_import() -> None:
+    if cuda_ipc._default is None:
+        assert cuda_ipc.live_handles() == 0 and cuda_ipc.live_mappings() == 0
+    assert cuda_ipc.default_importer() is cuda_ipc.default_importer()
+
+
+# The ctypes layer, where this machine has no driver ----------------------------------
+
+
+def test_missing_libcuda_is_cuda_unavailable() -> None:
+    with pytest.raises(CudaUnavailable, match=r"cannot load /nonexistent/libcuda\.so\.1"):
+        LibCuda("/nonexistent/libcuda.so.1")
+
+
+def test_library_without_driver_symbols_is_cuda_unavailable() -> None:
+    with pytest.raises(CudaUnavailable, match="has no cuGetErrorName"):
+        LibCuda("libc.so.6")

