@@ -10,6 +10,12 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
+# Largest message either listener accepts or sends (a full-scale registration
+# with thousands of views is ~1 MB; a region map a few hundred KB).
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# A region map must fit in one message with room for the agent metadata that
+# GetAgentMetadata sends beside it.
+MAX_REGION_MAP_BYTES = MAX_MESSAGE_BYTES - 2 * 1024 * 1024
 DEFAULT_PLANNER = "coalesce"
 
 

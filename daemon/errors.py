@@ -97,8 +97,16 @@ class TransferError(InternalError):
         self.nixl_status = nixl_status
 
 
+# Status messages (and the log lines that carry them) echo request fields;
+# bound them so a huge field cannot make a huge answer or log line.
+MAX_STATUS_MESSAGE = 1024
+
+
 def grpc_status(err: BaseException) -> tuple[grpc.StatusCode, str]:
     """The one place that turns an exception into a gRPC status and message."""
     if isinstance(err, KvmapError):
-        return err.code, err.message
+        message = err.message
+        if len(message) > MAX_STATUS_MESSAGE:
+            message = message[:MAX_STATUS_MESSAGE] + f"... ({len(err.message)} characters)"
+        return err.code, message
     return grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}"

@@ -10,7 +10,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from kvmap.daemon.errors import ResourceExhausted, StaleGeneration
+from kvmap.daemon.errors import InvalidArgument, ResourceExhausted, StaleGeneration
 from kvmap.daemon.workers import WorkerRecord
 
 # Notification payload a puller sends to the owner's agent when it is done.
@@ -18,6 +18,7 @@ NOTIF_PREFIX = b"kvmap1:done:"
 # Concurrent announced transfers per peer agent (a stated limit: a peer cannot
 # pin unbounded registrations).
 MAX_LEASES_PER_PEER = 1024
+MAX_LEASES = 8192
 DEFAULT_LEASE_S = 60.0
 MAX_LEASE_S = 600.0
 
@@ -47,6 +48,7 @@ def token_of(message: bytes) -> str | None:
 class LeaseTable:
     def __init__(self) -> None:
         self._leases: dict[str, Lease] = {}
+        self._per_peer: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -63,15 +65,17 @@ class LeaseTable:
         nbytes: int,
         lease_s: float,
     ) -> Lease:
+        if blocks < 0 or nbytes < 0:
+            raise InvalidArgument("blocks" if blocks < 0 else "bytes", "must not be negative")
         if generation != record.generation:
             raise StaleGeneration(str(record.key), generation, record.generation)
-        if (
-            sum(1 for x in self._leases.values() if x.peer_agent == peer_agent)
-            >= MAX_LEASES_PER_PEER
-        ):
+        if self._per_peer.get(peer_agent, 0) >= MAX_LEASES_PER_PEER:
             raise ResourceExhausted(
                 f"peer {peer_agent} has {MAX_LEASES_PER_PEER} transfers outstanding (the limit)"
             )
+        if len(self._leases) >= MAX_LEASES:
+            # Peers name themselves: the per-peer limit alone bounds nothing.
+            raise ResourceExhausted(f"{MAX_LEASES} transfers outstanding in all (the limit)")
         lease = Lease(
             token=secrets.token_hex(16),
             request_id=request_id,
@@ -84,12 +88,18 @@ class LeaseTable:
         )
         record.pin()
         self._leases[lease.token] = lease
+        self._per_peer[peer_agent] = self._per_peer.get(peer_agent, 0) + 1
         return lease
 
     def finish(self, token: str) -> Lease | None:
         lease = self._leases.pop(token, None)
         if lease is not None:
             lease.record.unpin()
+            left = self._per_peer[lease.peer_agent] - 1
+            if left:
+                self._per_peer[lease.peer_agent] = left
+            else:
+                del self._per_peer[lease.peer_agent]
         return lease
 
     def expire(self, now: float | None = None) -> list[Lease]:

@@ -127,13 +127,15 @@ def import_shm_path(path: str, offset: int, size: int, *, field: str = "") -> Ma
     """Open ``path`` read/write and map ``size`` bytes at ``offset`` of it."""
     _check_range(offset, size, field)
     if not os.path.isabs(path):
-        raise InvalidArgument(field, f"path {path!r} is not absolute")
+        raise InvalidArgument(field, f"path {path[:256]!r} is not absolute")
     try:
         # O_NOFOLLOW: a worker must name the object itself, not a link to
         # some other file the daemon can write.
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError as e:
-        raise InvalidArgument(field, f"cannot open {path!r}: {e.strerror}") from e
+        raise InvalidArgument(field, f"cannot open {path[:256]!r}: {e.strerror}") from e
+    except ValueError as e:  # an embedded NUL byte
+        raise InvalidArgument(field, f"path {path[:256]!r} is not a valid path: {e}") from e
     try:
         _check_object(os.fstat(fd), offset, size, field)
         return _map(fd, offset, size, path, field)

@@ -3,6 +3,7 @@ bounded deadlines and statuses mapped into the error tree."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 import grpc
@@ -37,6 +38,10 @@ def _peer_error(target: str, err: aio.AioRpcError) -> KvmapError:
     return Unavailable(what)
 
 
+# Remote daemons this daemon keeps a channel open to at once.
+MAX_CHANNELS = 64
+
+
 class PeerHandshake:
     """What a remote daemon told us about one of its workers."""
 
@@ -57,10 +62,20 @@ class PeerClient:
         self._timeout = connect_timeout_s
         self._credentials = credentials
         self._channels: dict[str, aio.Channel] = {}
+        self._closing: set[asyncio.Task[None]] = set()
 
     def _stub(self, target: str) -> peer_pb2_grpc.PeerAsyncStub:
-        channel = self._channels.get(target)
-        if channel is None:
+        channel = self._channels.pop(target, None)
+        if channel is not None:
+            self._channels[target] = channel  # most recently used last
+        else:
+            if len(self._channels) >= MAX_CHANNELS:
+                # Targets come from requests: keep a bounded set of channels.
+                oldest = next(iter(self._channels))
+                stale = self._channels.pop(oldest)
+                task = asyncio.get_running_loop().create_task(stale.close(grace=None))
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
             options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
             channel = (
                 aio.secure_channel(target, self._credentials, options=options)

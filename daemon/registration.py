@@ -20,6 +20,7 @@ import numpy as np
 import structlog
 
 from kvmap.daemon import convert, cuda_ipc, memory
+from kvmap.daemon.config import MAX_REGION_MAP_BYTES
 from kvmap.daemon.errors import InvalidArgument, KvmapError
 from kvmap.daemon.fd_handoff import FdHandoffServer
 from kvmap.daemon.geometry import Plan, RegionMapModel, WorkerGeometry, WorkerKey
@@ -178,6 +179,13 @@ class Registrar:
                 for a in model.allocations
             ),
         )
+        size = convert.region_map_to_proto(model).ByteSize()
+        if size > MAX_REGION_MAP_BYTES:
+            raise InvalidArgument(
+                "views",
+                f"the region map would be {size} bytes, over the {MAX_REGION_MAP_BYTES}-byte "
+                "limit of one message: register fewer views or shorter layer names",
+            )
         rows = region_rows(model)
         dlist = await self._nixl(partial(self._agent.prep_local, rows))
         mem.refs += 1

@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
+from google.protobuf.message import DecodeError
 from grpc import aio
 
-from kvmap.daemon.errors import KvmapError, grpc_status
+from kvmap.daemon.errors import InvalidArgument, KvmapError, grpc_status
 from kvmap.daemon.metrics import Metrics
 
 log = structlog.get_logger("kvmapd.rpc")
@@ -107,17 +108,40 @@ class ErrorsAndContext(_Interceptor):
         if handler is None or not handler_call_details.method.startswith("/kvmap.v1."):
             return handler
         method = handler_call_details.method.rsplit("/", 1)[-1]
-        if handler.unary_unary is not None:
+        # Requests arrive as bytes and are parsed inside the wrapper, so bytes
+        # that are no valid message get INVALID_ARGUMENT (grpcio's own parse
+        # failure would answer UNKNOWN before any handler runs).
+        parse = _parser(handler.request_deserializer)
+        unary, stream = handler.unary_unary, handler.unary_stream
+
+        def parsed_unary(raw: bytes, ctx: Any) -> Any:
+            assert unary is not None
+            return unary(parse(raw), ctx)
+
+        def parsed_stream(raw: bytes, ctx: Any) -> Any:
+            assert stream is not None
+            return stream(parse(raw), ctx)
+
+        if unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(method, handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
+                self._wrap_unary(method, parsed_unary),
                 response_serializer=handler.response_serializer,
             )
-        if handler.unary_stream is not None:
+        if stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                # grpc's stubs type sync handlers; aio handlers are async generators.
-                self._wrap_stream(method, handler.unary_stream),  # type: ignore[arg-type]
-                request_deserializer=handler.request_deserializer,
+                self._wrap_stream(method, parsed_stream),
                 response_serializer=handler.response_serializer,
             )
         return handler
+
+
+def _parser(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
+    def parse(raw: bytes) -> Any:
+        if deserialize is None:
+            return raw
+        try:
+            return deserialize(raw)
+        except DecodeError as err:
+            raise InvalidArgument("", f"request is not a valid message: {err}") from None
+
+    return parse

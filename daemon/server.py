@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvmap.daemon import cuda_ipc
 from kvmap.daemon.app import DaemonApp
-from kvmap.daemon.config import DaemonConfig, read_pem
+from kvmap.daemon.config import MAX_MESSAGE_BYTES, DaemonConfig, read_pem
 from kvmap.daemon.metrics import Metrics
 from kvmap.daemon.rpc import ErrorsAndContext
 from kvmap.daemon.services import (
@@ -35,9 +35,6 @@ log = structlog.get_logger("kvmapd")
 # Health service names. "" is overall liveness; READINESS_SERVICE is SERVING
 # only while the daemon accepts transfers (Kubernetes readiness probes it).
 READINESS_SERVICE = "kvmap.v1.Peer"
-# Largest message either listener accepts (a full-scale registration with
-# thousands of views is ~1 MB; a region map a few hundred KB).
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
 class Daemon:

@@ -37,6 +37,7 @@ from kvmap.daemon.nixl_agent import MemoryType, NixlAgent, XferOp, XferState
 from kvmap.daemon.nixl_thread import NixlRunner
 from kvmap.daemon.peer_client import PeerClient, PeerHandshake, peer_credentials
 from kvmap.daemon.progress import Progress
+from kvmap.daemon.remote_agents import RemoteAgents
 from kvmap.daemon.transfer_pieces import LayerSelection, PieceTable, Side, build_piece_table
 from kvmap.daemon.transfer_plan import (
     GroupPairs,
@@ -62,16 +63,6 @@ def side_memory(model: RegionMapModel, who: str) -> tuple[int, MemoryType]:
         )
     ((index, kind),) = kinds
     return index, MemoryType.VRAM if kind is DeviceKind.CUDA else MemoryType.DRAM
-
-
-@dataclass
-class RemoteAgent:
-    name: str
-    daemon_instance: str
-    # The metadata last loaded: it lists the remote's registered memory, so
-    # a remote that registered new memory must be loaded again (NIXL updates
-    # a known agent in place; in-flight transfers are unaffected).
-    metadata: bytes
 
 
 @dataclass
@@ -158,7 +149,7 @@ class TransferEngine:
         self._metrics = metrics
         self._counters = counters
         self.peers = PeerClient(config.connect_timeout_s, peer_credentials(config))
-        self._agents: dict[str, RemoteAgent] = {}
+        self._agents = RemoteAgents(agent, nixl, self._agent_changed)
         self._handshakes: dict[tuple[str, WorkerKey], PeerHandshake] = {}
         self._prepared: dict[tuple[Any, ...], Prepared] = {}
         self._lock = asyncio.Lock()  # cache mutations (handshake, prepare)
@@ -190,25 +181,22 @@ class TransferEngine:
 
     async def _handshake(self, target: str, remote: WorkerKey) -> PeerHandshake:
         hs = await self.peers.handshake(target, remote)
-        known = self._agents.get(target)
-        if known is not None and known.name != hs.agent_name:
-            # The remote daemon restarted: its old agent and every list
-            # prepared against it go before anything new is posted.
-            log.info("remote_agent_changed", target=target, old=known.name, new=hs.agent_name)
+        if self._agents.agent_of(target) not in (None, hs.agent_name):
+            # The remote daemon restarted: every list prepared against its
+            # old agent goes before anything new is posted.
             await self._release([k for k in self._prepared if k[2] == target])
-            await self._nixl(partial(self._agent.remove_remote, known.name))
             self._handshakes = {k: v for k, v in self._handshakes.items() if k[0] != target}
-            del self._agents[target]
-        loaded = self._agents.get(target)
-        if loaded is None or loaded.metadata != hs.agent_metadata:
-            await self._nixl(partial(self._agent.add_remote, hs.agent_metadata))
-            self._agents[target] = RemoteAgent(hs.agent_name, hs.daemon_instance, hs.agent_metadata)
-            self._metrics.remote_agents.set(len(self._agents))
+        await self._agents.load(target, hs.agent_name, hs.daemon_instance, hs.agent_metadata)
+        self._metrics.remote_agents.set(len(self._agents))
         old = self._handshakes.get((target, remote))
         if old is not None and old.generation != hs.generation:
             await self._release([k for k in self._prepared if k[2] == target and k[3] == remote])
         self._handshakes[(target, remote)] = hs
         return hs
+
+    async def _agent_changed(self, name: str) -> None:
+        """Lists prepared against a reloaded or removed remote agent go."""
+        await self._release([k for k in self._prepared if k[5] == name])
 
     async def _remote(self, req: Request, refresh: bool) -> tuple[PeerHandshake, bool]:
         async with self._lock:
@@ -409,7 +397,5 @@ class TransferEngine:
     async def close(self) -> None:
         async with self._lock:
             await self._release(list(self._prepared))
-            for agent in self._agents.values():
-                await self._nixl(partial(self._agent.remove_remote, agent.name))
-            self._agents.clear()
+            await self._agents.close()
         await self.peers.close()

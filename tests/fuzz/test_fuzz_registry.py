@@ -344,9 +344,7 @@ def handles() -> st.SearchStrategy[tuple[Any, ...]]:
     other = st.one_of(
         st.tuples(
             st.just("random_path"),
-            # KNOWN BUG (test_a_shm_path_with_a_nul_byte_is_invalid_argument): a NUL
-            # byte in a path is INTERNAL today; drop this filter once it is fixed.
-            odd_strings.filter(lambda s: "\x00" not in s).map(lambda s: "/" + s),
+            odd_strings.map(lambda s: "/" + s),
             int64s,
         ),
         st.tuples(st.just("cuda"), st.binary(max_size=128), int64s, int64s),
@@ -725,14 +723,6 @@ def test_raw_bytes_that_decode(env: Env, raw: tuple[str, bool, bytes]) -> None:
     live.assert_healthy()
 
 
-UNDECODABLE_REASON = (
-    "kvmapd bug: a request whose bytes do not parse as the method's message is answered "
-    "UNKNOWN ('Unexpected <class DecodeError>'), by grpcio's aio server before the "
-    "interceptor sees it, instead of INVALID_ARGUMENT"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=UNDECODABLE_REASON)
 @fuzz_settings(150)
 @given(raw=raw_requests())
 def test_raw_bytes_that_do_not_decode_are_invalid_argument(
@@ -760,7 +750,6 @@ def test_every_method_of_the_api_is_fuzzed() -> None:
     assert methods == set(ALLOWED) == set(SEEDS)
 
 
-@pytest.mark.xfail(strict=True, reason=UNDECODABLE_REASON)
 @pytest.mark.parametrize(("method", "tcp"), ROUTES)
 def test_undecodable_request_is_invalid_argument(env: Env, method: str, tcp: bool) -> None:
     live = env.live
@@ -773,12 +762,6 @@ def test_undecodable_request_is_invalid_argument(env: Env, method: str, tcp: boo
     assert out.code is INVALID, (out.code, out.details)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvmapd bug: memory.import_shm_path passes the path to os.open, which raises "
-    "ValueError('embedded null byte') (not OSError) for a path with a NUL byte: the "
-    "request is answered INTERNAL instead of INVALID_ARGUMENT naming allocations[i].shm_path",
-)
 def test_a_shm_path_with_a_nul_byte_is_invalid_argument(env: Env) -> None:
     live = env.live
     req = template()

@@ -247,14 +247,6 @@ def test_a_peer_claiming_addresses_of_another_process_is_refused(
 # A peer that borrows a real daemon's agent name -------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvmapd bug: remote agents are cached per target but NIXL knows them by name; "
-    "a second target that reports the prefill daemon's agent name and then another name "
-    "makes the decode daemon remove_remote() the real prefill agent, and every later pull "
-    "from the real prefill target fails with NOT_FOUND (prepped lists of an invalidated "
-    "agent) until the prefill generation changes",
-)
 def test_a_peer_borrowing_a_real_agent_name_cannot_cut_off_the_real_peer(
     tmp_path: Path,
 ) -> None:

@@ -136,13 +136,6 @@ def test_a_message_of_exactly_16_mib_is_accepted(c: Cluster, tcp: bool) -> None:
     assert str(MAX_MESSAGE_BYTES) in msg, msg
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvmapd bug: error messages echo request fields unbounded; a GetRegionMap for a "
-    "16 MiB engine id answers NOT_FOUND with a ~16 MiB status message, which clients "
-    "cannot receive (their 16 KiB metadata limit turns it into RESOURCE_EXHAUSTED), and "
-    "writes a ~16 MiB log line per request, from the unauthenticated TCP port",
-)
 def test_a_rejection_of_a_huge_request_has_a_bounded_message_and_log_line(c: Cluster) -> None:
     req = region_maps_pb2.GetRegionMapRequest(
         worker=types_pb2.WorkerId(engine_id="e" * (MAX_MESSAGE_BYTES - 64))
@@ -262,13 +255,6 @@ def test_a_region_map_too_big_to_send_is_refused_by_plan_preview(c: Cluster) -> 
     c.d.assert_healthy()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvmapd bug: RegisterWorker commits a registration whose region map is larger "
-    "than the 16 MiB message limit; the caller gets RESOURCE_EXHAUSTED (the response could "
-    "not be sent) but the worker stays registered, and its map can never be read "
-    "(GetRegionMap / GetAgentMetadata fail the same way)",
-)
 def test_a_registration_whose_region_map_cannot_be_sent_is_refused_and_changes_nothing(
     c: Cluster,
 ) -> None:
