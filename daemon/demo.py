@@ -95,9 +95,9 @@ def run(args: argparse.Namespace) -> int:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvmap-demo-")))
         t0 = time.perf_counter()
         prefill = start_daemon(tmp / "prefill", "--planner", "coalesce", name="prefill")
-        stack.callback(_stop_daemon, prefill)
+        stack.callback(prefill.stop)
         decode = start_daemon(tmp / "decode", "--planner", args.decode_planner, name="decode")
-        stack.callback(_stop_daemon, decode)
+        stack.callback(decode.stop)
         geo_args = [
             "--blocks", str(args.blocks), "--block-tokens", str(args.block_tokens),
             "--mla-layers", str(args.mla_layers), "--indexer-layers", str(args.indexer_layers),
@@ -177,10 +177,3 @@ def _finished_requests(pw: WorkerProc, expected: int, timeout_s: float = 10.0) -
         if len(done) >= expected or time.monotonic() > deadline:
             return done
         time.sleep(0.05)
-
-
-def _stop_daemon(d: DaemonProc) -> None:
-    try:
-        d.terminate(timeout=15)
-    except AssertionError:
-        d.kill()

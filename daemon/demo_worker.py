@@ -11,7 +11,6 @@ worker verifies what it pulled without seeing the prefill worker's memory.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import threading
@@ -24,6 +23,7 @@ from google.protobuf import json_format
 
 from kvmap.client.client import KvmapClient
 from kvmap.client.errors import KvmapClientError, NotFound
+from kvmap.daemon import json_lines
 from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
 
 # GLM-5.3's per-token page sizes (bytes): MLA latent 656, indexer key 132.
@@ -283,14 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         "pid": os.getpid(),
         "region_map": json_format.MessageToDict(region_map, preserving_proto_field_name=True),
     }
-    print(json.dumps(ready), flush=True)
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        cmd = json.loads(line)
-        if cmd.get("cmd") == "exit":
-            break
-        print(json.dumps(handle(w, cmd)), flush=True)
+    json_lines.serve(ready, lambda cmd: handle(w, cmd))
     w.client.close()
     return 0
 

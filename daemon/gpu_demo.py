@@ -19,9 +19,7 @@ tests/gpu/run_on_device.sh.
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import select
 import shutil
 import statistics
 import subprocess
@@ -33,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvmap.daemon.launch import DaemonProc, WorkerProc, local_env, start_daemon
+from kvmap.daemon.launch import DaemonProc, WorkerProc, spawn_worker, start_daemon
 
 WORKER_START_TIMEOUT_S = 180.0
 PULL_TIMEOUT_S = 120.0
@@ -136,42 +134,14 @@ def pull_line(p: Pull) -> str:
 def start_gpu_worker(
     daemon: DaemonProc, engine_id: str, *extra: str, timeout: float = WORKER_START_TIMEOUT_S
 ) -> WorkerProc:
-    """``launch.start_worker`` for ``gpu_demo_worker``; kills it if it never
-    becomes ready."""
-    log_path = daemon.workdir / f"worker-{engine_id}.log"
-    args = [sys.executable, "-m", "kvmap.daemon.gpu_demo_worker"]
-    args += ["--socket", daemon.socket, "--engine-id", engine_id, *extra]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            args,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            env=local_env(daemon.workdir),
-            cwd=daemon.workdir,
-        )
-    try:
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], timeout)
-        line = proc.stdout.readline() if ready else ""
-        if not line:
-            raise RuntimeError(
-                f"GPU worker {engine_id} not ready in {timeout}s:\n"
-                + log_path.read_text(errors="replace")[-4000:]
-            )
-        return WorkerProc(proc=proc, ready=json.loads(line), log_path=log_path)
-    except BaseException:
-        proc.kill()
-        proc.wait(10)
-        raise
-
-
-def _stop_daemon(d: DaemonProc) -> None:
-    try:
-        d.terminate(timeout=20)
-    except AssertionError:
-        d.kill()
+    """``launch.start_worker`` for ``gpu_demo_worker``."""
+    return spawn_worker(
+        daemon,
+        "kvmap.daemon.gpu_demo_worker",
+        ["--engine-id", engine_id, *extra],
+        f"worker-{engine_id}",
+        timeout,
+    )
 
 
 def gpu_memory_mib(uuid: str) -> tuple[int | None, dict[int, int]]:
@@ -277,7 +247,7 @@ def _check_release(pw: WorkerProc, decode: DaemonProc, uuid: str) -> bool | None
         )
         return True
     print(f"  killed the prefill worker: its memory did NOT come back in {RELEASE_TIMEOUT_S:.0f}s")
-    _stop_daemon(decode)
+    decode.stop()
     if _wait_released(uuid, before, want, 10.0) is not None:
         print("  ... it came back once the decode daemon stopped: its UCX cuda_ipc cache held it")
     else:
@@ -298,9 +268,9 @@ def run_phase(args: argparse.Namespace, planner: str, check_release: bool) -> Ph
             stack.callback(_keep_logs, tmp, Path(args.logs) / planner)
         t0 = time.perf_counter()
         prefill = start_daemon(tmp / "prefill", "--planner", planner, name="prefill")
-        stack.callback(_stop_daemon, prefill)
+        stack.callback(prefill.stop)
         decode = start_daemon(tmp / "decode", "--planner", planner, name="decode")
-        stack.callback(_stop_daemon, decode)
+        stack.callback(decode.stop)
         pw = start_gpu_worker(prefill, "prefill-engine", *geo, "--fill")
         stack.callback(pw.stop)
         dw = start_gpu_worker(decode, "decode-engine", *geo)

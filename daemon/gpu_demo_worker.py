@@ -14,7 +14,6 @@ Run by ``kvmap.daemon.gpu_demo`` and tests/gpu.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -22,6 +21,7 @@ import torch
 from google.protobuf import json_format
 
 from kvmap.client.cuda_export import export_cuda_tensors
+from kvmap.daemon import json_lines
 from kvmap.daemon.demo_worker import DemoGeometry, DemoWorker, handle
 from kvmap.v1 import registry_pb2, types_pb2
 
@@ -172,14 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_bytes": sum(int(r.numel()) for r in w.rows),
         "region_map": json_format.MessageToDict(region_map, preserving_proto_field_name=True),
     }
-    print(json.dumps(ready), flush=True)
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        cmd = json.loads(line)
-        if cmd.get("cmd") == "exit":
-            break
-        print(json.dumps(handle(w, cmd)), flush=True)
+    json_lines.serve(ready, lambda cmd: handle(w, cmd))
     w.client.close()
     return 0
 

@@ -70,6 +70,13 @@ class DaemonProc:
             self.proc.kill()
         self.proc.wait(10)
 
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM, and SIGKILL if it does not exit in time (cleanup paths)."""
+        try:
+            self.terminate(timeout)
+        except AssertionError:
+            self.kill()
+
 
 def start_daemon(
     workdir: Path, *extra: str, name: str = "kvmapd", listen: str = "127.0.0.1:0"
@@ -180,23 +187,21 @@ def _tail(path: Path, n: int = 4000) -> str:
         return ""
 
 
-def start_worker(
-    daemon: DaemonProc, engine_id: str, *extra: str, timeout: float = START_TIMEOUT_S
+def spawn_worker(
+    daemon: DaemonProc,
+    module: str,
+    args: list[str],
+    log_name: str,
+    timeout: float = START_TIMEOUT_S,
 ) -> WorkerProc:
-    log_path = daemon.workdir / f"worker-{engine_id}.log"
-    args = [
-        sys.executable,
-        "-m",
-        "kvmap.daemon.demo_worker",
-        "--socket",
-        daemon.socket,
-        "--engine-id",
-        engine_id,
-        *extra,
-    ]
+    """Start ``python -m module --socket <daemon's> *args`` (a JSON-lines
+    worker, see ``json_lines``) and wait for its ready line; a worker that
+    never gets ready is killed."""
+    log_path = daemon.workdir / f"{log_name}.log"
+    cmd = [sys.executable, "-m", module, "--socket", daemon.socket, *args]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            args,
+            cmd,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=log,
@@ -204,5 +209,23 @@ def start_worker(
             env=local_env(daemon.workdir),
             cwd=daemon.workdir,
         )
-    ready = json.loads(_readline(proc, timeout, log_path))
+    try:
+        ready = json.loads(_readline(proc, timeout, log_path))
+    except BaseException:
+        proc.kill()
+        proc.wait(10)
+        raise
     return WorkerProc(proc=proc, ready=ready, log_path=log_path)
+
+
+def start_worker(
+    daemon: DaemonProc, engine_id: str, *extra: str, timeout: float = START_TIMEOUT_S
+) -> WorkerProc:
+    """A ``kvmap.daemon.demo_worker`` registered with ``daemon``."""
+    return spawn_worker(
+        daemon,
+        "kvmap.daemon.demo_worker",
+        ["--engine-id", engine_id, *extra],
+        f"worker-{engine_id}",
+        timeout,
+    )

@@ -24,13 +24,9 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import json
 import os
 import platform
-import select
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -47,7 +43,7 @@ from kvmap.daemon import planner as planners
 from kvmap.daemon.bench import blockpool
 from kvmap.daemon.bench.profiles import Profile, get_profile
 from kvmap.daemon.geometry import RegionMapModel, WorkerGeometry
-from kvmap.daemon.launch import DaemonProc, WorkerProc, local_env, start_daemon
+from kvmap.daemon.launch import DaemonProc, WorkerProc, spawn_worker, start_daemon
 from kvmap.daemon.transfer_pieces import LayerSelection, build_piece_table
 from kvmap.daemon.transfer_plan import GroupPairs, plan_transfer
 from kvmap.v1 import peer_pb2, peer_pb2_grpc, types_pb2
@@ -198,26 +194,9 @@ def _start_daemons(workdir: Path, planners_: list[str]) -> dict[str, tuple[Daemo
 
 
 def _start_worker(daemon: DaemonProc, side: str) -> WorkerProc:
-    log_path = daemon.workdir / f"bench-worker-{side}.log"
-    args = [sys.executable, "-m", "kvmap.daemon.bench.worker", "--socket", daemon.socket]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            args,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            env=local_env(daemon.workdir),
-            cwd=daemon.workdir,
-        )
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], WORKER_TIMEOUT_S)
-    line = proc.stdout.readline() if ready else ""
-    if not line:
-        proc.kill()
-        proc.wait(10)
-        raise RuntimeError(f"bench worker did not start:\n{log_path.read_text()[-4000:]}")
-    return WorkerProc(proc=proc, ready=json.loads(line), log_path=log_path)
+    return spawn_worker(
+        daemon, "kvmap.daemon.bench.worker", [], f"bench-worker-{side}", WORKER_TIMEOUT_S
+    )
 
 
 def _call(w: WorkerProc, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -225,13 +204,6 @@ def _call(w: WorkerProc, cmd: dict[str, Any]) -> dict[str, Any]:
     if not out.get("ok"):
         raise RuntimeError(f"bench worker {cmd['cmd']} failed: {out.get('code')}: {out}")
     return out
-
-
-def _stop_daemon(d: DaemonProc) -> None:
-    try:
-        d.terminate(timeout=20)
-    except AssertionError:
-        d.kill()
 
 
 def daemon_rss(pid: int) -> int:
@@ -268,8 +240,8 @@ class Pair:
     ) -> None:
         self.planner = planner
         self.prefill, self.decode = daemons
-        stack.callback(_stop_daemon, self.prefill)
-        stack.callback(_stop_daemon, self.decode)
+        stack.callback(self.prefill.stop)
+        stack.callback(self.decode.stop)
         self.pw = _start_worker(self.prefill, "prefill")
         stack.callback(self.pw.stop)
         self.dw = _start_worker(self.decode, "decode")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
-import json
 import mmap
 import os
 import sys
@@ -32,6 +31,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from kvmap.client.client import KvmapClient
 from kvmap.client.errors import KvmapClientError, Unavailable
+from kvmap.daemon import json_lines
 from kvmap.daemon.bench.profiles import WORD, get_profile
 from kvmap.daemon.geometry import ViewSpec, WorkerGeometry
 from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
@@ -287,15 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     w = BenchWorker(args.socket)
-    answers.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
     try:
-        for line in sys.stdin:
-            if not line.strip():
-                continue
-            cmd = json.loads(line)
-            if cmd.get("cmd") == "exit":
-                break
-            answers.write(json.dumps(handle(w, cmd)) + "\n")
+        json_lines.serve({"ready": True, "pid": os.getpid()}, lambda cmd: handle(w, cmd), answers)
     finally:
         w.close()
     return 0
