@@ -30,7 +30,7 @@ class RemoteAgent:
     daemon_instance: str
     # The metadata last loaded: it lists the remote's registered memory, so a
     # remote that registered new memory is loaded again (NIXL updates a known
-    # agent in place).
+    # agent in place; transfers over lists prepared before still work).
     metadata: bytes
     targets: set[str] = field(default_factory=set)
 
@@ -95,9 +95,8 @@ class RemoteAgents:
             raise FailedPrecondition(
                 f"remote daemon {target} claims agent {name!r} but sent the metadata of {loaded!r}"
             )
-        if known is not None:
-            # Reloaded with new memory: lists prepared before may be stale.
-            await self._on_agent_changed(name)
+        # Reloading (the remote registered more memory) keeps lists prepared
+        # before valid: NIXL updates the agent in place (measured).
         targets = (known.targets if known else set()) | {target}
         self._by_name[name] = RemoteAgent(name, instance, metadata, targets)
         self._by_target[target] = name

@@ -165,7 +165,7 @@ def test_push_writes_remote_blocks(coalesced: Pair) -> None:
     assert events["push-1"] == "TRANSFER_DIRECTION_PUSHED_TO"
 
 
-def _wait_events(worker: WorkerProc, *request_ids: str, timeout: float = 10) -> dict[str, str]:
+def _wait_events(worker: WorkerProc, *request_ids: str, timeout: float = 30) -> dict[str, str]:
     deadline = time.monotonic() + timeout
     while True:
         events = worker.call({"cmd": "events"})["events"]
