@@ -3,14 +3,14 @@ restarts.
 
 A ``WorkerSession`` registers the worker (sending its fds first), opens the
 ``Attach`` stream and reads it on a thread, handing every event to a
-callback. kvmapd treats the end of a worker's last Attach stream as the
-worker's death and forgets the registration, and a restarted kvmapd starts
-without it; so whenever the stream ends without the worker asking, the
-session registers the *same* worker again (same identity, same memory, the
-fds sent anew) and re-attaches, retrying with exponential backoff and jitter
-until it succeeds or the session is stopped. Each successful registration
-gets a new generation from the daemon, which is how peers learn to
-re-handshake.
+callback. Whenever the stream ends without the worker asking (the daemon
+restarted or was upgraded), the session attaches again, retrying with
+exponential backoff and jitter until it succeeds or is stopped. A restarted
+kvmapd with a state directory has usually restored the worker already (new
+generation, same memory); one that answers the Attach with NOT_FOUND does
+not know it, and the session registers the *same* worker again (same
+identity, same memory, the fds sent anew) before attaching. Either way the
+daemon hands out a new generation, which is how peers learn to re-handshake.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvmap.client.client import KvmapClient
-from kvmap.client.errors import DeadlineExceeded, KvmapClientError
+from kvmap.client.errors import DeadlineExceeded, KvmapClientError, NotFound
 from kvmap.client.transports.base import AttachStream
 from kvmap.v1 import registry_pb2, types_pb2
 
@@ -144,11 +144,19 @@ class WorkerSession:
                 stream = self._stream
             assert stream is not None
             error: BaseException | None = None
+            attached = False
             try:
                 for event in stream:
+                    attached |= event.WhichOneof("event") == "attached"
                     self._handle(event)
             except KvmapClientError as err:
                 error = err
+                if isinstance(err, NotFound) and not attached:
+                    # The daemon does not know this worker (a restart without
+                    # its state, or it dropped it): register it again.
+                    self.connected.clear()
+                    self._reconnect(register=True)
+                    continue
             except Exception as err:  # a transport bug must not kill the session
                 log.exception("kvmap attach stream failed")
                 error = err
@@ -157,19 +165,28 @@ class WorkerSession:
             self.connected.clear()
             self.disconnects += 1
             log.warning(
-                "kvmap attach stream of %s ended (%s); registering again",
+                "kvmap attach stream of %s ended (%s); attaching again",
                 _name(self.worker),
                 error or "closed by kvmapd",
             )
-            self._reconnect()
+            self._reconnect(register=False)
 
-    def _reconnect(self) -> None:
+    def _reconnect(self, register: bool) -> None:
         for delay in self.backoff.delays():
             if self._stop.wait(delay):
                 return
             try:
+                if not register:
+                    # The answer (attached, or NOT_FOUND) may come on the
+                    # stream, or at once from a transport that knows it.
+                    stream = self.client.attach(self.worker)
+                    with self._lock:
+                        self._stream = stream
+                    return
                 self._connect()
                 return
+            except NotFound:
+                register = True
             except KvmapClientError as err:
                 log.info("kvmapd still unreachable (%s); next try in up to %.2fs", err, delay)
 
@@ -177,6 +194,13 @@ class WorkerSession:
         which = event.WhichOneof("event")
         if which == "attached":
             self.daemon_instance = event.attached.daemon_instance
+            self.connected.set()
+            if event.attached.generation != self.generation:
+                # Restored by a restarted daemon: its map (best effort).
+                try:
+                    self.region_map = self.client.get_region_map(self.worker)
+                except KvmapClientError as err:
+                    log.info("region map of %s after re-attach: %s", _name(self.worker), err)
         if self.on_event is None:
             return
         try:

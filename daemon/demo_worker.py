@@ -14,7 +14,6 @@ import argparse
 import os
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,9 +21,13 @@ import torch
 from google.protobuf import json_format
 
 from kvmap.client.client import KvmapClient
-from kvmap.client.errors import KvmapClientError, NotFound
+from kvmap.client.errors import KvmapClientError
+from kvmap.client.session import Backoff, WorkerSession
 from kvmap.daemon import json_lines
 from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
+
+# A restarted sidecar is back within a second or two.
+RECONNECT = Backoff(initial_s=0.05, max_s=1.0)
 
 # GLM-5.3's per-token page sizes (bytes): MLA latent 656, indexer key 132.
 MLA_TOKEN_BYTES = 656
@@ -86,6 +89,7 @@ class DemoWorker:
         self.rows = self._allocate()
         self.seed = 0
         self.events: list[dict[str, Any]] = []
+        self.session: WorkerSession | None = None
         self._events_lock = threading.Lock()
 
     def _allocate(self) -> list[torch.Tensor]:
@@ -125,8 +129,23 @@ class DemoWorker:
         return req, fds
 
     def register(self) -> types_pb2.RegionMap:
+        """Register the current memory. The first call starts the client
+        library's session, which keeps the worker attached (and registered
+        again when a restarted daemon does not know it) for the life of the
+        process; later calls register anew (a new generation)."""
         req, fds = self.registration()
-        return self.client.register(req, fds)
+        if self.session is None:
+            self.session = WorkerSession(
+                self.client, req, fds, on_event=self._on_event, backoff=RECONNECT
+            )
+            return self.session.start(timeout_s=60)
+        self.session.request, self.session.fds = req, fds
+        region_map = self.client.register(req, fds)
+        self.session.region_map = region_map
+        return region_map
+
+    def _on_event(self, event: registry_pb2.AttachResponse) -> None:
+        self._record(json_format.MessageToDict(event, preserving_proto_field_name=True))
 
     def fill(self, seed: int = 0) -> None:
         self.seed = seed
@@ -137,36 +156,6 @@ class DemoWorker:
     def _record(self, event: dict[str, Any]) -> None:
         with self._events_lock:
             self.events.append(event)
-
-    def attach_forever(self) -> None:
-        """Keep an Attach stream open for the life of the process: when the
-        daemon goes away, re-attach with backoff; when the daemon that comes
-        back does not know this worker, register again (same process, same
-        memory)."""
-
-        def run() -> None:
-            backoff = 0.05
-            while True:
-                try:
-                    for event in self.client.attach(self.worker):
-                        backoff = 0.05
-                        self._record(
-                            json_format.MessageToDict(event, preserving_proto_field_name=True)
-                        )
-                    self._record({"stream_ended": True})
-                except NotFound:
-                    try:
-                        self.register()
-                        self._record({"reregistered": True})
-                        continue
-                    except KvmapClientError as err:
-                        self._record({"reregister_error": str(err)})
-                except KvmapClientError as err:
-                    self._record({"stream_error": err.code.name})
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
-
-        threading.Thread(target=run, daemon=True, name="attach").start()
 
     def layer_slices(self, group: int, layers: list[str]) -> list[tuple[int, int]]:
         g = self.geo.groups[group]
@@ -277,7 +266,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.fill:
         w.fill()
     region_map = w.register()
-    w.attach_forever()
     ready = {
         "ready": True,
         "pid": os.getpid(),

@@ -165,7 +165,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.fill:
         w.fill()
     region_map = w.register()
-    w.attach_forever()
     ready = {
         "ready": True,
         "pid": os.getpid(),

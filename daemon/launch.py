@@ -5,6 +5,8 @@ where it listens through a ready file; every wait is bounded."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 import select
@@ -19,6 +21,34 @@ from typing import Any
 import grpc
 
 START_TIMEOUT_S = 60.0
+
+# Every process started here, in order, so that a caller that failed halfway
+# (a test assertion, an interrupted demo) can still reap what it started.
+_started: list[subprocess.Popen[Any]] = []
+
+
+def _track(proc: subprocess.Popen[Any]) -> None:
+    _started.append(proc)
+
+
+def started_count() -> int:
+    """A mark for ``kill_started(since=...)``."""
+    return len(_started)
+
+
+def kill_started(since: int = 0) -> int:
+    """Kill the processes started through this module since the mark that
+    still run; returns how many there were."""
+    alive = [p for p in _started[since:] if p.poll() is None]
+    for p in alive:
+        p.kill()
+    for p in alive:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(10)
+    return len(alive)
+
+
+atexit.register(kill_started)
 
 
 def local_env(tmp: Path) -> dict[str, str]:
@@ -106,6 +136,7 @@ def start_daemon(
         proc = subprocess.Popen(
             args, stdout=log, stderr=subprocess.STDOUT, env=local_env(workdir), cwd=workdir
         )
+    _track(proc)
     deadline = time.monotonic() + START_TIMEOUT_S
     while not ready.exists():
         if proc.poll() is not None:
@@ -209,6 +240,7 @@ def spawn_worker(
             env=local_env(daemon.workdir),
             cwd=daemon.workdir,
         )
+    _track(proc)
     try:
         ready = json.loads(_readline(proc, timeout, log_path))
     except BaseException:
