@@ -262,13 +262,18 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     geo = DemoGeometry(args.blocks, args.block_tokens, args.mla_layers, args.indexer_layers)
     worker = types_pb2.WorkerId(engine_id=args.engine_id, tp_rank=args.tp_rank)
-    w = DemoWorker(args.socket, worker, geo)
-    if args.fill:
+    return serve_worker(DemoWorker(args.socket, worker, geo), fill=args.fill)
+
+
+def serve_worker(w: DemoWorker, fill: bool, **ready_extra: Any) -> int:
+    """Fill (prefill side), register, then answer commands until exit."""
+    if fill:
         w.fill()
     region_map = w.register()
     ready = {
         "ready": True,
         "pid": os.getpid(),
+        **ready_extra,
         "region_map": json_format.MessageToDict(region_map, preserving_proto_field_name=True),
     }
     json_lines.serve(ready, lambda cmd: handle(w, cmd))

@@ -14,15 +14,12 @@ Run by ``kvmap.daemon.gpu_demo`` and tests/gpu.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
-from google.protobuf import json_format
 
 from kvmap.client.cuda_export import export_cuda_tensors
-from kvmap.daemon import json_lines
-from kvmap.daemon.demo_worker import DemoGeometry, DemoWorker, handle
+from kvmap.daemon.demo_worker import DemoGeometry, DemoWorker, serve_worker
 from kvmap.v1 import registry_pb2, types_pb2
 
 # Bytes of int64 scratch one fill/verify chunk may use on the GPU.
@@ -162,18 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     geo = DemoGeometry(args.blocks, args.block_tokens, args.mla_layers, args.indexer_layers)
     worker = types_pb2.WorkerId(engine_id=args.engine_id, tp_rank=args.tp_rank)
     w = GpuDemoWorker(args.socket, worker, geo, args.device)
-    if args.fill:
-        w.fill()
-    region_map = w.register()
-    ready = {
-        "ready": True,
-        "pid": os.getpid(),
-        "kv_bytes": sum(int(r.numel()) for r in w.rows),
-        "region_map": json_format.MessageToDict(region_map, preserving_proto_field_name=True),
-    }
-    json_lines.serve(ready, lambda cmd: handle(w, cmd))
-    w.client.close()
-    return 0
+    return serve_worker(w, fill=args.fill, kv_bytes=sum(int(r.numel()) for r in w.rows))
 
 
 if __name__ == "__main__":

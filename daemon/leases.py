@@ -10,7 +10,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from kvmap.daemon.errors import InvalidArgument, ResourceExhausted, StaleGeneration
+from kvmap.daemon.errors import ResourceExhausted, StaleGeneration
 from kvmap.daemon.workers import WorkerRecord
 
 # Notification payload a puller sends to the owner's agent when it is done.
@@ -65,8 +65,6 @@ class LeaseTable:
         nbytes: int,
         lease_s: float,
     ) -> Lease:
-        if blocks < 0 or nbytes < 0:
-            raise InvalidArgument("blocks" if blocks < 0 else "bytes", "must not be negative")
         if generation != record.generation:
             raise StaleGeneration(str(record.key), generation, record.generation)
         if self._per_peer.get(peer_agent, 0) >= MAX_LEASES_PER_PEER:

@@ -3,6 +3,7 @@ context (a request id) and RPC metrics, as an aio server interceptor."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -49,26 +50,33 @@ class ErrorsAndContext(_Interceptor):
         self._metrics.rpcs.labels(method, code.name).inc()
         await context.abort(code, message)
 
+    @contextlib.asynccontextmanager
+    async def _scope(
+        self, method: str, context: aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[None]:
+        """One RPC: its logging context, its latency, its status."""
+        structlog.contextvars.bind_contextvars(
+            rpc=method, request_id=_request_id(context), listener=self._listener
+        )
+        start = time.perf_counter()
+        try:
+            yield
+        except aio.AbortError:
+            raise
+        except Exception as err:
+            await self._fail(err, method, context)
+            raise AssertionError("unreachable: abort raises") from err
+        finally:
+            self._metrics.rpc_seconds.labels(method).observe(time.perf_counter() - start)
+            structlog.contextvars.clear_contextvars()
+        self._metrics.rpcs.labels(method, "OK").inc()
+
     def _wrap_unary(
         self, method: str, behavior: Callable[[Any, Any], Awaitable[Any]]
     ) -> Callable[[Any, Any], Awaitable[Any]]:
         async def call(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
-            structlog.contextvars.bind_contextvars(
-                rpc=method, request_id=_request_id(context), listener=self._listener
-            )
-            start = time.perf_counter()
-            try:
-                response = await behavior(request, context)
-            except (KvmapError, Exception) as err:
-                if isinstance(err, aio.AbortError):
-                    raise
-                await self._fail(err, method, context)
-                raise AssertionError("unreachable: abort raises") from err
-            finally:
-                self._metrics.rpc_seconds.labels(method).observe(time.perf_counter() - start)
-                structlog.contextvars.clear_contextvars()
-            self._metrics.rpcs.labels(method, "OK").inc()
-            return response
+            async with self._scope(method, context):
+                return await behavior(request, context)
 
         return call
 
@@ -76,22 +84,9 @@ class ErrorsAndContext(_Interceptor):
         self, method: str, behavior: Callable[[Any, Any], AsyncIterator[Any]]
     ) -> Callable[[Any, Any], AsyncIterator[Any]]:
         async def call(request: Any, context: aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-            structlog.contextvars.bind_contextvars(
-                rpc=method, request_id=_request_id(context), listener=self._listener
-            )
-            start = time.perf_counter()
-            try:
+            async with self._scope(method, context):
                 async for item in behavior(request, context):
                     yield item
-            except (KvmapError, Exception) as err:
-                if isinstance(err, aio.AbortError):
-                    raise
-                await self._fail(err, method, context)
-                raise AssertionError("unreachable: abort raises") from err
-            finally:
-                self._metrics.rpc_seconds.labels(method).observe(time.perf_counter() - start)
-                structlog.contextvars.clear_contextvars()
-            self._metrics.rpcs.labels(method, "OK").inc()
 
         return call
 

@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection
 from kvmap.daemon import convert
 from kvmap.daemon import planner as planners
 from kvmap.daemon.app import DaemonApp
-from kvmap.daemon.errors import FailedPrecondition, Unavailable
+from kvmap.daemon.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvmap.daemon.geometry import WorkerKey
 from kvmap.daemon.leases import DEFAULT_LEASE_S
 from kvmap.v1 import (
@@ -209,6 +209,11 @@ class PeerService(peer_pb2_grpc.PeerServicer):
     async def BeginTransfer(
         self, request: peer_pb2.BeginTransferRequest, context: Ctx
     ) -> peer_pb2.BeginTransferResponse:
+        if request.blocks < 0 or request.bytes < 0:
+            # Arguments first: they are wrong whatever the daemon's state.
+            raise InvalidArgument(
+                "blocks" if request.blocks < 0 else "bytes", "must not be negative"
+            )
         if self.app.draining:
             raise Unavailable("kvmapd is shutting down")
         if request.agent_name and request.agent_name != self.app.agent_name:

@@ -594,7 +594,9 @@ def test_begin_transfer(env: Env, fields: dict[str, Any]) -> None:
     check_rejected(live, method, out, req, before)
     if out.code is OK:
         # Only a request naming the live worker at its current generation
-        # (and this daemon's agent, or none) may pin it.
+        # (and this daemon's agent, or none) with sizes that are not
+        # negative may pin it.
+        assert req.blocks >= 0 and req.bytes >= 0, short(req)
         assert is_key(req.worker, ENGINE), short(req)
         assert req.generation == live.generation(ENGINE), short(req)
         assert req.agent_name in ("", live.daemon.agent), short(req)
@@ -603,6 +605,9 @@ def test_begin_transfer(env: Env, fields: dict[str, Any]) -> None:
         end = call(live.peer.EndTransfer, peer_pb2.EndTransferRequest(transfer_token=token), "End")
         assert end.code is OK, end
         assert live.snapshot() == before
+    elif req.blocks < 0 or req.bytes < 0:
+        # Bad arguments whatever the daemon's state: checked first.
+        assert out.code is grpc.StatusCode.INVALID_ARGUMENT, out
     elif is_key(req.worker, ENGINE) and req.generation != live.generation(ENGINE):
         assert out.code is grpc.StatusCode.FAILED_PRECONDITION, out
 

@@ -177,8 +177,14 @@ def test_reregistration_bumps_generation_atomically(daemon: DaemonProc, worker: 
             region_maps_pb2.ListWorkersRequest(), timeout=10
         )
     assert [(w.worker.engine_id, w.generation) for w in listed.workers] == [("engine-a", 2)]
-    events = worker.call({"cmd": "events"})["events"]
-    assert any(e.get("region_map_changed", {}).get("generation") == "2" for e in events)
+    # The event travels on the worker's Attach stream: give it a moment.
+    deadline = time.monotonic() + 10
+    while not any(
+        e.get("region_map_changed", {}).get("generation") == "2"
+        for e in worker.call({"cmd": "events"})["events"]
+    ):
+        assert time.monotonic() < deadline, "no region_map_changed event for generation 2"
+        time.sleep(0.05)
 
 
 def test_killed_worker_is_deregistered(daemon: DaemonProc, worker: WorkerProc) -> None:

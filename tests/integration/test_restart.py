@@ -177,8 +177,14 @@ def test_live_replan_without_restart(tmp_path: Path, decode: tuple[DaemonProc, W
     after = [o for w, o in puller.results if w > at]
     assert all(o["stats"]["remote_generation"] == 2 for o in after)
     assert region_map(prefill).planner.name == "baseline"
-    events = worker.call({"cmd": "events"})["events"]
-    assert any(e.get("region_map_changed", {}).get("generation") == "2" for e in events)
+    wait_for(
+        lambda: any(
+            e.get("region_map_changed", {}).get("generation") == "2"
+            for e in worker.call({"cmd": "events"})["events"]
+        ),
+        10,
+        "the region_map_changed event",
+    )
     worker.stop()
     assert prefill.terminate() == 0, prefill.log()
 
