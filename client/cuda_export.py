@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from kvmap.client.shm_export import SharedView
+from kvmap.v1 import types_pb2
 
 CUDA_IPC_HANDLE_SIZE = 64
 HANDLE_VERSION = 2
@@ -79,6 +80,21 @@ class CudaStorage:
     storage_size_bytes: int
     block_size_bytes: int
     data_ptr: int
+
+    def allocation(self, alloc_id: str) -> types_pb2.Allocation:
+        """The registration's ``Allocation`` for this storage."""
+        return types_pb2.Allocation(
+            id=alloc_id,
+            size_bytes=self.storage_size_bytes,
+            device=types_pb2.Device(
+                type=types_pb2.DEVICE_TYPE_CUDA, index=self.device_index, uuid=self.device_uuid
+            ),
+            cuda_ipc=types_pb2.CudaIpcHandle(
+                handle=self.handle,
+                offset_bytes=self.offset_bytes,
+                block_size_bytes=self.block_size_bytes,
+            ),
+        )
 
 
 def expandable_segments_enabled(env: Mapping[str, str] | None = None) -> bool:

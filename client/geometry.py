@@ -160,18 +160,7 @@ def build_registration(
         cuda_storages, placed = cuda_export.export_cuda_tensors(chosen)
         for i, c in enumerate(cuda_storages):
             storage_sizes.append(c.storage_size_bytes)
-            req.allocations.add(
-                id=f"kv{i}",
-                size_bytes=c.storage_size_bytes,
-                device=types_pb2.Device(
-                    type=types_pb2.DEVICE_TYPE_CUDA, index=c.device_index, uuid=c.device_uuid
-                ),
-                cuda_ipc=types_pb2.CudaIpcHandle(
-                    handle=c.handle,
-                    offset_bytes=c.offset_bytes,
-                    block_size_bytes=c.block_size_bytes,
-                ),
-            )
+            req.allocations.append(c.allocation(f"kv{i}"))
     for name, tensor, where in zip(names, chosen, placed, strict=True):
         spec = specs[name]
         try:

@@ -249,8 +249,9 @@ def handle(w: DemoWorker, cmd: dict[str, Any]) -> dict[str, Any]:
     return {"ok": False, "code": "UNKNOWN_COMMAND", "message": op}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvmap-demo-worker")
+def worker_arguments(prog: str) -> argparse.ArgumentParser:
+    """The command line every demo worker (CPU or GPU) takes."""
+    p = argparse.ArgumentParser(prog=prog)
     p.add_argument("--socket", required=True)
     p.add_argument("--engine-id", required=True)
     p.add_argument("--tp-rank", type=int, default=0)
@@ -259,10 +260,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mla-layers", type=int, default=6)
     p.add_argument("--indexer-layers", type=int, default=3)
     p.add_argument("--fill", action="store_true", help="write the prefill pattern")
-    args = p.parse_args(argv)
-    geo = DemoGeometry(args.blocks, args.block_tokens, args.mla_layers, args.indexer_layers)
-    worker = types_pb2.WorkerId(engine_id=args.engine_id, tp_rank=args.tp_rank)
-    return serve_worker(DemoWorker(args.socket, worker, geo), fill=args.fill)
+    return p
+
+
+def geometry(args: argparse.Namespace) -> DemoGeometry:
+    return DemoGeometry(args.blocks, args.block_tokens, args.mla_layers, args.indexer_layers)
+
+
+def worker_id(args: argparse.Namespace) -> types_pb2.WorkerId:
+    return types_pb2.WorkerId(engine_id=args.engine_id, tp_rank=args.tp_rank)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = worker_arguments("kvmap-demo-worker").parse_args(argv)
+    w = DemoWorker(args.socket, worker_id(args), geometry(args))
+    return serve_worker(w, fill=args.fill)
 
 
 def serve_worker(w: DemoWorker, fill: bool, **ready_extra: Any) -> int:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvmap.daemon.launch import DaemonProc, WorkerProc, spawn_worker, start_daemon
+from kvmap.daemon.launch import DaemonProc, WorkerProc, start_daemon, start_worker
 
 WORKER_START_TIMEOUT_S = 180.0
 PULL_TIMEOUT_S = 120.0
@@ -135,12 +135,8 @@ def start_gpu_worker(
     daemon: DaemonProc, engine_id: str, *extra: str, timeout: float = WORKER_START_TIMEOUT_S
 ) -> WorkerProc:
     """``launch.start_worker`` for ``gpu_demo_worker``."""
-    return spawn_worker(
-        daemon,
-        "kvmap.daemon.gpu_demo_worker",
-        ["--engine-id", engine_id, *extra],
-        f"worker-{engine_id}",
-        timeout,
+    return start_worker(
+        daemon, engine_id, *extra, timeout=timeout, module="kvmap.daemon.gpu_demo_worker"
     )
 
 

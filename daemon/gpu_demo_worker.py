@@ -13,13 +13,19 @@ Run by ``kvmap.daemon.gpu_demo`` and tests/gpu.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 
 from kvmap.client.cuda_export import export_cuda_tensors
-from kvmap.daemon.demo_worker import DemoGeometry, DemoWorker, serve_worker
+from kvmap.daemon.demo_worker import (
+    DemoGeometry,
+    DemoWorker,
+    geometry,
+    serve_worker,
+    worker_arguments,
+    worker_id,
+)
 from kvmap.v1 import registry_pb2, types_pb2
 
 # Bytes of int64 scratch one fill/verify chunk may use on the GPU.
@@ -98,18 +104,7 @@ class GpuDemoWorker(DemoWorker):
         # both groups in one cudaMalloc block: then they share a handle).
         storages, placed = export_cuda_tensors(self.rows)
         for si, s in enumerate(storages):
-            req.allocations.add(
-                id=f"kv-cuda{si}",
-                size_bytes=s.storage_size_bytes,
-                device=types_pb2.Device(
-                    type=types_pb2.DEVICE_TYPE_CUDA, index=s.device_index, uuid=s.device_uuid
-                ),
-                cuda_ipc=types_pb2.CudaIpcHandle(
-                    handle=s.handle,
-                    offset_bytes=s.offset_bytes,
-                    block_size_bytes=s.block_size_bytes,
-                ),
-            )
+            req.allocations.append(s.allocation(f"kv-cuda{si}"))
         for gi, (g, where) in enumerate(zip(self.geo.groups, placed, strict=True)):
             for li, name in enumerate(self.geo.layer_names(gi)):
                 req.views.add(
@@ -145,20 +140,10 @@ class GpuDemoWorker(DemoWorker):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvmap-gpu-demo-worker")
-    p.add_argument("--socket", required=True)
-    p.add_argument("--engine-id", required=True)
-    p.add_argument("--tp-rank", type=int, default=0)
+    p = worker_arguments("kvmap-gpu-demo-worker")
     p.add_argument("--device", default="cuda:0")
-    p.add_argument("--blocks", type=int, default=64)
-    p.add_argument("--block-tokens", type=int, default=64)
-    p.add_argument("--mla-layers", type=int, default=6)
-    p.add_argument("--indexer-layers", type=int, default=3)
-    p.add_argument("--fill", action="store_true", help="write the prefill pattern")
     args = p.parse_args(argv)
-    geo = DemoGeometry(args.blocks, args.block_tokens, args.mla_layers, args.indexer_layers)
-    worker = types_pb2.WorkerId(engine_id=args.engine_id, tp_rank=args.tp_rank)
-    w = GpuDemoWorker(args.socket, worker, geo, args.device)
+    w = GpuDemoWorker(args.socket, worker_id(args), geometry(args), args.device)
     return serve_worker(w, fill=args.fill, kv_bytes=sum(int(r.numel()) for r in w.rows))
 
 

@@ -251,12 +251,17 @@ def spawn_worker(
 
 
 def start_worker(
-    daemon: DaemonProc, engine_id: str, *extra: str, timeout: float = START_TIMEOUT_S
+    daemon: DaemonProc,
+    engine_id: str,
+    *extra: str,
+    timeout: float = START_TIMEOUT_S,
+    module: str = "kvmap.daemon.demo_worker",
 ) -> WorkerProc:
-    """A ``kvmap.daemon.demo_worker`` registered with ``daemon``."""
+    """A demo worker (``module``: the CPU one, or ``gpu_demo_worker``)
+    registered with ``daemon``."""
     return spawn_worker(
         daemon,
-        "kvmap.daemon.demo_worker",
+        module,
         ["--engine-id", engine_id, *extra],
         f"worker-{engine_id}",
         timeout,
