@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvmap.daemon import launch
+from kvmap.tools import launch
 
 
 @pytest.fixture(autouse=True)

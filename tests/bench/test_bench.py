@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from kvmap.daemon import planner as planners
-from kvmap.daemon.bench import blockpool, report, runner
-from kvmap.daemon.bench.profiles import DEFAULT_PROFILES, PROFILES, get_profile
+from kvmap.daemon.core import planner as planners
+from kvmap.tools.bench import blockpool, report, runner
+from kvmap.tools.bench.profiles import DEFAULT_PROFILES, PROFILES, get_profile
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path
     png = out / "bench.png"
     args = ["--profile", "tiny", "--repeats", "2", "--memcpy-mib", "16", "--json", "--quiet"]
     proc = subprocess.run(
-        [sys.executable, "-m", "kvmap.daemon.cli", "bench", *args, "--plot", str(png)],
+        [sys.executable, "-m", "kvmap.daemon.cli.kvmapd", "bench", *args, "--plot", str(png)],
         capture_output=True,
         text=True,
         timeout=240,

@@ -1,4 +1,4 @@
-"""Smoke test of ``bench/load.py``: tiny N and M, real daemons; its figures
+"""Smoke test of ``python -m kvmap.tools.load``: tiny N and M, real daemons; its figures
 are all there and every pull verified. Not a performance test: no figure is
 compared with a threshold."""
 
@@ -8,13 +8,12 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-SCRIPT = Path(__file__).parents[2] / "bench" / "load.py"
+SCRIPT_MODULE = "kvmap.tools.load"
 FIGURES = [
     "wall_s", "pulls_per_s", "gb_per_s", "p50_ms", "p99_ms", "max_ms",
     "post_p50_ms", "post_p99_ms", "completion_p50_ms", "completion_p99_ms",
@@ -25,7 +24,7 @@ def test_load_script_reports_its_figures_and_verifies_every_pull() -> None:
     clients, pulls = 3, 4
     proc = subprocess.run(
         [
-            sys.executable, str(SCRIPT), "--clients", str(clients), "--pulls", str(pulls),
+            sys.executable, "-m", SCRIPT_MODULE, "--clients", str(clients), "--pulls", str(pulls),
             "--decode-daemons", "2", "--blocks-per-pull", "4", "--prefill-blocks", "32",
             "--block-tokens", "16", "--decode-planner", "baseline", "--json",
         ],

@@ -1076,7 +1076,7 @@ def test_the_daemon_accepts_the_rendered_configuration(
 ) -> None:
     # Through kvmapd's own loader: unknown keys in kvmapd.toml would make
     # `kvmapd serve` exit 2 in the pod.
-    from kvmap.daemon.config import load_config
+    from kvmap.daemon.adapters.config_files import load_config
 
     docs = render("prefill")
     spec = _pod(docs)
@@ -1160,10 +1160,17 @@ def test_build_context_holds_the_sources_and_nothing_else() -> None:
     patterns = (REPO / ".dockerignore").read_text().splitlines()
     setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     needed = ["pyproject.toml", "README.md", "deploy/k8s/base/kvmapd.toml"]
-    needed += [f"{d}/__init__.py" for d in setuptools["package-dir"].values()]
+    # Every package of every source root, and its package data.
+    roots = setuptools["packages"]["find"]["where"]
+    packages = {
+        ".".join(init.parent.relative_to(REPO / root).parts): init.parent.relative_to(REPO)
+        for root in roots
+        for init in (REPO / root).rglob("__init__.py")
+    }
+    assert {"kvmap.daemon", "kvmap.client", "kvmap.tools", "kvmap.v1"} <= set(packages)
+    needed += [f"{d}/__init__.py" for d in packages.values()]
     for package, globs in setuptools.get("package-data", {}).items():
-        root = setuptools["package-dir"][package]
-        needed += [f"{root}/{g.replace('*', 'x')}" for g in globs]
+        needed += [f"{packages[package]}/{g.replace('*', 'x')}" for g in globs]
     for path in needed:
         assert dockerignore_included(patterns, path), f"{path} is kept out of the build context"
     for path in (

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from kvmap.daemon.launch import DaemonProc
+from kvmap.tools.launch import DaemonProc
 from kvmap.v1 import (
     admin_pb2_grpc,
     peer_pb2_grpc,

@@ -56,7 +56,7 @@ from hypothesis import assume, event, given
 from hypothesis import strategies as st
 
 from kvmap.client.fd_handoff import send_fds
-from kvmap.daemon.launch import WorkerProc, start_daemon, start_worker
+from kvmap.tools.launch import WorkerProc, start_daemon, start_worker
 from kvmap.v1 import (
     admin_pb2,
     peer_pb2,

@@ -37,7 +37,7 @@ from fuzz_support import (
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from kvmap.daemon.launch import WorkerProc, start_daemon, start_worker
+from kvmap.tools.launch import WorkerProc, start_daemon, start_worker
 from kvmap.v1 import transfers_pb2, types_pb2
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(int(240 * max(1.0, SCALE)))]

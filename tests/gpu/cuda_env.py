@@ -13,7 +13,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from kvmap.daemon.cuda_driver import LIBCUDA, CudaUnavailable, LibCuda
+from kvmap.daemon.adapters.cuda_driver import LIBCUDA, CudaUnavailable, LibCuda
 
 EXPORTER = Path(__file__).with_name("exporter.py")
 

@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cuda_env import REASON, Exporter, copy_out
 from exporter import expected
 
-from kvmap.daemon.cuda_driver import LIBCUDA, LibCuda
-from kvmap.daemon.cuda_ipc import CudaIpcImporter, format_uuid
+from kvmap.daemon.adapters.cuda_driver import LIBCUDA, LibCuda
+from kvmap.daemon.adapters.cuda_ipc import CudaIpcImporter, format_uuid
 
 IS_LEGACY_CUDA_IPC_CAPABLE = 10  # CUpointer_attribute
 SIZE = 4 << 20

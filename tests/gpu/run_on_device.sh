@@ -24,7 +24,7 @@
 #   2. ipc_probe.py: open a worker's IPC handle as kvmapd does, and whether memory kvmapd
 #      imported can be re-exported (what UCX cuda_ipc needs between two daemons);
 #   3. pytest: the CUDA IPC unit tests (fake driver) and tests/gpu (real driver);
-#   4. kvmap.daemon.gpu_demo: two kvmapd + two GPU workers, GLM-5.3 geometry scaled to
+#   4. kvmap.tools.gpu_demo: two kvmapd + two GPU workers, GLM-5.3 geometry scaled to
 #      $KVMAP_GPU_BLOCKS blocks (default 2048, 2 x 7 GiB), baseline then coalesce, scattered
 #      pulls, every byte verified, dead-worker memory release; UCX protocol choices logged.
 # Writes to $OUT: summary.txt env.txt probe.txt pytest.txt demo.txt ucx.txt logs.tgz
@@ -67,7 +67,7 @@ ln -s "$root/protos/gen/kvmap/v1" "$work/src/kvmap/v1"
 # Ours first, then the wheels (they replace an older grpcio/protobuf of the image).
 export PYTHONPATH="$work/src:$site${PYTHONPATH:+:$PYTHONPATH}"
 if ! "$py" -c '
-import torch, nixl._api, kvmap.daemon.server, kvmap.daemon.cuda_ipc, kvmap.v1.registry_pb2_grpc
+import torch, nixl._api, kvmap.daemon.api.server, kvmap.daemon.adapters.cuda_ipc, kvmap.v1.registry_pb2_grpc
 assert torch.cuda.is_available(), "torch sees no CUDA device"
 print("imports OK: nixl", nixl._api.__file__)'; then
   echo "kvmap GPU check: the environment is incomplete (see above); nothing else can run"
@@ -88,7 +88,7 @@ rc[pytest]=${PIPESTATUS[0]}
 
 step "5. P/D pulls on the GPU: baseline and coalesce"
 # UCX prints the protocol it picks per operation: shows whether cuda_ipc carried the data.
-UCX_PROTO_INFO=y timeout 480 "$py" -m kvmap.daemon.gpu_demo --blocks "${KVMAP_GPU_BLOCKS:-2048}" \
+UCX_PROTO_INFO=y timeout 480 "$py" -m kvmap.tools.gpu_demo --blocks "${KVMAP_GPU_BLOCKS:-2048}" \
   --logs "$work/logs" 2>&1 | tee "$out/demo.txt"
 rc[demo]=${PIPESTATUS[0]}
 

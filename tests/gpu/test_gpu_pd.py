@@ -1,5 +1,5 @@
 """End to end on a GPU: two daemons and two GPU workers, scattered pulls
-verified byte for byte, under both planners (``kvmap.daemon.gpu_demo``, at
+verified byte for byte, under both planners (``kvmap.tools.gpu_demo``, at
 a small geometry; tests/gpu/run_on_device.sh runs it at scale).
 
 Skipped, with the reason, where there is no CUDA GPU, driver or NIXL."""
@@ -23,7 +23,7 @@ pytestmark = [
 def test_gpu_pulls_verify_under_both_planners() -> None:
     if reason := nixl_skip_reason():
         pytest.skip(reason)
-    args = [sys.executable, "-m", "kvmap.daemon.gpu_demo", "--blocks", "96"]
+    args = [sys.executable, "-m", "kvmap.tools.gpu_demo", "--blocks", "96"]
     args += ["--block-tokens", "16", "--mla-layers", "6", "--indexer-layers", "3"]
     args += ["--requests", "3", "--no-release-check"]
     out = subprocess.run(args, check=False, capture_output=True, text=True, timeout=280)

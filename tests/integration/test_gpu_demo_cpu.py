@@ -1,4 +1,4 @@
-"""``kvmap.daemon.gpu_demo``'s driver logic on CPU: the same daemons, pulls,
+"""``kvmap.tools.gpu_demo``'s driver logic on CPU: the same daemons, pulls,
 verification, notifications and report, with the CPU demo worker standing
 in for the GPU worker, so a first run on a GPU machine fails only for GPU
 reasons."""
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from kvmap.daemon import gpu_demo
-from kvmap.daemon.launch import DaemonProc, WorkerProc, start_worker
+from kvmap.tools import gpu_demo
+from kvmap.tools.launch import DaemonProc, WorkerProc, start_worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

@@ -118,8 +118,8 @@ def target_main(conn: Connection) -> None:
 
 def _target(conn: Connection) -> None:
     os.environ["UCX_NET_DEVICES"] = "lo"
-    from kvmap.daemon import memory
-    from kvmap.daemon.nixl_agent import NixlAgent
+    from kvmap.daemon.adapters import memory
+    from kvmap.daemon.adapters.nixl_agent import NixlAgent
 
     agent = NixlAgent.create("target")
     maps = []
@@ -225,9 +225,10 @@ def initiator_main(conn: Connection, fd_socket: str) -> None:
 
 
 async def _initiator(conn: Connection, fd_socket: str) -> None:
-    from kvmap.daemon import errors, memory
-    from kvmap.daemon.fd_handoff import FdHandoffServer
-    from kvmap.daemon.nixl_agent import NixlAgent, XferOp, XferState
+    from kvmap.daemon.adapters import memory
+    from kvmap.daemon.adapters.fd_handoff import FdHandoffServer
+    from kvmap.daemon.adapters.nixl_agent import NixlAgent, XferOp, XferState
+    from kvmap.daemon.core import errors
 
     agent = NixlAgent.create("initiator")
     fds = FdHandoffServer(fd_socket)
@@ -319,7 +320,7 @@ async def _initiator(conn: Connection, fd_socket: str) -> None:
                 "empty registration": error_of(lambda: agent.register_dram(state["base"][0], 0)),
             }
         if cmd == "drift":
-            from kvmap.daemon.nixl_agent import exception_map_drift
+            from kvmap.daemon.adapters.nixl_agent import exception_map_drift
 
             return exception_map_drift()
         raise ValueError(f"unknown command {cmd}")
@@ -353,8 +354,8 @@ def survivor_main(conn: Connection) -> None:
 def _survivor(conn: Connection) -> None:
     """Reads from a target, outlives it, and reports what NIXL then says."""
     os.environ["UCX_NET_DEVICES"] = "lo"
-    from kvmap.daemon import errors
-    from kvmap.daemon.nixl_agent import NixlAgent, XferOp, XferState
+    from kvmap.daemon.adapters.nixl_agent import NixlAgent, XferOp, XferState
+    from kvmap.daemon.core import errors
 
     agent = NixlAgent.create("survivor")
     buf = np.zeros(ALLOC_SIZES[0], dtype=np.uint8)
@@ -539,7 +540,8 @@ def test_every_nixl_exception_class_is_mapped(cluster: Cluster) -> None:
 
 def test_translate_matches_the_documented_table() -> None:
     """Each row of the module docstring's table is what ``translate`` does."""
-    from kvmap.daemon import errors, nixl_agent
+    from kvmap.daemon.adapters import nixl_agent
+    from kvmap.daemon.core import errors
 
     assert nixl_agent.__doc__ is not None
     rows = [

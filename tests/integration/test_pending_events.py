@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmap.daemon.launch import start_daemon, start_worker
+from kvmap.tools.launch import start_daemon, start_worker
 from kvmap.v1 import registry_pb2, registry_pb2_grpc, types_pb2
 
 pytestmark = pytest.mark.integration

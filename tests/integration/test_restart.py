@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from kvmap.daemon.launch import DaemonProc, WorkerProc, start_daemon, start_worker
+from kvmap.tools.launch import DaemonProc, WorkerProc, start_daemon, start_worker
 from kvmap.v1 import admin_pb2, admin_pb2_grpc, region_maps_pb2, region_maps_pb2_grpc, types_pb2
 
 pytestmark = pytest.mark.integration
@@ -161,7 +161,7 @@ def test_live_replan_without_restart(tmp_path: Path, decode: tuple[DaemonProc, W
     try:
         wait_for(lambda: len(puller.ok_after(0)) >= 5, 60, "pulls before the replan")
         replanned = subprocess.run(
-            [sys.executable, "-m", "kvmap.daemon.ctl", "--target", f"unix://{prefill.socket}",
+            [sys.executable, "-m", "kvmap.daemon.cli.kvmapctl", "--target", f"unix://{prefill.socket}",
              "replan", "--planner", "baseline"],
             capture_output=True, text=True, timeout=30, check=False,
         )  # fmt: skip

@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmap.daemon.launch import start_daemon, start_worker
+from kvmap.tools.launch import start_daemon, start_worker
 
 pytestmark = pytest.mark.integration
 

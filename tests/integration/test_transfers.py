@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvmap.daemon.launch import DaemonProc, WorkerProc, start_daemon, start_worker
+from kvmap.tools.launch import DaemonProc, WorkerProc, start_daemon, start_worker
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmap.daemon.launch import DaemonProc, start_daemon, start_worker
+from kvmap.tools.launch import DaemonProc, start_daemon, start_worker
 from kvmap.v1 import (
     admin_pb2,
     admin_pb2_grpc,

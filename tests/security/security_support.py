@@ -28,7 +28,7 @@ from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmap.client.fd_handoff import send_fds
-from kvmap.daemon.launch import DaemonProc, start_daemon
+from kvmap.tools.launch import DaemonProc, start_daemon
 from kvmap.v1 import (
     peer_pb2_grpc,
     region_maps_pb2,

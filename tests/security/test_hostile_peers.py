@@ -31,7 +31,7 @@ import grpc
 import pytest
 from security_support import Cluster, expect_transfer, start_cluster
 
-from kvmap.daemon.launch import local_env
+from kvmap.tools.launch import local_env
 from kvmap.v1 import peer_pb2, peer_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

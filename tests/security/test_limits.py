@@ -21,10 +21,10 @@ import pytest
 from security_support import Cluster, Live, expect_transfer, start_cluster
 
 from kvmap.client.fd_handoff import send_fds
-from kvmap.daemon.leases import MAX_LEASES_PER_PEER
-from kvmap.daemon.server import MAX_MESSAGE_BYTES
-from kvmap.daemon.transfer_plan import MAX_BLOCKS_PER_TRANSFER
-from kvmap.daemon.validation import MAX_ALLOCATIONS, MAX_BLOCKS, MAX_VIEWS
+from kvmap.daemon.api.server import MAX_MESSAGE_BYTES
+from kvmap.daemon.core.transfer_plan import MAX_BLOCKS_PER_TRANSFER
+from kvmap.daemon.core.validation import MAX_ALLOCATIONS, MAX_BLOCKS, MAX_VIEWS
+from kvmap.daemon.engine.leases import MAX_LEASES_PER_PEER
 from kvmap.v1 import (
     peer_pb2,
     region_maps_pb2,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from kvmap.daemon.geometry import (
+from kvmap.daemon.core.geometry import (
     AllocationSpec,
     CacheKind,
     DeviceKind,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,9 @@ from google.protobuf import json_format
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmap.daemon import convert
-from kvmap.daemon.errors import InvalidArgument
-from kvmap.daemon.geometry import (
+from kvmap.daemon.core import convert
+from kvmap.daemon.core.errors import InvalidArgument
+from kvmap.daemon.core.geometry import (
     AllocationSpec,
     CacheKind,
     DeviceKind,
@@ -23,10 +24,10 @@ from kvmap.daemon.geometry import (
     WorkerGeometry,
     WorkerKey,
 )
-from kvmap.daemon.planner import BASELINE, COALESCE, Planner
+from kvmap.daemon.core.planner import BASELINE, COALESCE, Planner
 from kvmap.v1 import registry_pb2, types_pb2
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
+EXAMPLES = Path(str(resources.files("kvmap.daemon.examples")))
 
 
 def _request(**changes: object) -> registry_pb2.RegisterWorkerRequest:

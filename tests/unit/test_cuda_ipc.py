@@ -13,22 +13,22 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvmap.daemon import cuda_ipc
-from kvmap.daemon.cuda_driver import CudaCallError, CudaUnavailable, LibCuda
-from kvmap.daemon.cuda_ipc import (
+from kvmap.daemon.adapters import cuda_ipc
+from kvmap.daemon.adapters.cuda_driver import CudaCallError, CudaUnavailable, LibCuda
+from kvmap.daemon.adapters.cuda_ipc import (
     CudaIpcImporter,
     check_handle,
     format_uuid,
     import_allocation,
     parse_uuid,
 )
-from kvmap.daemon.errors import (
+from kvmap.daemon.adapters.nixl_agent import MemoryType
+from kvmap.daemon.core.errors import (
     FailedPrecondition,
     InternalError,
     InvalidArgument,
     ResourceExhausted,
 )
-from kvmap.daemon.nixl_agent import MemoryType
 from kvmap.v1 import types_pb2
 
 pytestmark = pytest.mark.timeout(30)

@@ -14,11 +14,12 @@ import torch
 
 from kvmap.client.cuda_export import CudaStorage
 from kvmap.client.shm_export import SharedView
-from kvmap.daemon import convert, gpu_demo_worker
-from kvmap.daemon import planner as planners
-from kvmap.daemon.demo_worker import DemoGeometry, pattern
-from kvmap.daemon.gpu_demo import Phase, Pull, pull_line, scattered, summary_table
-from kvmap.daemon.gpu_demo_worker import GpuDemoWorker, count_bad, fill_rows, pattern_rows
+from kvmap.daemon.core import convert
+from kvmap.daemon.core import planner as planners
+from kvmap.tools import gpu_demo_worker
+from kvmap.tools.demo_worker import DemoGeometry, pattern
+from kvmap.tools.gpu_demo import Phase, Pull, pull_line, scattered, summary_table
+from kvmap.tools.gpu_demo_worker import GpuDemoWorker, count_bad, fill_rows, pattern_rows
 from kvmap.v1 import types_pb2
 
 pytestmark = pytest.mark.timeout(60)

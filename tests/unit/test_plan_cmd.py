@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
+from importlib import resources
 from pathlib import Path
 
 import pytest
 from google.protobuf import json_format
 
-from kvmap.daemon import convert, plan_cmd
+from kvmap.daemon.cli.kvmapd import plan_cmd
+from kvmap.daemon.core import convert
 from kvmap.v1 import types_pb2
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
+EXAMPLES = Path(str(resources.files("kvmap.daemon.examples")))
 
 
 def _run(*argv: str) -> int:

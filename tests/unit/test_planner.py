@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from collections import Counter
+from importlib import resources
 from pathlib import Path
 
 import pytest
 from geometry_strategies import geometries, geometry, view
 from hypothesis import given, settings
 
-from kvmap.daemon import convert
-from kvmap.daemon.errors import InvalidArgument
-from kvmap.daemon.geometry import CacheKind, Plan, Region, ViewSpec, WorkerGeometry
-from kvmap.daemon.planner import (
+from kvmap.daemon.core import convert
+from kvmap.daemon.core.errors import InvalidArgument
+from kvmap.daemon.core.geometry import CacheKind, Plan, Region, ViewSpec, WorkerGeometry
+from kvmap.daemon.core.planner import (
     BASELINE,
     COALESCE,
     DEFAULT_PLANNER,
@@ -20,9 +21,9 @@ from kvmap.daemon.planner import (
     Planner,
     get_planner,
 )
-from kvmap.daemon.validation import validate_geometry
+from kvmap.daemon.core.validation import validate_geometry
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
+EXAMPLES = Path(str(resources.files("kvmap.daemon.examples")))
 PLANS: list[Planner] = [BASELINE, COALESCE]
 
 

@@ -19,8 +19,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvmap.daemon.errors import FailedPrecondition, InvalidArgument, KvmapError, NotFound
-from kvmap.daemon.geometry import (
+from kvmap.daemon.core.errors import FailedPrecondition, InvalidArgument, KvmapError, NotFound
+from kvmap.daemon.core.geometry import (
     CacheKind,
     DeviceRef,
     LayerPlacement,
@@ -31,8 +31,8 @@ from kvmap.daemon.geometry import (
     ViewSpec,
     WorkerKey,
 )
-from kvmap.daemon.transfer_pieces import LayerSelection, PieceTable, Side, build_piece_table
-from kvmap.daemon.transfer_plan import (
+from kvmap.daemon.core.transfer_pieces import LayerSelection, PieceTable, Side, build_piece_table
+from kvmap.daemon.core.transfer_plan import (
     MAX_BLOCKS_PER_TRANSFER,
     GroupPairs,
     TransferPlan,

@@ -11,9 +11,15 @@ from geometry_strategies import geometries, geometry, view
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmap.daemon.errors import InvalidArgument
-from kvmap.daemon.geometry import AllocationSpec, DeviceRef, ViewSpec, WorkerGeometry, WorkerKey
-from kvmap.daemon.validation import (
+from kvmap.daemon.core.errors import InvalidArgument
+from kvmap.daemon.core.geometry import (
+    AllocationSpec,
+    DeviceRef,
+    ViewSpec,
+    WorkerGeometry,
+    WorkerKey,
+)
+from kvmap.daemon.core.validation import (
     MAX_ALLOCATIONS,
     MAX_BLOCKS,
     MAX_CROSS_STRIDE_PAIRS,

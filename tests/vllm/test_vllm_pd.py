@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from kvmap.daemon.launch import DaemonProc, local_env, start_daemon
+from kvmap.tools.launch import DaemonProc, local_env, start_daemon
 from kvmap.v1 import admin_pb2, admin_pb2_grpc
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(420)]

@@ -1,0 +1,91 @@
+"""Worker side of the fd hand-off socket (see ``kvmap.daemon.adapters.fd_handoff``).
+
+gRPC cannot carry file descriptors: the worker sends its shared-memory fds
+in one ``sendmsg`` (SCM_RIGHTS) over ``<grpc socket>.fds`` and gets a token
+that its ``RegisterWorker`` request then names in ``ShmFdHandle{token, index}``.
+
+Wire protocol (SOCK_SEQPACKET):
+
+    worker -> daemon   b"kvmap-fds/1 <n>"  + SCM_RIGHTS carrying n fds
+    daemon -> worker   b"OK <token>"  or  b"ERR <GRPC_STATUS_NAME> <message>"
+
+The fds are duplicated into the daemon by the kernel; the worker keeps (and
+must not close before registering) its own. Imports nothing from the daemon.
+"""
+
+from __future__ import annotations
+
+import array
+import socket
+from collections.abc import Sequence
+
+import grpc
+
+from kvmap.client.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    Unavailable,
+    from_status,
+)
+
+PROTOCOL = b"kvmap-fds/1"
+SCM_MAX_FD = 253  # the kernel's limit of fds in one SCM_RIGHTS message
+_REPLY_MAX = 4096
+
+
+def fd_socket_path(grpc_socket_path: str) -> str:
+    """Where the daemon's fd hand-off socket lives, given its gRPC socket's path."""
+    return f"{grpc_socket_path}.fds"
+
+
+def send_fds(socket_path: str, fds: Sequence[int], timeout: float) -> str:
+    """Send ``fds`` to the daemon in one message; return the token for them.
+
+    Raises ``Unavailable`` when no daemon listens at ``socket_path``,
+    ``DeadlineExceeded`` after ``timeout`` seconds, ``InvalidArgument`` for a
+    bad fd list, and the daemon's own status (``ResourceExhausted`` when too
+    many batches are pending, ...) when it rejects the batch.
+    """
+    if not fds:
+        raise InvalidArgument("no fds to send")
+    if len(fds) > SCM_MAX_FD:
+        raise InvalidArgument(f"{len(fds)} fds in one batch; at most {SCM_MAX_FD}")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(socket_path)
+        except (FileNotFoundError, ConnectionRefusedError) as e:
+            raise Unavailable(
+                f"kvmapd is not running: nothing listens on fd hand-off socket {socket_path}"
+                f" ({e.strerror})"
+            ) from e
+        header = PROTOCOL + b" %d" % len(fds)
+        rights = array.array("i", fds)
+        try:
+            sock.sendmsg([header], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)])
+        except OSError as e:
+            if isinstance(e, TimeoutError):
+                raise
+            # EBADF: one of the fds is not open in this process.
+            raise InvalidArgument(f"cannot send fds {list(fds)}: {e.strerror}") from e
+        reply = sock.recv(_REPLY_MAX)
+    except TimeoutError as e:
+        raise DeadlineExceeded(f"fd hand-off to {socket_path}: no reply in {timeout}s") from e
+    except OSError as e:
+        raise Unavailable(f"fd hand-off to {socket_path} failed: {e}") from e
+    finally:
+        sock.close()
+    return _parse_reply(reply, socket_path)
+
+
+def _parse_reply(reply: bytes, socket_path: str) -> str:
+    if reply.startswith(b"OK "):
+        return reply[3:].decode("ascii").strip()
+    if reply.startswith(b"ERR "):
+        status, _, message = reply[4:].decode("utf-8", "replace").partition(" ")
+        code = getattr(grpc.StatusCode, status, grpc.StatusCode.UNKNOWN)
+        raise from_status(code, f"fd hand-off rejected: {message}")
+    if not reply:
+        raise Unavailable(f"kvmapd closed the fd hand-off connection at {socket_path}")
+    raise Unavailable(f"unexpected fd hand-off reply from {socket_path}: {reply[:64]!r}")

@@ -1,1 +1,0 @@
-"""kvmapd: the kvmap sidecar daemon."""

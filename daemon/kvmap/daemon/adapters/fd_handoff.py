@@ -1,0 +1,343 @@
+"""The fd hand-off socket: how a worker's shared-memory fds reach the daemon.
+
+gRPC cannot carry file descriptors, so next to the gRPC socket the daemon
+listens on a second Unix socket (``<grpc socket>.fds``, mode 0660). A worker
+sends a batch of fds in one ``sendmsg`` (SCM_RIGHTS) and gets a token back;
+``RegisterWorker`` then names each fd as ``ShmFdHandle{token, index}`` and the
+registrar ``claim``s it.
+
+Wire protocol (SOCK_SEQPACKET, so each message arrives whole):
+
+    worker -> daemon   b"kvmap-fds/1 <n>"  + SCM_RIGHTS carrying n fds
+    daemon -> worker   b"OK <token>"  or  b"ERR <GRPC_STATUS_NAME> <message>"
+
+``claim`` returns a *duplicate* of the stored fd, owned by the caller: a
+registration that fails half-way can be retried with the same token. The
+batch's own fds are closed by ``discard`` (call it once a registration has
+succeeded) or when the token expires (default 120 s), so a worker that never
+registers leaks nothing. The number of fds per batch and of pending tokens
+are bounded. The sender's SO_PEERCRED (pid, uid, gid) is logged and kept with
+the batch.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import os
+import secrets
+import socket
+import stat
+import struct
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+from kvmap.daemon.core.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+
+log = structlog.get_logger("kvmapd.fd_handoff")
+
+PROTOCOL = b"kvmap-fds/1"
+SCM_MAX_FD = 253  # the kernel's limit of fds in one SCM_RIGHTS message
+DEFAULT_TOKEN_TTL_S = 120.0
+DEFAULT_MAX_FDS_PER_BATCH = SCM_MAX_FD
+DEFAULT_MAX_PENDING_TOKENS = 64
+DEFAULT_MAX_CONNECTIONS = 16
+DEFAULT_IO_TIMEOUT_S = 5.0
+_HEADER_MAX = 64
+_UCRED = struct.Struct("3i")
+
+
+def fd_socket_path(grpc_socket_path: str) -> str:
+    """Where the fd hand-off socket lives, given the gRPC Unix socket's path."""
+    return f"{grpc_socket_path}.fds"
+
+
+@dataclass(frozen=True)
+class PeerCred:
+    pid: int
+    uid: int
+    gid: int
+
+
+@dataclass
+class FdBatch:
+    token: str
+    fds: list[int]
+    peer: PeerCred
+    expires_at: float
+    received_at: float = field(default_factory=time.monotonic)
+
+
+class FdHandoffServer:
+    """The daemon side: an asyncio server keeping received fds under tokens."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        token_ttl_s: float = DEFAULT_TOKEN_TTL_S,
+        max_fds_per_batch: int = DEFAULT_MAX_FDS_PER_BATCH,
+        max_pending_tokens: int = DEFAULT_MAX_PENDING_TOKENS,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        io_timeout_s: float = DEFAULT_IO_TIMEOUT_S,
+    ) -> None:
+        if not 1 <= max_fds_per_batch <= SCM_MAX_FD:
+            raise ValueError(f"max_fds_per_batch must be in 1..{SCM_MAX_FD}")
+        self.path = path
+        self.token_ttl_s = token_ttl_s
+        self.max_fds_per_batch = max_fds_per_batch
+        self.max_pending_tokens = max_pending_tokens
+        self.max_connections = max_connections
+        self.io_timeout_s = io_timeout_s
+        self._batches: dict[str, FdBatch] = {}
+        self._sock: socket.socket | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._accepting: asyncio.Task[None] | None = None
+        self._reaper: asyncio.Task[None] | None = None
+
+    # -- lifecycle -------------------------------------------------------
+
+    async def start(self) -> None:
+        _remove_stale_socket(self.path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.bind(self.path)
+            # Before listen(): until then connects are refused, so there is no
+            # window in which the socket is reachable with the umask's mode.
+            os.chmod(self.path, 0o660)
+            sock.listen(self.max_connections)
+            sock.setblocking(False)
+        except OSError as e:
+            sock.close()
+            raise Unavailable(f"cannot listen on fd hand-off socket {self.path}: {e}") from e
+        self._sock = sock
+        loop = asyncio.get_running_loop()
+        self._accepting = loop.create_task(self._accept_loop(sock), name="fd-handoff-accept")
+        self._reaper = loop.create_task(self._reap_loop(), name="fd-handoff-reaper")
+        log.info("fd_handoff_listening", path=self.path, token_ttl_s=self.token_ttl_s)
+
+    async def close(self) -> None:
+        """Stop listening, close every pending fd and remove the socket file."""
+        tasks = [t for t in (self._accepting, self._reaper, *self._tasks) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._accepting = self._reaper = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        for token in list(self._batches):
+            self.discard(token)
+
+    # -- the registrar's side --------------------------------------------
+
+    def claim(self, token: str, index: int, field: str = "") -> int:
+        """A new fd (a dup; the caller owns it) for fd ``index`` of batch ``token``.
+
+        ``field`` is the request path of the handle, e.g. ``allocations[0].shm_fd``.
+        """
+        prefix = f"{field}." if field else ""
+        batch = self._live(token)
+        if batch is None:
+            raise NotFound(f"{prefix}token: unknown or expired fd hand-off token")
+        if not 0 <= index < len(batch.fds):
+            raise InvalidArgument(
+                f"{prefix}index", f"index {index} outside the batch of {len(batch.fds)} fds"
+            )
+        try:
+            return os.dup(batch.fds[index])
+        except OSError as e:
+            raise ResourceExhausted(f"{prefix}index: cannot duplicate fd: {e.strerror}") from e
+
+    def peer(self, token: str) -> PeerCred:
+        """Who sent batch ``token`` (pid, uid, gid from SO_PEERCRED)."""
+        batch = self._live(token)
+        if batch is None:
+            raise NotFound("unknown or expired fd hand-off token")
+        return batch.peer
+
+    def discard(self, token: str) -> None:
+        """Close batch ``token``'s fds now (unknown tokens are ignored)."""
+        batch = self._batches.pop(token, None)
+        if batch is not None:
+            _close_all(batch.fds)
+
+    def expire(self, now: float | None = None) -> int:
+        """Close every batch whose token has expired; returns how many."""
+        now = time.monotonic() if now is None else now
+        expired = [t for t, b in self._batches.items() if b.expires_at <= now]
+        for token in expired:
+            log.info("fd_batch_expired", token=token[:8], fds=len(self._batches[token].fds))
+            self.discard(token)
+        return len(expired)
+
+    @property
+    def pending_tokens(self) -> int:
+        return len(self._batches)
+
+    @property
+    def pending_fds(self) -> int:
+        return sum(len(b.fds) for b in self._batches.values())
+
+    def _live(self, token: str) -> FdBatch | None:
+        batch = self._batches.get(token)
+        if batch is not None and batch.expires_at <= time.monotonic():
+            self.discard(token)
+            return None
+        return batch
+
+    # -- the socket's side -----------------------------------------------
+
+    async def _accept_loop(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(sock)
+            if len(self._tasks) >= self.max_connections:
+                conn.close()  # the sender sees the connection end: Unavailable
+                continue
+            task = loop.create_task(self._serve(conn))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(self.token_ttl_s / 4, 1.0))
+            self.expire()
+
+    async def _serve(self, conn: socket.socket) -> None:
+        fds: list[int] = []
+        token: str | None = None
+        try:
+            conn.setblocking(False)
+            async with asyncio.timeout(self.io_timeout_s):
+                data, fds, truncated = await self._receive(conn)
+                reply, token = self._accept_batch(conn, data, fds, truncated)
+                if token is not None:
+                    fds = []  # the batch owns them now
+                await asyncio.get_running_loop().sock_sendall(conn, reply)
+        except (TimeoutError, OSError) as e:
+            if token is not None:
+                self.discard(token)  # the worker never learnt its token
+            log.warning("fd_handoff_connection_failed", error=str(e) or type(e).__name__)
+        finally:
+            _close_all(fds)
+            conn.close()
+
+    async def _receive(self, conn: socket.socket) -> tuple[bytes, list[int], bool]:
+        loop = asyncio.get_running_loop()
+        # Room for one fd more than allowed, so "too many" is told apart from
+        # the kernel dropping fds for lack of room (MSG_CTRUNC).
+        ancbufsize = socket.CMSG_SPACE((self.max_fds_per_batch + 1) * 4)
+        while True:
+            try:
+                data, ancdata, flags, _ = conn.recvmsg(
+                    _HEADER_MAX, ancbufsize, socket.MSG_CMSG_CLOEXEC
+                )
+                break
+            except BlockingIOError:
+                await _readable(loop, conn)
+        fds: list[int] = []
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                arr = array.array("i")
+                arr.frombytes(payload[: len(payload) - len(payload) % arr.itemsize])
+                fds.extend(arr)
+        return data, fds, bool(flags & socket.MSG_CTRUNC)
+
+    def _accept_batch(
+        self, conn: socket.socket, data: bytes, fds: list[int], truncated: bool
+    ) -> tuple[bytes, str | None]:
+        """Validate one received message; store it. Returns the reply and the
+        token, or no token when the batch was rejected (its fds stay ours)."""
+        proto, _, count = data.partition(b" ")
+        if proto != PROTOCOL or not count.isdigit():
+            return _err(
+                "INVALID_ARGUMENT", f"expected {PROTOCOL.decode()} <n>, got {data[:32]!r}"
+            ), None
+        n = int(count)
+        if n > self.max_fds_per_batch or len(fds) > self.max_fds_per_batch or truncated:
+            return _err(
+                "INVALID_ARGUMENT",
+                f"batch of {max(n, len(fds))} fds exceeds the limit of {self.max_fds_per_batch}",
+            ), None
+        if n == 0 or n != len(fds):
+            return _err("INVALID_ARGUMENT", f"header announces {n} fds, received {len(fds)}"), None
+        self.expire()
+        if len(self._batches) >= self.max_pending_tokens:
+            return _err(
+                "RESOURCE_EXHAUSTED",
+                f"{len(self._batches)} fd batches already pending (limit"
+                f" {self.max_pending_tokens}); register or retry later",
+            ), None
+        peer = _peer_cred(conn)
+        token = secrets.token_hex(16)
+        self._batches[token] = FdBatch(token, list(fds), peer, time.monotonic() + self.token_ttl_s)
+        log.info(
+            "fd_batch_received", token=token[:8], fds=n, pid=peer.pid, uid=peer.uid, gid=peer.gid
+        )
+        return b"OK " + token.encode(), token
+
+
+def _err(status: str, message: str) -> bytes:
+    log.info("fd_batch_rejected", status=status, reason=message)
+    return f"ERR {status} {message}".encode()
+
+
+def _peer_cred(conn: socket.socket) -> PeerCred:
+    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    pid, uid, gid = _UCRED.unpack(raw)
+    return PeerCred(pid, uid, gid)
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    fut: asyncio.Future[None] = loop.create_future()
+
+    def ready() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    loop.add_reader(sock.fileno(), ready)
+    try:
+        await fut
+    finally:
+        loop.remove_reader(sock.fileno())
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _remove_stale_socket(path: str) -> None:
+    """A previous daemon's socket file is removed; a live daemon's is not."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise FailedPrecondition(f"fd hand-off path {path} exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        os.unlink(path)  # nobody listens: left over from a crash
+        return
+    except OSError as e:
+        raise FailedPrecondition(f"fd hand-off path {path} is in use: {e}") from e
+    finally:
+        probe.close()
+    raise Unavailable(f"another process is already listening on {path}")

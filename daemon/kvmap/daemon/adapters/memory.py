@@ -1,0 +1,189 @@
+"""Memory import: a worker's shared-memory handle -> an address in the daemon.
+
+A CPU worker shares its KV cache as a shared-memory object: either a file
+descriptor passed over the fd hand-off socket (``fd_handoff``; preferred, it
+leaves nothing behind when the worker crashes) or a path (for example under
+``/dev/shm``). The daemon maps it ``MAP_SHARED`` read/write so that NIXL reads
+and writes land in the worker's own pages, and registers the mapping.
+
+``MappedMemory.address`` is the virtual address of byte 0 of the allocation
+(``offset`` bytes into the object); ``mmap`` needs a page-aligned file offset,
+so the mapping starts at the page boundary below ``offset``.
+
+Every mapping this module makes is counted until it is closed, so tests (and
+the daemon's own health checks) can assert that nothing leaks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import mmap
+import os
+import stat
+import threading
+from types import TracebackType
+
+from kvmap.daemon.core.errors import InvalidArgument
+
+_PAGE = mmap.ALLOCATIONGRANULARITY
+
+_live_lock = threading.Lock()
+_live: set[int] = set()  # serial of every open MappedMemory (not id(): ids are reused)
+_serials = itertools.count()
+
+
+class MappedMemory:
+    """One allocation mapped into the daemon. Owns the fd and the mapping."""
+
+    def __init__(self, fd: int, offset: int, size: int, source: str) -> None:
+        map_offset = offset - offset % _PAGE
+        self._head = offset - map_offset  # bytes between the mapping start and byte 0
+        self._mmap: mmap.mmap | None = mmap.mmap(
+            fd,
+            self._head + size,
+            flags=mmap.MAP_SHARED,
+            prot=mmap.PROT_READ | mmap.PROT_WRITE,
+            offset=map_offset,
+        )
+        self._fd = fd
+        self.size = size
+        self.offset = offset
+        self.source = source
+        self.map_address = _buffer_address(self._mmap)
+        self.address = self.map_address + self._head
+        self.map_length = self._head + size
+        self._serial = next(_serials)
+        with _live_lock:
+            _live.add(self._serial)
+
+    @property
+    def closed(self) -> bool:
+        return self._mmap is None
+
+    def close(self) -> None:
+        """Unmap and close the fd. Safe to call more than once."""
+        mm, self._mmap = self._mmap, None
+        if mm is None:
+            return
+        with _live_lock:
+            _live.discard(self._serial)
+        try:
+            mm.close()
+        finally:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+    def __enter__(self) -> MappedMemory:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"0x{self.address:x}"
+        return f"MappedMemory({self.source}, offset={self.offset}, size={self.size}, {state})"
+
+
+def _buffer_address(mm: mmap.mmap) -> int:
+    # from_buffer exports the mmap's buffer; drop the export at once, otherwise
+    # mmap.close() refuses with BufferError ("exported pointers exist").
+    probe = ctypes.c_char.from_buffer(mm)
+    try:
+        return ctypes.addressof(probe)
+    finally:
+        del probe
+
+
+def import_shm_fd(fd: int, offset: int, size: int, *, field: str = "") -> MappedMemory:
+    """Map ``size`` bytes at ``offset`` of the shared-memory object behind ``fd``.
+
+    Always consumes ``fd``: the returned mapping owns it (``close()`` closes
+    it), and on failure it is closed here, so a caller that got it from
+    ``FdHandoffServer.claim`` never has to. ``field`` prefixes error
+    messages, e.g. ``allocations[0].shm_fd``.
+    """
+    try:
+        _check_range(offset, size, field)
+        try:
+            st = os.fstat(fd)
+        except OSError as e:
+            raise InvalidArgument(field, f"not an open file descriptor ({e.strerror})") from e
+        _check_object(st, offset, size, field)
+        return _map(fd, offset, size, f"fd {fd}", field)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
+
+
+def import_shm_path(path: str, offset: int, size: int, *, field: str = "") -> MappedMemory:
+    """Open ``path`` read/write and map ``size`` bytes at ``offset`` of it."""
+    _check_range(offset, size, field)
+    if not os.path.isabs(path):
+        raise InvalidArgument(field, f"path {path[:256]!r} is not absolute")
+    try:
+        # O_NOFOLLOW: a worker must name the object itself, not a link to
+        # some other file the daemon can write.
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as e:
+        raise InvalidArgument(field, f"cannot open {path[:256]!r}: {e.strerror}") from e
+    except ValueError as e:  # an embedded NUL byte
+        raise InvalidArgument(field, f"path {path[:256]!r} is not a valid path: {e}") from e
+    try:
+        _check_object(os.fstat(fd), offset, size, field)
+        return _map(fd, offset, size, path, field)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _check_range(offset: int, size: int, field: str) -> None:
+    if offset < 0:
+        raise InvalidArgument(field, f"offset {offset} is negative")
+    if size <= 0:
+        raise InvalidArgument(field, f"size {size} must be positive")
+
+
+def _check_object(st: os.stat_result, offset: int, size: int, field: str) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        # memfd and POSIX shm objects are regular files; sockets, pipes and
+        # devices cannot be mapped as KV memory.
+        raise InvalidArgument(field, "not a shared-memory object (not a regular file)")
+    if st.st_size < offset + size:
+        raise InvalidArgument(
+            field,
+            f"shared-memory object is {st.st_size} bytes, smaller than offset {offset}"
+            f" + size {size} = {offset + size}",
+        )
+
+
+def _map(fd: int, offset: int, size: int, source: str, field: str) -> MappedMemory:
+    try:
+        return MappedMemory(fd, offset, size, source)
+    except (OSError, ValueError) as e:
+        # EACCES: the fd was opened read-only; ENODEV: the file system cannot mmap.
+        problem = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise InvalidArgument(field, f"cannot map read/write: {problem}") from e
+
+
+def live_mappings() -> int:
+    """How many ``MappedMemory`` objects are open in this process."""
+    with _live_lock:
+        return len(_live)
+
+
+def is_mapped(address: int) -> bool:
+    """Whether ``address`` lies in any mapping of this process (``/proc/self/maps``)."""
+    with open("/proc/self/maps", encoding="ascii") as maps:
+        for line in maps:
+            lo, _, hi = line.split(" ", 1)[0].partition("-")
+            if int(lo, 16) <= address < int(hi, 16):
+                return True
+    return False

@@ -1,0 +1,142 @@
+"""The one place RPC errors become gRPC statuses, plus per-RPC logging
+context (a request id) and RPC metrics, as an aio server interceptor."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import structlog
+from google.protobuf.message import DecodeError
+from grpc import aio
+
+from kvmap.daemon.adapters.metrics import Metrics
+from kvmap.daemon.core.errors import InvalidArgument, KvmapError, grpc_status
+
+log = structlog.get_logger("kvmapd.rpc")
+
+
+def _request_id(context: aio.ServicerContext[Any, Any]) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-request-id" and isinstance(value, str) and value:
+            return value[:128]
+    return uuid.uuid4().hex[:16]
+
+
+if TYPE_CHECKING:
+    # grpc's stubs make the interceptor generic; the runtime class is not.
+    _Interceptor = aio.ServerInterceptor[Any, Any]
+else:
+    _Interceptor = aio.ServerInterceptor
+
+
+class ErrorsAndContext(_Interceptor):
+    def __init__(self, metrics: Metrics, listener: str) -> None:
+        self._metrics = metrics
+        self._listener = listener
+
+    async def _fail(
+        self, err: BaseException, method: str, context: aio.ServicerContext[Any, Any]
+    ) -> None:
+        code, message = grpc_status(err)
+        if isinstance(err, KvmapError):
+            log.info("rpc_rejected", code=code.name, error=message)
+        else:
+            log.exception("rpc_crashed", code=code.name)
+        self._metrics.rpcs.labels(method, code.name).inc()
+        await context.abort(code, message)
+
+    @contextlib.asynccontextmanager
+    async def _scope(
+        self, method: str, context: aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[None]:
+        """One RPC: its logging context, its latency, its status."""
+        structlog.contextvars.bind_contextvars(
+            rpc=method, request_id=_request_id(context), listener=self._listener
+        )
+        start = time.perf_counter()
+        try:
+            yield
+        except aio.AbortError:
+            raise
+        except Exception as err:
+            await self._fail(err, method, context)
+            raise AssertionError("unreachable: abort raises") from err
+        finally:
+            self._metrics.rpc_seconds.labels(method).observe(time.perf_counter() - start)
+            structlog.contextvars.clear_contextvars()
+        self._metrics.rpcs.labels(method, "OK").inc()
+
+    def _wrap_unary(
+        self, method: str, behavior: Callable[[Any, Any], Awaitable[Any]]
+    ) -> Callable[[Any, Any], Awaitable[Any]]:
+        async def call(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
+            async with self._scope(method, context):
+                return await behavior(request, context)
+
+        return call
+
+    def _wrap_stream(
+        self, method: str, behavior: Callable[[Any, Any], AsyncIterator[Any]]
+    ) -> Callable[[Any, Any], AsyncIterator[Any]]:
+        async def call(request: Any, context: aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+            async with self._scope(method, context):
+                async for item in behavior(request, context):
+                    yield item
+
+        return call
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]
+        ],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        handler = await continuation(handler_call_details)
+        # Health and reflection come from grpcio's own packages and report
+        # their own statuses; only kvmap's services are wrapped.
+        if handler is None or not handler_call_details.method.startswith("/kvmap.v1."):
+            return handler
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        # Requests arrive as bytes and are parsed inside the wrapper, so bytes
+        # that are no valid message get INVALID_ARGUMENT (grpcio's own parse
+        # failure would answer UNKNOWN before any handler runs).
+        parse = _parser(handler.request_deserializer)
+        unary, stream = handler.unary_unary, handler.unary_stream
+
+        def parsed_unary(raw: bytes, ctx: Any) -> Any:
+            assert unary is not None
+            return unary(parse(raw), ctx)
+
+        def parsed_stream(raw: bytes, ctx: Any) -> Any:
+            assert stream is not None
+            return stream(parse(raw), ctx)
+
+        if unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(method, parsed_unary),
+                response_serializer=handler.response_serializer,
+            )
+        if stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap_stream(method, parsed_stream),
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+def _parser(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
+    def parse(raw: bytes) -> Any:
+        if deserialize is None:
+            return raw
+        try:
+            return deserialize(raw)
+        except DecodeError as err:
+            raise InvalidArgument("", f"request is not a valid message: {err}") from None
+
+    return parse

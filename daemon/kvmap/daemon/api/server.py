@@ -1,0 +1,164 @@
+"""The daemon process: two gRPC servers (Unix socket for the local worker,
+TCP for peers and operators), health, reflection, metrics, and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import uuid
+from pathlib import Path
+
+import grpc
+import structlog
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from kvmap.daemon.adapters import cuda_ipc
+from kvmap.daemon.adapters.config_files import read_pem
+from kvmap.daemon.adapters.metrics import Metrics
+from kvmap.daemon.api.rpc import ErrorsAndContext
+from kvmap.daemon.api.services import (
+    add_tcp_services,
+    add_unix_services,
+    tcp_service_names,
+    unix_service_names,
+)
+from kvmap.daemon.core.config import MAX_MESSAGE_BYTES, DaemonConfig
+from kvmap.daemon.engine.app import DaemonApp
+
+log = structlog.get_logger("kvmapd")
+
+# Health service names. "" is overall liveness; READINESS_SERVICE is SERVING
+# only while the daemon accepts transfers (Kubernetes readiness probes it).
+READINESS_SERVICE = "kvmap.v1.Peer"
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig, metrics: Metrics | None = None) -> None:
+        self.config = config
+        self.instance = uuid.uuid4().hex[:12]
+        self.metrics = metrics or Metrics()
+        self.app = DaemonApp(config, self.metrics, self.instance)
+        self.health = HealthServicer()
+        self._unix: aio.Server | None = None
+        self._tcp: aio.Server | None = None
+        self.tcp_port = 0
+
+    def _new_server(self, listener: str) -> aio.Server:
+        return aio.server(
+            interceptors=[ErrorsAndContext(self.metrics, listener)],
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+
+    async def start(self) -> None:
+        cfg = self.config
+        sock = Path(cfg.socket_path)
+        sock.parent.mkdir(parents=True, exist_ok=True, mode=0o770)
+        for stale in (sock, Path(cfg.fd_socket_path)):
+            # A socket file left by a killed daemon would make bind fail.
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
+        await self.app.start()
+
+        self._unix = self._new_server("unix")
+        add_unix_services(self._unix, self.app)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._unix)
+        reflection.enable_server_reflection(unix_service_names(), self._unix)
+        self._unix.add_insecure_port(f"unix:{sock}")
+
+        self._tcp = self._new_server("tcp")
+        add_tcp_services(self._tcp, self.app)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._tcp)
+        reflection.enable_server_reflection(tcp_service_names(), self._tcp)
+        if cfg.tls_cert:
+            client_ca = read_pem(cfg.tls_client_ca) if cfg.tls_client_ca else None
+            creds = grpc.ssl_server_credentials(
+                [(read_pem(cfg.tls_key), read_pem(cfg.tls_cert))],
+                root_certificates=client_ca,
+                require_client_auth=client_ca is not None,
+            )
+            self.tcp_port = self._tcp.add_secure_port(cfg.listen, creds)
+        else:
+            self.tcp_port = self._tcp.add_insecure_port(cfg.listen)
+
+        await self._unix.start()
+        await self._tcp.start()
+        # Only owner and group (the vLLM container shares the group) may
+        # register memory or start transfers.
+        os.chmod(sock, 0o660)
+        for name in ("", READINESS_SERVICE, "kvmap.v1.RegionMaps"):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if cfg.metrics_listen:
+            self.metrics.serve(cfg.metrics_listen)
+        log.info(
+            "kvmapd_ready",
+            instance=self.instance,
+            socket=str(sock),
+            listen=cfg.listen,
+            tcp_port=self.tcp_port,
+            planner=cfg.planner,
+            agent=self.app.agent_name,
+        )
+
+    async def stop(self) -> None:
+        """Drain: stop accepting transfers, let in-flight ones finish (bounded
+        by drain_seconds), then release every registration and exit."""
+        await self.health.set(READINESS_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.app.draining = True
+        await self.app.drain(self.config.drain_seconds)
+        for server in (self._tcp, self._unix):
+            if server is not None:
+                await server.stop(grace=1.0)
+        await self.app.close()
+        cuda_ipc.shutdown()  # after every registration of imported VRAM is gone
+        for path in (self.config.socket_path, self.config.fd_socket_path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        log.info("kvmapd_stopped", instance=self.instance)
+
+
+def write_ready_file(path: str, daemon: Daemon) -> None:
+    """Tell a supervisor (tests, the demo) where the daemon listens."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(
+            {
+                "pid": os.getpid(),
+                "tcp_port": daemon.tcp_port,
+                "socket": daemon.config.socket_path,
+                "instance": daemon.instance,
+                "agent": daemon.app.agent_name,
+            },
+            f,
+        )
+    os.replace(tmp, path)
+
+
+async def serve(config: DaemonConfig, ready_file: str | None = None) -> int:
+    # Sockets are born owner/group-only (no window before the chmod below);
+    # "other" never gets access to anything the daemon creates.
+    os.umask(0o007)
+    daemon = Daemon(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    await daemon.start()
+    # After start: creating the NIXL/UCX agent may install handlers of its own.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, daemon.app.request_replan)
+    if ready_file:
+        write_ready_file(ready_file, daemon)
+    await stop.wait()
+    log.info("kvmapd_stopping")
+    await daemon.stop()
+    return 0

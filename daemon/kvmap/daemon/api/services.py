@@ -1,0 +1,262 @@
+"""gRPC servicers. Thin: each turns a request into a call on the app and
+the result into a response; errors propagate as KvmapError and become
+statuses in ``rpc``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from grpc import aio
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection
+
+from kvmap.daemon.core import convert
+from kvmap.daemon.core import planner as planners
+from kvmap.daemon.core.errors import FailedPrecondition, InvalidArgument, Unavailable
+from kvmap.daemon.core.geometry import WorkerKey
+from kvmap.daemon.engine.app import DaemonApp
+from kvmap.daemon.engine.leases import DEFAULT_LEASE_S
+from kvmap.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    peer_pb2,
+    peer_pb2_grpc,
+    region_maps_pb2,
+    region_maps_pb2_grpc,
+    registry_pb2,
+    registry_pb2_grpc,
+    transfers_pb2,
+    transfers_pb2_grpc,
+    types_pb2,
+)
+
+Ctx = aio.ServicerContext[Any, Any]
+
+
+def worker_key(msg: types_pb2.WorkerId, field: str = "worker") -> WorkerKey:
+    return convert.requested_worker(msg, field)
+
+
+class RegistryService(registry_pb2_grpc.RegistryServicer):
+    def __init__(self, app: DaemonApp) -> None:
+        self.app = app
+
+    async def RegisterWorker(
+        self, request: registry_pb2.RegisterWorkerRequest, context: Ctx
+    ) -> registry_pb2.RegisterWorkerResponse:
+        if self.app.draining:
+            raise Unavailable("kvmapd is shutting down")
+        record = await self.app.registrar.register(request, self.app.planner)
+        self.app.registered(record)
+        return registry_pb2.RegisterWorkerResponse(
+            region_map=convert.region_map_to_proto(record.model)
+        )
+
+    async def DeregisterWorker(
+        self, request: registry_pb2.DeregisterWorkerRequest, context: Ctx
+    ) -> registry_pb2.DeregisterWorkerResponse:
+        record = await self.app.registrar.deregister(worker_key(request.worker))
+        self.app.update_gauges()
+        return registry_pb2.DeregisterWorkerResponse(generation=record.generation)
+
+    async def Attach(
+        self, request: registry_pb2.AttachRequest, context: Ctx
+    ) -> AsyncIterator[registry_pb2.AttachResponse]:
+        key = worker_key(request.worker)
+        record = self.app.table.get(key)
+        queue = self.app.table.subscribe(key)
+        store = self.app.store
+        try:
+            yield registry_pb2.AttachResponse(
+                attached=registry_pb2.AttachedEvent(
+                    generation=record.generation, daemon_instance=self.app.instance
+                )
+            )
+            # Notifications that arrived while no stream was open (or before
+            # a restart) first; queued live ones may repeat them: at least once.
+            sent: set[int] = set()
+            for event_id, event in store.pending_events(key):
+                yield event
+                store.ack_event(event_id)
+                sent.add(event_id)
+            while True:
+                event_id, event = await queue.get()
+                if event_id and event_id in sent:
+                    continue
+                yield event
+                if event_id:
+                    store.ack_event(event_id)
+        finally:
+            # The stream ended: the worker closed it, died, or the daemon is
+            # stopping. A worker with no live Attach stream is gone.
+            remaining = self.app.table.unsubscribe(key, queue)
+            if remaining == 0 and not self.app.draining and self.app.table.find(key) is not None:
+                await self.app.worker_gone(key)
+
+
+class RegionMapsService(region_maps_pb2_grpc.RegionMapsServicer):
+    def __init__(self, app: DaemonApp) -> None:
+        self.app = app
+
+    async def ListWorkers(
+        self, request: region_maps_pb2.ListWorkersRequest, context: Ctx
+    ) -> region_maps_pb2.ListWorkersResponse:
+        resp = region_maps_pb2.ListWorkersResponse(
+            daemon_instance=self.app.instance,
+            planner=convert.planner_info_to_proto(self.app.planner.info),
+        )
+        for record in self.app.table.records():
+            m = record.model
+            resp.workers.add(
+                worker=convert.worker_id_to_proto(record.key),
+                generation=m.generation,
+                planner=convert.planner_info_to_proto(m.planner),
+                region_count=len(m.regions),
+                view_count=m.view_count,
+                descriptor_count=m.descriptor_count,
+                baseline_descriptor_count=m.baseline_descriptor_count,
+                registered_bytes=record.memory.size_bytes,
+            )
+        return resp
+
+    async def GetRegionMap(
+        self, request: region_maps_pb2.GetRegionMapRequest, context: Ctx
+    ) -> region_maps_pb2.GetRegionMapResponse:
+        record = self.app.table.get(worker_key(request.worker))
+        return region_maps_pb2.GetRegionMapResponse(
+            region_map=convert.region_map_to_proto(record.model)
+        )
+
+    async def PlanPreview(
+        self, request: region_maps_pb2.PlanPreviewRequest, context: Ctx
+    ) -> region_maps_pb2.PlanPreviewResponse:
+        planner = planners.get_planner(request.planner or self.app.planner.info.name)
+        geometry = convert.parse_and_validate(request.spec, field_prefix="spec.")
+        plan = planner.plan(geometry)
+        model = convert.model_from_plan(geometry, plan, 0, {})
+        return region_maps_pb2.PlanPreviewResponse(region_map=convert.region_map_to_proto(model))
+
+
+class AdminService(admin_pb2_grpc.AdminServicer):
+    def __init__(self, app: DaemonApp) -> None:
+        self.app = app
+
+    async def Replan(
+        self, request: admin_pb2.ReplanRequest, context: Ctx
+    ) -> admin_pb2.ReplanResponse:
+        records = await self.app.replan(request.planner)
+        resp = admin_pb2.ReplanResponse(
+            planner=convert.planner_info_to_proto(self.app.planner.info)
+        )
+        for record in records:
+            resp.workers.add(
+                worker=convert.worker_id_to_proto(record.key),
+                generation=record.generation,
+                descriptor_count=record.model.descriptor_count,
+            )
+        return resp
+
+    async def GetStats(
+        self, request: admin_pb2.GetStatsRequest, context: Ctx
+    ) -> admin_pb2.GetStatsResponse:
+        return self.app.stats()
+
+
+def add_unix_services(server: aio.Server, app: DaemonApp) -> None:
+    registry_pb2_grpc.add_RegistryServicer_to_server(RegistryService(app), server)
+    region_maps_pb2_grpc.add_RegionMapsServicer_to_server(RegionMapsService(app), server)
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminService(app), server)
+    transfers_pb2_grpc.add_TransfersServicer_to_server(TransfersService(app), server)
+
+
+def add_tcp_services(server: aio.Server, app: DaemonApp) -> None:
+    region_maps_pb2_grpc.add_RegionMapsServicer_to_server(RegionMapsService(app), server)
+    peer_pb2_grpc.add_PeerServicer_to_server(PeerService(app), server)
+
+
+def _names(*services: str) -> tuple[str, ...]:
+    health = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    return (*services, health, reflection.SERVICE_NAME)
+
+
+def unix_service_names() -> tuple[str, ...]:
+    return _names(
+        "kvmap.v1.Registry", "kvmap.v1.RegionMaps", "kvmap.v1.Admin", "kvmap.v1.Transfers"
+    )
+
+
+def tcp_service_names() -> tuple[str, ...]:
+    return _names("kvmap.v1.RegionMaps", "kvmap.v1.Peer")
+
+
+class PeerService(peer_pb2_grpc.PeerServicer):
+    def __init__(self, app: DaemonApp) -> None:
+        self.app = app
+
+    async def GetAgentMetadata(
+        self, request: peer_pb2.GetAgentMetadataRequest, context: Ctx
+    ) -> peer_pb2.GetAgentMetadataResponse:
+        record = self.app.worker_for_peer(worker_key(request.worker))
+        return peer_pb2.GetAgentMetadataResponse(
+            agent_name=self.app.agent_name,
+            agent_metadata=await self.app.agent_metadata(),
+            region_map=convert.region_map_to_proto(record.model),
+            generation=record.generation,
+            daemon_instance=self.app.instance,
+        )
+
+    async def BeginTransfer(
+        self, request: peer_pb2.BeginTransferRequest, context: Ctx
+    ) -> peer_pb2.BeginTransferResponse:
+        if request.blocks < 0 or request.bytes < 0:
+            # Arguments first: they are wrong whatever the daemon's state.
+            raise InvalidArgument(
+                "blocks" if request.blocks < 0 else "bytes", "must not be negative"
+            )
+        if self.app.draining:
+            raise Unavailable("kvmapd is shutting down")
+        if request.agent_name and request.agent_name != self.app.agent_name:
+            raise FailedPrecondition(
+                f"transfer planned against agent {request.agent_name}; this daemon runs "
+                f"{self.app.agent_name} (it restarted): handshake again"
+            )
+        record = self.app.worker_for_peer(worker_key(request.worker))
+        lease = self.app.leases.begin(
+            record,
+            generation=request.generation,
+            request_id=request.request_id,
+            peer_agent=request.peer_agent,
+            write=request.write,
+            blocks=request.blocks,
+            nbytes=request.bytes,
+            lease_s=(request.lease_ms / 1000) if request.lease_ms else DEFAULT_LEASE_S,
+        )
+        return peer_pb2.BeginTransferResponse(transfer_token=lease.token)
+
+    async def EndTransfer(
+        self, request: peer_pb2.EndTransferRequest, context: Ctx
+    ) -> peer_pb2.EndTransferResponse:
+        self.app.leases.finish(request.transfer_token)
+        return peer_pb2.EndTransferResponse()
+
+
+class TransfersService(transfers_pb2_grpc.TransfersServicer):
+    def __init__(self, app: DaemonApp) -> None:
+        self.app = app
+
+    async def Pull(
+        self, request: transfers_pb2.PullRequest, context: Ctx
+    ) -> AsyncIterator[transfers_pb2.PullResponse]:
+        if self.app.draining:
+            raise Unavailable("kvmapd is shutting down")
+        async for s in self.app.engine.run(request.spec, write=False):
+            yield transfers_pb2.PullResponse(status=s)
+
+    async def Push(
+        self, request: transfers_pb2.PushRequest, context: Ctx
+    ) -> AsyncIterator[transfers_pb2.PushResponse]:
+        if self.app.draining:
+            raise Unavailable("kvmapd is shutting down")
+        async for s in self.app.engine.run(request.spec, write=True):
+            yield transfers_pb2.PushResponse(status=s)

@@ -1,0 +1,230 @@
+"""Transfer planning: (piece table, block-id pairs) -> matched NIXL descriptors.
+
+Pure and numpy-vectorised: a 128K-token request on a GLM-5.3 rank (2,048
+blocks x up to 101 pieces, ~200K descriptors) plans in milliseconds.
+
+Output, for the NIXL shell:
+
+* ``piece_dlist_rows(table, side, dev_id)`` once per piece table: an Nx5
+  strided list ``(addr, len, dev_id, stride, count)`` for
+  ``prep_xfer_dlist(..., mem_type=...)``; NIXL expands row ``p`` to ``count``
+  descriptors, so descriptor ``first_index[p] + b`` is block ``b`` of piece
+  ``p``. The local list is prepared for ``NIXL_INIT_AGENT``, the remote list
+  for the remote agent's name.
+* ``plan_transfer(table, groups)`` per request: ``local_indices`` /
+  ``remote_indices`` for ``make_prepped_xfer`` against those lists, plus
+  ``runs``: explicit descriptors for runs of consecutive blocks of whole-row
+  pieces, which no prepared list holds; ``run_dlist_rows`` turns them into the
+  Nx3 lists ``get_xfer_descs`` / ``initialize_xfer`` take.
+
+Block ids are validated before anything is posted, against every region the
+selection's pieces touch on each side. The block limit per transfer is an
+INVALID_ARGUMENT, not RESOURCE_EXHAUSTED: it is a property of the request
+alone and retrying the same request can never succeed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvmap.daemon.core.errors import InvalidArgument
+from kvmap.daemon.core.transfer_pieces import Int64Array, PieceTable, Side
+
+# A 1M-token request at 16 tokens per block; bounds the index arrays a single
+# request can make the daemon build (x pieces x 4 bytes each).
+MAX_BLOCKS_PER_TRANSFER = 1 << 16
+
+Int32Array = npt.NDArray[np.int32]
+
+
+@dataclass(frozen=True, eq=False)
+class GroupPairs:
+    """Block pairs of one request group (wire ``GroupBlocks``):
+    ``local_block_ids[i] <-> remote_block_ids[i]``."""
+
+    transfer_group: int
+    local_block_ids: Sequence[int] | Int64Array
+    remote_block_ids: Sequence[int] | Int64Array
+
+
+@dataclass(frozen=True, eq=False)
+class TransferPlan:
+    # Pairs of descriptors of the prepared lists, one block of one piece each.
+    local_indices: Int32Array
+    remote_indices: Int32Array
+    # Explicit descriptors (local_addr, remote_addr, len): a run of k >= 2
+    # consecutive block pairs of a whole-row piece, k rows long.
+    runs: Int64Array
+    blocks: int
+    bytes: int
+
+    @property
+    def descriptors(self) -> int:
+        return len(self.local_indices) + len(self.runs)
+
+
+def piece_dlist_rows(table: PieceTable, side: Side, dev_id: int) -> Int64Array:
+    """Nx5 ``(addr, len, dev_id, stride, count)``: one strided row per piece."""
+    rows = table.side(side)
+    return np.stack(
+        [rows.addr, table.len_bytes, np.full_like(rows.addr, dev_id), rows.stride, rows.count],
+        axis=1,
+    )
+
+
+def first_index(table: PieceTable, side: Side) -> Int64Array:
+    """Index of block 0 of each piece in that side's prepared list."""
+    return table.side(side).first_index
+
+
+def run_dlist_rows(plan: TransferPlan, side: Side, dev_id: int) -> Int64Array:
+    """Nx3 ``(addr, len, dev_id)`` of ``plan.runs`` on one side; row i of the
+    local list pairs with row i of the remote list."""
+    addr = plan.runs[:, 0 if side is Side.LOCAL else 1]
+    return np.stack([addr, plan.runs[:, 2], np.full_like(addr, dev_id)], axis=1)
+
+
+def _ids(values: Sequence[int] | Int64Array) -> Int64Array:
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
+def _check_range(field: str, ids: Int64Array, limit: int) -> None:
+    bad = np.flatnonzero((ids < 0) | (ids >= limit))
+    if bad.size:
+        j = int(bad[0])
+        raise InvalidArgument(f"{field}[{j}]", f"block {ids[j]} out of range [0, {limit})")
+
+
+def _first_repeat(ids: Int64Array) -> tuple[int, int] | None:
+    """(later, earlier) positions of the first repeated id, or None."""
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    dup = np.flatnonzero(sorted_ids[1:] == sorted_ids[:-1]) + 1
+    if not dup.size:
+        return None
+    # A stable sort keeps equal ids in input order: order[t - 1] < order[t].
+    t = int(dup[np.argmin(order[dup])])
+    return int(order[t]), int(order[t - 1])
+
+
+def _validate(
+    table: PieceTable, groups: Sequence[GroupPairs], destination: Side
+) -> list[tuple[Int64Array, Int64Array]]:
+    if len(groups) != len(table.selections) or any(
+        g.transfer_group != s.transfer_group for g, s in zip(groups, table.selections, strict=False)
+    ):
+        # The caller builds the table from the same request groups; a mismatch
+        # is a bug in the daemon, not bad input.
+        raise ValueError("groups do not match the piece table's selections")
+    total = sum(len(g.local_block_ids) for g in groups)
+    if total > MAX_BLOCKS_PER_TRANSFER:
+        raise InvalidArgument(
+            "groups", f"{total} block pairs exceed the limit of {MAX_BLOCKS_PER_TRANSFER}"
+        )
+    out: list[tuple[Int64Array, Int64Array]] = []
+    for i, g in enumerate(groups):
+        local, remote = _ids(g.local_block_ids), _ids(g.remote_block_ids)
+        if len(remote) != len(local):
+            raise InvalidArgument(
+                f"groups[{i}].remote_block_ids", f"{len(remote)} ids for {len(local)} local ids"
+            )
+        _check_range(f"groups[{i}].local_block_ids", local, table.local_limits[i])
+        _check_range(f"groups[{i}].remote_block_ids", remote, table.remote_limits[i])
+        out.append((local, remote))
+    _check_destination(table, groups, out, destination)
+    return out
+
+
+def _check_destination(
+    table: PieceTable,
+    groups: Sequence[GroupPairs],
+    ids: list[tuple[Int64Array, Int64Array]],
+    destination: Side,
+) -> None:
+    """No destination byte may be written twice: a block id repeated within a
+    group, or shared by two groups that select a common layer, would race."""
+    which = 0 if destination is Side.LOCAL else 1
+    name = f"{destination.value}_block_ids"
+    layers = [{n for p in table.pieces[a:b] for n in p.layer_names} for a, b in table.spans]
+    for i, g in enumerate(groups):
+        dest = ids[i][which]
+        repeat = _first_repeat(dest)
+        if repeat:
+            later, earlier = repeat
+            raise InvalidArgument(
+                f"groups[{i}].{name}[{later}]",
+                f"block {dest[later]} repeats groups[{i}].{name}[{earlier}]; "
+                "one destination block would be written twice",
+            )
+        for k in range(i):
+            if groups[k].transfer_group != g.transfer_group or not layers[k] & layers[i]:
+                continue
+            common = np.flatnonzero(np.isin(dest, ids[k][which]))
+            if common.size:
+                j = int(common[0])
+                raise InvalidArgument(
+                    f"groups[{i}].{name}[{j}]",
+                    f"block {dest[j]} is also written by groups[{k}] for the same layers",
+                )
+
+
+def plan_transfer(
+    table: PieceTable,
+    groups: Sequence[GroupPairs],
+    *,
+    destination: Side = Side.LOCAL,
+    merge_runs: bool = True,
+) -> TransferPlan:
+    """Matched descriptors moving, for every ``groups[i]`` pair ``(lb, rb)`` and
+    every selected layer, the layer's local block ``lb`` <-> remote block ``rb``.
+
+    ``groups[i]`` must be the request group ``table.selections[i]`` was built
+    from. ``destination`` is the side written (LOCAL for a pull / READ, REMOTE
+    for a push / WRITE): its block ids must not repeat. With ``merge_runs``
+    off every descriptor is an index pair, so one prepped request suffices.
+    """
+    pairs = _validate(table, groups, destination)
+    loc, rem = table.local, table.remote
+    li: list[Int64Array] = []
+    ri: list[Int64Array] = []
+    runs: list[Int64Array] = []
+    blocks = nbytes = 0
+    for (start, stop), (lids, rids) in zip(table.spans, pairs, strict=True):
+        n = len(lids)
+        pieces = np.arange(start, stop)
+        blocks += n
+        nbytes += n * int(table.len_bytes[start:stop].sum())
+        if not n:
+            continue
+        whole = pieces[table.whole_row[start:stop]] if merge_runs else pieces[:0]
+        split = np.setdiff1d(pieces, whole, assume_unique=True)
+        # Pieces that are not whole rows: one descriptor per piece per block.
+        li.append(np.add.outer(loc.first_index[split], lids).ravel())
+        ri.append(np.add.outer(rem.first_index[split], rids).ravel())
+        if not whole.size:
+            continue
+        # Whole-row pieces: a run of pairs (lb, rb), (lb+1, rb+1), ... is
+        # contiguous on both sides, so k >= 2 blocks become one descriptor.
+        brk = np.flatnonzero((np.diff(lids) != 1) | (np.diff(rids) != 1)) + 1
+        first = np.concatenate(([0], brk))
+        length = np.diff(np.append(first, n))
+        single, multi = first[length == 1], first[length > 1]
+        li.append(np.add.outer(loc.first_index[whole], lids[single]).ravel())
+        ri.append(np.add.outer(rem.first_index[whole], rids[single]).ravel())
+        if multi.size:
+            la = loc.addr[whole, None] + loc.stride[whole, None] * lids[multi]
+            ra = rem.addr[whole, None] + rem.stride[whole, None] * rids[multi]
+            ln = table.len_bytes[whole, None] * length[length > 1]
+            runs.append(np.stack([la.ravel(), ra.ravel(), ln.ravel()], axis=1))
+    empty = np.zeros(0, dtype=np.int64)
+    return TransferPlan(
+        local_indices=np.concatenate([empty, *li]).astype(np.int32),
+        remote_indices=np.concatenate([empty, *ri]).astype(np.int32),
+        runs=np.concatenate([np.zeros((0, 3), dtype=np.int64), *runs]),
+        blocks=blocks,
+        bytes=nbytes,
+    )

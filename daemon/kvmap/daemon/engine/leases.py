@@ -1,0 +1,106 @@
+"""The owner's side of a transfer: a peer announces it (BeginTransfer), the
+owner pins the worker's registration under a lease, and the NIXL
+notification the peer sends after completion ends it. A lease that runs out
+releases the pin too: a peer that never finishes is its own problem, never a
+leak here."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+
+from kvmap.daemon.core.errors import ResourceExhausted, StaleGeneration
+from kvmap.daemon.engine.workers import WorkerRecord
+
+# Notification payload a puller sends to the owner's agent when it is done.
+NOTIF_PREFIX = b"kvmap1:done:"
+# Concurrent announced transfers per peer agent (a stated limit: a peer cannot
+# pin unbounded registrations).
+MAX_LEASES_PER_PEER = 1024
+MAX_LEASES = 8192
+DEFAULT_LEASE_S = 60.0
+MAX_LEASE_S = 600.0
+
+
+@dataclass
+class Lease:
+    token: str
+    request_id: str
+    record: WorkerRecord
+    peer_agent: str
+    write: bool
+    blocks: int
+    bytes: int
+    expires_at: float
+
+
+def notification(token: str) -> bytes:
+    return NOTIF_PREFIX + token.encode()
+
+
+def token_of(message: bytes) -> str | None:
+    if message.startswith(NOTIF_PREFIX):
+        return message[len(NOTIF_PREFIX) :].decode(errors="replace")
+    return None
+
+
+class LeaseTable:
+    def __init__(self) -> None:
+        self._leases: dict[str, Lease] = {}
+        self._per_peer: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def begin(
+        self,
+        record: WorkerRecord,
+        *,
+        generation: int,
+        request_id: str,
+        peer_agent: str,
+        write: bool,
+        blocks: int,
+        nbytes: int,
+        lease_s: float,
+    ) -> Lease:
+        if generation != record.generation:
+            raise StaleGeneration(str(record.key), generation, record.generation)
+        if self._per_peer.get(peer_agent, 0) >= MAX_LEASES_PER_PEER:
+            raise ResourceExhausted(
+                f"peer {peer_agent} has {MAX_LEASES_PER_PEER} transfers outstanding (the limit)"
+            )
+        if len(self._leases) >= MAX_LEASES:
+            # Peers name themselves: the per-peer limit alone bounds nothing.
+            raise ResourceExhausted(f"{MAX_LEASES} transfers outstanding in all (the limit)")
+        lease = Lease(
+            token=secrets.token_hex(16),
+            request_id=request_id,
+            record=record,
+            peer_agent=peer_agent,
+            write=write,
+            blocks=blocks,
+            bytes=nbytes,
+            expires_at=time.monotonic() + min(max(lease_s, 0.001), MAX_LEASE_S),
+        )
+        record.pin()
+        self._leases[lease.token] = lease
+        self._per_peer[peer_agent] = self._per_peer.get(peer_agent, 0) + 1
+        return lease
+
+    def finish(self, token: str) -> Lease | None:
+        lease = self._leases.pop(token, None)
+        if lease is not None:
+            lease.record.unpin()
+            left = self._per_peer[lease.peer_agent] - 1
+            if left:
+                self._per_peer[lease.peer_agent] = left
+            else:
+                del self._per_peer[lease.peer_agent]
+        return lease
+
+    def expire(self, now: float | None = None) -> list[Lease]:
+        now = time.monotonic() if now is None else now
+        gone = [t for t, lease in self._leases.items() if lease.expires_at <= now]
+        return [lease for t in gone if (lease := self.finish(t)) is not None]

@@ -1,0 +1,88 @@
+"""Drives NIXL from the daemon's own loop instead of UCX's progress thread
+(which spins a whole core): polls posted transfers and incoming
+notifications on the NIXL thread, fast while anything is in flight and
+slowly when idle."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import structlog
+
+from kvmap.daemon.adapters.nixl_agent import NixlAgent, XferState
+from kvmap.daemon.adapters.nixl_thread import NixlRunner
+
+log = structlog.get_logger("kvmapd.progress")
+T = TypeVar("T")
+
+BUSY_INTERVAL_S = 0.0002
+IDLE_INTERVAL_S = 0.01
+
+
+class Progress:
+    def __init__(
+        self,
+        agent: NixlAgent,
+        nixl: NixlRunner,
+        on_notifs: Callable[[dict[str, list[bytes]]], None],
+        busy: Callable[[], bool],
+    ) -> None:
+        self._agent = agent
+        self._nixl = nixl
+        self._on_notifs = on_notifs
+        self._busy = busy
+        self._watched: dict[int, tuple[Any, asyncio.Future[XferState]]] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="nixl-progress")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for _, fut in self._watched.values():
+            if not fut.done():
+                fut.cancel()
+        self._watched.clear()
+
+    def watch(self, xfer: Any) -> asyncio.Future[XferState]:
+        fut: asyncio.Future[XferState] = asyncio.get_running_loop().create_future()
+        self._watched[id(xfer)] = (xfer, fut)
+        self._wake.set()
+        return fut
+
+    def forget(self, xfer: Any) -> None:
+        self._watched.pop(id(xfer), None)
+
+    def _tick(self) -> tuple[dict[int, XferState], dict[str, list[bytes]]]:
+        """Runs on the NIXL thread: one progress pass."""
+        states = {key: self._agent.poll(x) for key, (x, _) in list(self._watched.items())}
+        return states, self._agent.take_notifs()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                states, notifs = await self._nixl(self._tick)
+            except Exception:
+                log.exception("progress_tick_failed")
+                states, notifs = {}, {}
+            for key, state in states.items():
+                if state is XferState.PROC:
+                    continue
+                entry = self._watched.pop(key, None)
+                if entry is not None and not entry[1].done():
+                    entry[1].set_result(state)
+            if notifs:
+                self._on_notifs(notifs)
+            busy = bool(self._watched) or self._busy()
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self._wake.wait(), BUSY_INTERVAL_S if busy else IDLE_INTERVAL_S
+                )

@@ -1,0 +1,338 @@
+"""Registering, re-planning and retiring workers: import each allocation
+once, register it with NIXL once, plan regions, prepare the local descriptor
+list, and swap the worker's record atomically with a new generation.
+
+Every step that can fail happens before the table changes; a failure
+releases what the attempt acquired and leaves the daemon as it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from functools import partial
+from typing import Any
+
+import numpy as np
+import structlog
+
+from kvmap.daemon.adapters import cuda_ipc, memory
+from kvmap.daemon.adapters.fd_handoff import FdHandoffServer
+from kvmap.daemon.adapters.nixl_agent import MemoryType, NixlAgent
+from kvmap.daemon.adapters.nixl_thread import NixlRunner
+from kvmap.daemon.adapters.state_store import Reopen, StateStore, StoredWorker
+from kvmap.daemon.core import convert
+from kvmap.daemon.core.config import MAX_REGION_MAP_BYTES
+from kvmap.daemon.core.errors import InvalidArgument, KvmapError
+from kvmap.daemon.core.geometry import Plan, RegionMapModel, WorkerGeometry, WorkerKey
+from kvmap.daemon.core.planner import Planner
+from kvmap.daemon.engine.workers import AttachedMemory, WorkerRecord, WorkerTable
+from kvmap.v1 import registry_pb2, types_pb2
+
+log = structlog.get_logger("kvmapd.registration")
+
+
+def region_rows(model: RegionMapModel) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """NIXL strided rows (address, len, device, stride, count), one per region:
+    descriptor ``first_index[r] + b`` is block b of region r."""
+    rows = np.zeros((len(model.regions), 5), dtype=np.int64)
+    for i, region in enumerate(model.regions):
+        alloc = model.allocation(region.allocation_id)
+        rows[i] = (
+            alloc.base_address + region.offset_bytes,
+            region.block_len_bytes,
+            alloc.device.index,
+            region.block_stride_bytes,
+            region.num_blocks,
+        )
+    return rows
+
+
+class Registrar:
+    def __init__(
+        self,
+        *,
+        table: WorkerTable,
+        agent: NixlAgent,
+        fds: FdHandoffServer,
+        nixl: NixlRunner,
+        retire_timeout_s: float,
+        on_retire: Callable[[WorkerKey, int], Awaitable[None]],
+        store: StateStore,
+    ) -> None:
+        self._table = table
+        self._agent = agent
+        self._fds = fds
+        self._nixl = nixl
+        self._retire_timeout_s = retire_timeout_s
+        # Drops what the transfer engine prepared over the retired record.
+        self._on_retire = on_retire
+        self._store = store
+
+    # Memory ---------------------------------------------------------------
+
+    def _import(
+        self,
+        req: registry_pb2.RegisterWorkerRequest,
+        preopened: dict[str, int],
+        restored_from: dict[str, Reopen],
+    ) -> tuple[dict[str, Any], dict[str, Reopen]]:
+        """Map every allocation, noting how to re-open it after a restart; on
+        any failure unmap what was mapped."""
+        mapped: dict[str, Any] = {}
+        reopen: dict[str, Reopen] = {}
+        try:
+            for i, alloc in enumerate(req.allocations):
+                field = f"allocations[{i}]"
+                which = alloc.WhichOneof("handle")
+                if which == "cuda_ipc":
+                    mapped[alloc.id] = cuda_ipc.import_allocation(alloc, field=field)
+                    # The handle opens again while the worker lives.
+                    reopen[alloc.id] = Reopen(cuda_ipc=alloc.cuda_ipc.handle)
+                elif alloc.device.type == types_pb2.DEVICE_TYPE_CUDA:
+                    raise InvalidArgument(
+                        f"{field}.handle", "a CUDA allocation needs a cuda_ipc handle"
+                    )
+                elif alloc.id in preopened:  # restored by the daemon itself
+                    fd = preopened.pop(alloc.id)
+                    reopen[alloc.id] = restored_from[alloc.id]
+                    mapped[alloc.id] = memory.import_shm_fd(
+                        fd, _handle_offset(alloc), alloc.size_bytes, field=field
+                    )
+                elif which == "shm_fd":
+                    fd = self._fds.claim(alloc.shm_fd.token, alloc.shm_fd.index, f"{field}.shm_fd")
+                    st = os.fstat(fd)
+                    # The worker holds the same object open: after a restart
+                    # the daemon finds it again in /proc/<pid>/fd by identity.
+                    pid = self._fds.peer(alloc.shm_fd.token).pid
+                    reopen[alloc.id] = Reopen(pid=pid, dev=st.st_dev, ino=st.st_ino)
+                    mapped[alloc.id] = memory.import_shm_fd(
+                        fd, alloc.shm_fd.offset_bytes, alloc.size_bytes, field=f"{field}.shm_fd"
+                    )
+                elif which == "shm_path":
+                    mapped[alloc.id] = memory.import_shm_path(
+                        alloc.shm_path.path,
+                        alloc.shm_path.offset_bytes,
+                        alloc.size_bytes,
+                        field=f"{field}.shm_path",
+                    )
+                    st = os.stat(alloc.shm_path.path)
+                    reopen[alloc.id] = Reopen(
+                        path=alloc.shm_path.path, dev=st.st_dev, ino=st.st_ino
+                    )
+                else:
+                    raise InvalidArgument(
+                        f"{field}.handle",
+                        "registration needs memory: set shm_fd, shm_path or cuda_ipc "
+                        "(a handle of 'none' is for PlanPreview and kvmapd plan only)",
+                    )
+        except BaseException:
+            for m in mapped.values():
+                m.close()
+            for fd in preopened.values():
+                os.close(fd)
+            raise
+        return mapped, reopen
+
+    async def _attach(self, geometry: WorkerGeometry, mapped: dict[str, Any]) -> AttachedMemory:
+        regs: list[Any] = []
+        try:
+            for m in mapped.values():
+                dev_id, mem_type = nixl_target(m)
+                regs.append(
+                    await self._nixl(
+                        partial(self._agent.register, m.address, m.size, dev_id, mem_type)
+                    )
+                )
+        except BaseException:
+            for reg in regs:
+                await self._nixl(partial(self._agent.deregister, reg))
+            for m in mapped.values():
+                m.close()
+            raise
+        return AttachedMemory(mapped=mapped, registrations=regs)
+
+    async def _release_memory(self, mem: AttachedMemory) -> None:
+        for reg in mem.registrations:
+            await self._nixl(partial(self._agent.deregister, reg))
+        for m in mem.mapped.values():
+            m.close()
+        mem.registrations.clear()
+        mem.mapped.clear()
+
+    # Records --------------------------------------------------------------
+
+    async def _make_record(
+        self, geometry: WorkerGeometry, plan: Plan, mem: AttachedMemory
+    ) -> WorkerRecord:
+        generation = self._table.next_generation(geometry.worker)
+        model = convert.model_from_plan(geometry, plan, generation, mem.base_addresses())
+        # Like base addresses, device ordinals in a published map are this
+        # daemon's (what NIXL registered), not the worker's.
+        ordinals = {k: nixl_target(m)[0] for k, m in mem.mapped.items()}
+        model = replace(
+            model,
+            allocations=tuple(
+                replace(a, device=replace(a.device, index=ordinals.get(a.id, a.device.index)))
+                for a in model.allocations
+            ),
+        )
+        size = convert.region_map_to_proto(model).ByteSize()
+        if size > MAX_REGION_MAP_BYTES:
+            raise InvalidArgument(
+                "views",
+                f"the region map would be {size} bytes, over the {MAX_REGION_MAP_BYTES}-byte "
+                "limit of one message: register fewer views or shorter layer names",
+            )
+        rows = region_rows(model)
+        dlist = await self._nixl(partial(self._agent.prep_local, rows))
+        mem.refs += 1
+        return WorkerRecord(geometry=geometry, model=model, memory=mem, local_dlist=dlist)
+
+    async def retire(self, record: WorkerRecord) -> None:
+        """Release a record once no transfer uses it (bounded wait)."""
+        if record.pins:
+            try:
+                await asyncio.wait_for(record.unpinned.wait(), self._retire_timeout_s)
+            except TimeoutError:
+                log.warning("retire_with_pins", worker=str(record.key), pins=record.pins)
+        await self._on_retire(record.key, record.generation)
+        await self._nixl(partial(self._agent.release_dlist, record.local_dlist))
+        record.memory.refs -= 1
+        if record.memory.refs <= 0:
+            await self._release_memory(record.memory)
+
+    async def register(
+        self,
+        req: registry_pb2.RegisterWorkerRequest,
+        planner: Planner,
+        restored: dict[str, tuple[int, Reopen]] | None = None,
+    ) -> WorkerRecord:
+        """Register a worker. ``restored`` maps allocation ids to fds the
+        daemon opened itself (restore after a restart) and their Reopen."""
+        preopened = {k: fd for k, (fd, _) in (restored or {}).items()}
+        try:
+            geometry = convert.parse_and_validate(req)
+            plan = planner.plan(geometry)
+        except BaseException:
+            for fd in preopened.values():
+                os.close(fd)
+            raise
+        async with self._table.lock:
+            mapped, reopen = self._import(
+                req, preopened, {k: r for k, (_, r) in (restored or {}).items()}
+            )
+            mem = await self._attach(geometry, mapped)
+            try:
+                record = await self._make_record(geometry, plan, mem)
+                self._store.save_worker(
+                    req, geometry.worker, reopen, plan.planner.name, record.generation
+                )
+            except BaseException:
+                await self._release_memory(mem)
+                raise
+            old = self._table.put(record)
+        for alloc in req.allocations:
+            # The claimed fds were duplicated and are mapped now; the batch's
+            # own copies can go rather than wait for the token to expire.
+            if alloc.WhichOneof("handle") == "shm_fd":
+                self._fds.discard(alloc.shm_fd.token)
+        log.info(
+            "worker_registered",
+            worker=str(geometry.worker),
+            generation=record.generation,
+            regions=len(plan.regions),
+            descriptors=plan.descriptor_count,
+            baseline_descriptors=plan.baseline_descriptor_count,
+        )
+        if old is not None:
+            await self.retire(old)
+        return record
+
+    async def deregister(self, key: WorkerKey) -> WorkerRecord:
+        async with self._table.lock:
+            record = self._table.pop(key)
+            self._store.delete_worker(key)
+        await self.retire(record)
+        log.info("worker_deregistered", worker=str(key), generation=record.generation)
+        return record
+
+    async def replan(self, planner: Planner) -> list[WorkerRecord]:
+        """Re-plan every live worker over its existing registrations."""
+        done: list[WorkerRecord] = []
+        async with self._table.lock:
+            olds = self._table.records()
+            for old in olds:
+                record = await self._make_record(
+                    old.geometry, planner.plan(old.geometry), old.memory
+                )
+                self._table.put(record)
+                done.append(record)
+        for old in olds:
+            await self.retire(old)
+        return done
+
+    async def restore(self, stored: StoredWorker, planner: Planner) -> WorkerRecord | None:
+        """Register a worker from the state store with memory the daemon can
+        open by itself; None when it cannot (its client re-registers)."""
+        restored: dict[str, tuple[int, Reopen]] = {}
+        for alloc in stored.request.allocations:
+            if alloc.WhichOneof("handle") == "cuda_ipc":
+                continue  # the stored handle itself opens again
+            info = stored.reopen.get(alloc.id)
+            fd = reopen_fd(info) if info is not None else None
+            if fd is None or info is None:
+                for opened, _ in restored.values():
+                    os.close(opened)
+                log.info("restore_deferred", worker=str(stored.worker), allocation=alloc.id)
+                return None
+            restored[alloc.id] = (fd, info)
+        try:
+            return await self.register(stored.request, planner, restored)
+        except KvmapError as err:
+            log.warning("restore_failed", worker=str(stored.worker), error=str(err))
+            return None
+
+
+def nixl_target(m: Any) -> tuple[int, MemoryType]:
+    """(dev_id, memory type) to register a mapping under with NIXL."""
+    if isinstance(m, cuda_ipc.CudaMapping):
+        return m.dev_id, MemoryType.VRAM
+    return 0, MemoryType.DRAM
+
+
+def _handle_offset(alloc: types_pb2.Allocation) -> int:
+    which = alloc.WhichOneof("handle")
+    if which == "shm_fd":
+        return alloc.shm_fd.offset_bytes
+    if which == "shm_path":
+        return alloc.shm_path.offset_bytes
+    return 0
+
+
+def reopen_fd(info: Reopen) -> int | None:
+    """Open the same shared-memory object again, identified by (st_dev,
+    st_ino): by its path, or through the worker's /proc/<pid>/fd entries
+    (magic links: opening one opens the object the worker holds)."""
+    candidates = [info.path] if info.path else []
+    if info.pid:
+        fd_dir = f"/proc/{info.pid}/fd"
+        # The worker may be gone, or not ours to look at: then no candidates.
+        with contextlib.suppress(OSError):
+            candidates += [f"{fd_dir}/{name}" for name in os.listdir(fd_dir)]
+    for path in candidates:
+        try:
+            st = os.stat(path)
+            if (st.st_dev, st.st_ino) != (info.dev, info.ino):
+                continue
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            continue
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) == (info.dev, info.ino):
+            return fd
+        os.close(fd)
+    return None

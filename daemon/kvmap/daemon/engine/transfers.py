@@ -1,0 +1,401 @@
+"""Pull and push: handshake with the remote daemon (cached per target,
+worker and generation), plan descriptors from the common refinement of both
+region maps, announce the transfer to the owner, post it, wait for NIXL to
+complete it and notify the owner.
+
+The only state here is caches: remote agents per target, and prepared
+descriptor lists per (local generation, remote generation, layer selection).
+A changed remote agent or generation drops what was prepared against it
+before anything new is posted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import structlog
+
+from kvmap.daemon.adapters.metrics import Metrics
+from kvmap.daemon.adapters.nixl_agent import MemoryType, NixlAgent, XferOp, XferState
+from kvmap.daemon.adapters.nixl_thread import NixlRunner
+from kvmap.daemon.adapters.peer_client import PeerClient, PeerHandshake, peer_credentials
+from kvmap.daemon.core.config import DaemonConfig
+from kvmap.daemon.core.convert import requested_worker, worker_id_to_proto
+from kvmap.daemon.core.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    StaleGeneration,
+    TransferError,
+    Unavailable,
+)
+from kvmap.daemon.core.geometry import DeviceKind, RegionMapModel, WorkerKey
+from kvmap.daemon.core.transfer_pieces import LayerSelection, PieceTable, Side, build_piece_table
+from kvmap.daemon.core.transfer_plan import (
+    GroupPairs,
+    TransferPlan,
+    piece_dlist_rows,
+    plan_transfer,
+    run_dlist_rows,
+)
+from kvmap.daemon.engine.leases import notification
+from kvmap.daemon.engine.progress import Progress
+from kvmap.daemon.engine.remote_agents import RemoteAgents
+from kvmap.daemon.engine.workers import WorkerRecord, WorkerTable
+from kvmap.v1 import admin_pb2, peer_pb2, transfers_pb2
+
+log = structlog.get_logger("kvmapd.transfers")
+
+
+def side_memory(model: RegionMapModel, who: str) -> tuple[int, MemoryType]:
+    """The one (device ordinal, memory type) a worker's allocations share, as
+    its owning daemon registered them."""
+    kinds = {(a.device.index, a.device.kind) for a in model.allocations}
+    if len(kinds) != 1:
+        raise FailedPrecondition(
+            f"{who} {model.worker}: allocations on several devices {sorted(kinds)}; "
+            "one transfer needs one device per side"
+        )
+    ((index, kind),) = kinds
+    return index, MemoryType.VRAM if kind is DeviceKind.CUDA else MemoryType.DRAM
+
+
+@dataclass
+class Prepared:
+    """Piece table and NIXL lists for one (local gen, remote gen, selection)."""
+
+    table: PieceTable
+    local_dlist: Any
+    remote_dlist: Any
+    # (NIXL dev_id, memory type) of each side.
+    local_mem: tuple[int, MemoryType]
+    remote_mem: tuple[int, MemoryType]
+    # Transfers between planning and posting with these lists; a stale entry
+    # is released by the last of them.
+    users: int = 0
+    stale: bool = False
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated wire TransferSpec."""
+
+    request_id: str
+    local: WorkerKey
+    target: str
+    remote: WorkerKey
+    selections: tuple[LayerSelection, ...]
+    pairs: tuple[GroupPairs, ...]
+    expected_generation: int
+    timeout_s: float
+
+    @classmethod
+    def parse(cls, spec: transfers_pb2.TransferSpec, default_timeout_s: float) -> Request:
+        if not spec.request_id:
+            raise InvalidArgument("spec.request_id", "must not be empty")
+        if not spec.remote_target or ":" not in spec.remote_target:
+            raise InvalidArgument("spec.remote_target", "expected HOST:PORT")
+        if not spec.groups:
+            raise InvalidArgument("spec.groups", "at least one transfer group is required")
+        return cls(
+            request_id=spec.request_id[:256],
+            local=requested_worker(spec.local_worker, "spec.local_worker"),
+            target=spec.remote_target,
+            remote=requested_worker(spec.remote_worker, "spec.remote_worker"),
+            selections=tuple(
+                LayerSelection(g.transfer_group, tuple(g.layer_names)) for g in spec.groups
+            ),
+            pairs=tuple(
+                GroupPairs(g.transfer_group, list(g.local_block_ids), list(g.remote_block_ids))
+                for g in spec.groups
+            ),
+            expected_generation=spec.remote_generation,
+            timeout_s=spec.timeout_ms / 1000 if spec.timeout_ms else default_timeout_s,
+        )
+
+
+def status(state: int, message: str = "", **stats: Any) -> transfers_pb2.TransferStatus:
+    return transfers_pb2.TransferStatus(
+        state=state,  # type: ignore[arg-type]
+        message=message,
+        stats=transfers_pb2.TransferStats(**stats),
+    )
+
+
+class TransferEngine:
+    def __init__(
+        self,
+        *,
+        config: DaemonConfig,
+        table: WorkerTable,
+        agent: NixlAgent,
+        agent_name: str,
+        nixl: NixlRunner,
+        progress: Progress,
+        metrics: Metrics,
+        counters: admin_pb2.TransferCounters,
+    ) -> None:
+        self._config = config
+        self._table = table
+        self._agent = agent
+        self._agent_name = agent_name
+        self._nixl = nixl
+        self._progress = progress
+        self._metrics = metrics
+        self._counters = counters
+        self.peers = PeerClient(config.connect_timeout_s, peer_credentials(config))
+        self._agents = RemoteAgents(agent, nixl, self._agent_changed)
+        self._handshakes: dict[tuple[str, WorkerKey], PeerHandshake] = {}
+        self._prepared: dict[tuple[Any, ...], Prepared] = {}
+        self._lock = asyncio.Lock()  # cache mutations (handshake, prepare)
+        self.in_flight = 0
+
+    @property
+    def remote_agent_count(self) -> int:
+        return len(self._agents)
+
+    # Caches ---------------------------------------------------------------
+
+    async def _release(self, keys: list[tuple[Any, ...]]) -> None:
+        """Forget cache entries; free their lists now or when the last
+        transfer using them has posted."""
+        for key in keys:
+            p = self._prepared.pop(key)
+            p.stale = True
+            if p.users == 0:
+                await self._free(p)
+
+    async def _free(self, p: Prepared) -> None:
+        await self._nixl(partial(self._agent.release_dlist, p.local_dlist))
+        await self._nixl(partial(self._agent.release_dlist, p.remote_dlist))
+
+    async def forget_local(self, key: WorkerKey, generation: int) -> None:
+        """A local record was retired: drop lists prepared over its memory."""
+        async with self._lock:
+            await self._release([k for k in self._prepared if k[0] == key and k[1] == generation])
+
+    async def _handshake(self, target: str, remote: WorkerKey) -> PeerHandshake:
+        hs = await self.peers.handshake(target, remote)
+        if self._agents.agent_of(target) not in (None, hs.agent_name):
+            # The remote daemon restarted: every list prepared against its
+            # old agent goes before anything new is posted.
+            await self._release([k for k in self._prepared if k[2] == target])
+            self._handshakes = {k: v for k, v in self._handshakes.items() if k[0] != target}
+        await self._agents.load(target, hs.agent_name, hs.daemon_instance, hs.agent_metadata)
+        self._metrics.remote_agents.set(len(self._agents))
+        old = self._handshakes.get((target, remote))
+        if old is not None and old.generation != hs.generation:
+            await self._release([k for k in self._prepared if k[2] == target and k[3] == remote])
+        self._handshakes[(target, remote)] = hs
+        return hs
+
+    async def _agent_changed(self, name: str) -> None:
+        """Lists prepared against a reloaded or removed remote agent go."""
+        await self._release([k for k in self._prepared if k[5] == name])
+
+    async def _remote(self, req: Request, refresh: bool) -> tuple[PeerHandshake, bool]:
+        async with self._lock:
+            hs = self._handshakes.get((req.target, req.remote))
+            if (
+                hs is None
+                or refresh
+                or (req.expected_generation and req.expected_generation != hs.generation)
+            ):
+                return await self._handshake(req.target, req.remote), True
+            return hs, False
+
+    async def _prepare(self, local: WorkerRecord, hs: PeerHandshake, req: Request) -> Prepared:
+        key = (
+            local.key,
+            local.generation,
+            req.target,
+            req.remote,
+            hs.generation,
+            hs.agent_name,
+            req.selections,
+        )
+        async with self._lock:
+            found = self._prepared.get(key)
+            if found is not None:
+                found.users += 1
+                return found
+            table = build_piece_table(local.model, hs.model, req.selections)
+            local_mem = side_memory(local.model, "local worker")
+            remote_mem = side_memory(hs.model, "remote worker")
+            local_rows = piece_dlist_rows(table, Side.LOCAL, local_mem[0])
+            remote_rows = piece_dlist_rows(table, Side.REMOTE, remote_mem[0])
+            local_dl = await self._nixl(partial(self._agent.prep_local, local_rows, local_mem[1]))
+            remote_dl = await self._nixl(
+                partial(self._agent.prep_remote, hs.agent_name, remote_rows, remote_mem[1])
+            )
+            prepared = Prepared(table, local_dl, remote_dl, local_mem, remote_mem, users=1)
+            self._prepared[key] = prepared
+            return prepared
+
+    async def _done_with(self, p: Prepared) -> None:
+        p.users -= 1
+        if p.stale and p.users == 0:
+            await self._free(p)
+
+    # Transfers --------------------------------------------------------------
+
+    async def run(
+        self, spec: transfers_pb2.TransferSpec, write: bool
+    ) -> AsyncIterator[transfers_pb2.TransferStatus]:
+        req = Request.parse(spec, self._config.transfer_timeout_s)
+        direction = "push" if write else "pull"
+        record = self._table.get(req.local)
+        record.pin()
+        self.in_flight += 1
+        try:
+            async with asyncio.timeout(req.timeout_s):
+                async for item in self._run(req, record, write):
+                    yield item
+            self._metrics.transfers.labels(direction, "done").inc()
+            if write:
+                self._counters.pushes_done += 1
+            else:
+                self._counters.pulls_done += 1
+        except TimeoutError:
+            self._metrics.transfers.labels(direction, "deadline").inc()
+            self._counters.failed += 1
+            raise DeadlineExceeded(
+                f"transfer {req.request_id}: no completion in {req.timeout_s}s"
+            ) from None
+        except BaseException as err:
+            self._metrics.transfers.labels(direction, type(err).__name__).inc()
+            self._counters.failed += 1
+            raise
+        finally:
+            self.in_flight -= 1
+            record.unpin()
+
+    async def _run(
+        self, req: Request, record: WorkerRecord, write: bool
+    ) -> AsyncIterator[transfers_pb2.TransferStatus]:
+        handshaked = False
+        for attempt in (0, 1):
+            hs, fresh = await self._remote(req, refresh=attempt > 0)
+            handshaked |= fresh
+            if fresh:
+                yield status(
+                    transfers_pb2.TRANSFER_STATE_HANDSHAKING,
+                    f"handshake with {req.target}",
+                    remote_generation=hs.generation,
+                )
+            if req.expected_generation and req.expected_generation != hs.generation:
+                raise StaleGeneration(str(req.remote), req.expected_generation, hs.generation)
+            prepared = await self._prepare(record, hs, req)
+            try:
+                plan = plan_transfer(
+                    prepared.table, req.pairs, destination=Side.REMOTE if write else Side.LOCAL
+                )
+            except BaseException:
+                await self._done_with(prepared)
+                raise
+            try:
+                token = await self.peers.begin(
+                    req.target,
+                    peer_pb2.BeginTransferRequest(
+                        request_id=req.request_id,
+                        worker=worker_id_to_proto(req.remote),
+                        generation=hs.generation,
+                        agent_name=hs.agent_name,
+                        peer_agent=self._agent_name,
+                        write=write,
+                        lease_ms=int(req.timeout_s * 1000) + 1000,
+                        blocks=plan.blocks,
+                        bytes=plan.bytes,
+                    ),
+                )
+            except BaseException as err:
+                await self._done_with(prepared)
+                if not isinstance(err, StaleGeneration) or attempt > 0:
+                    raise
+                log.info("stale_remote_generation", target=req.target, worker=str(req.remote))
+                continue  # re-handshake once, then plan again
+            break
+        else:  # pragma: no cover - the loop always breaks or raises
+            raise Unavailable("transfer could not be planned")
+
+        completed = False
+        try:
+            post_s, done_s = await self._post_and_wait(prepared, plan, hs, write)
+            await self._nixl(partial(self._agent.send_notif, hs.agent_name, notification(token)))
+            completed = True
+        finally:
+            await self._done_with(prepared)
+            if not completed:
+                await self.peers.end(req.target, token, completed=False)
+        self._metrics.transfer_bytes.inc(plan.bytes)
+        self._metrics.transfer_descriptors.inc(plan.descriptors)
+        self._metrics.post_seconds.observe(post_s)
+        self._metrics.completion_seconds.observe(done_s)
+        self._counters.bytes += plan.bytes
+        self._counters.descriptors += plan.descriptors
+        self._counters.blocks += plan.blocks
+        yield status(
+            transfers_pb2.TRANSFER_STATE_DONE,
+            "done",
+            descriptors=plan.descriptors,
+            bytes=plan.bytes,
+            post_seconds=post_s,
+            completion_seconds=done_s,
+            remote_generation=hs.generation,
+            handshaked=handshaked,
+        )
+
+    async def _post_and_wait(
+        self, prepared: Prepared, plan: TransferPlan, hs: PeerHandshake, write: bool
+    ) -> tuple[float, float]:
+        op = XferOp.WRITE if write else XferOp.READ
+
+        def post() -> tuple[list[Any], float]:
+            start = time.perf_counter()
+            xfers = []
+            if len(plan.local_indices):
+                xfers.append(
+                    self._agent.post_prepped(
+                        op,
+                        prepared.local_dlist,
+                        plan.local_indices,
+                        prepared.remote_dlist,
+                        plan.remote_indices,
+                    )
+                )
+            if len(plan.runs):
+                xfers.append(
+                    self._agent.post_descs(
+                        op,
+                        run_dlist_rows(plan, Side.LOCAL, prepared.local_mem[0]),
+                        run_dlist_rows(plan, Side.REMOTE, prepared.remote_mem[0]),
+                        hs.agent_name,
+                        mem_type=prepared.local_mem[1],
+                        remote_mem_type=prepared.remote_mem[1],
+                    )
+                )
+            return xfers, time.perf_counter() - start
+
+        xfers, post_s = await self._nixl(post)
+        start = time.perf_counter()
+        try:
+            states = await asyncio.gather(*(self._progress.watch(x) for x in xfers))
+        finally:
+            for x in xfers:
+                self._progress.forget(x)
+                await self._nixl(partial(self._agent.release, x))
+        for x, state in zip(xfers, states, strict=True):
+            if state is not XferState.DONE:
+                raise x.error or TransferError("NIXL reported a failed transfer", "ERR")
+        return post_s, time.perf_counter() - start
+
+    async def close(self) -> None:
+        async with self._lock:
+            await self._release(list(self._prepared))
+            await self._agents.close()
+        await self.peers.close()

@@ -1,0 +1,147 @@
+"""The daemon's table of registered workers: what is mapped and registered
+for each, its region map, its generation, and its Attach subscribers.
+
+Mutations happen on the event loop under ``WorkerTable.lock``; releasing NIXL
+registrations and mappings is the registration shell's job (``registration``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmap.daemon.core.errors import NotFound
+from kvmap.daemon.core.geometry import RegionMapModel, WorkerGeometry, WorkerKey
+from kvmap.v1 import registry_pb2
+
+# (persisted event id or 0, event)
+EventQueue = asyncio.Queue[tuple[int, registry_pb2.AttachResponse]]
+
+# Events a slow Attach reader may have queued before the daemon drops the
+# oldest: events are hints (the worker can always re-read state), never a
+# reason to grow without bound.
+MAX_QUEUED_EVENTS = 4096
+
+
+@dataclass
+class AttachedMemory:
+    """A worker's mapped allocations and their NIXL registrations. Shared by
+    the records of successive generations when only the plan changes (replan),
+    released when the last of them is retired."""
+
+    mapped: dict[str, Any]
+    registrations: list[Any]
+    refs: int = 0
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(int(m.size) for m in self.mapped.values())
+
+    def base_addresses(self) -> dict[str, int]:
+        return {alloc_id: int(m.address) for alloc_id, m in self.mapped.items()}
+
+
+@dataclass
+class WorkerRecord:
+    """One registered worker at one generation."""
+
+    geometry: WorkerGeometry
+    model: RegionMapModel
+    memory: AttachedMemory
+    # Local prepped descriptor list: one entry per region per block.
+    local_dlist: Any = None
+    # Transfers in flight against this record (pins keep it from being torn
+    # down under a posted NIXL transfer).
+    pins: int = 0
+    unpinned: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def key(self) -> WorkerKey:
+        return self.geometry.worker
+
+    @property
+    def generation(self) -> int:
+        return self.model.generation
+
+    def pin(self) -> None:
+        self.pins += 1
+        self.unpinned.clear()
+
+    def unpin(self) -> None:
+        self.pins = max(0, self.pins - 1)
+        if self.pins == 0:
+            self.unpinned.set()
+
+
+class WorkerTable:
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self._records: dict[WorkerKey, WorkerRecord] = {}
+        # Last generation issued per worker. Kept after deregistration so a
+        # re-registered worker never reuses a generation a peer has cached.
+        self._generations: dict[WorkerKey, int] = {}
+        self._subscribers: dict[WorkerKey, set[EventQueue]] = {}
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def records(self) -> list[WorkerRecord]:
+        return [self._records[k] for k in sorted(self._records)]
+
+    def find(self, key: WorkerKey) -> WorkerRecord | None:
+        return self._records.get(key)
+
+    def get(self, key: WorkerKey) -> WorkerRecord:
+        record = self._records.get(key)
+        if record is None:
+            raise NotFound(f"worker {key} is not registered")
+        return record
+
+    def next_generation(self, key: WorkerKey) -> int:
+        generation = self._generations.get(key, 0) + 1
+        self._generations[key] = generation
+        return generation
+
+    def seed_generation(self, key: WorkerKey, generation: int) -> None:
+        """Restore a generation counter (from the state store)."""
+        self._generations[key] = max(self._generations.get(key, 0), generation)
+
+    def put(self, record: WorkerRecord) -> WorkerRecord | None:
+        """Install a record; returns the one it replaced (to be released)."""
+        old = self._records.get(record.key)
+        self._records[record.key] = record
+        return old
+
+    def pop(self, key: WorkerKey) -> WorkerRecord:
+        record = self.get(key)
+        del self._records[key]
+        return record
+
+    # Attach subscribers -------------------------------------------------
+
+    def subscribe(self, key: WorkerKey) -> EventQueue:
+        queue: EventQueue = asyncio.Queue(MAX_QUEUED_EVENTS)
+        self._subscribers.setdefault(key, set()).add(queue)
+        return queue
+
+    def unsubscribe(self, key: WorkerKey, queue: EventQueue) -> int:
+        """Remove a subscriber; returns how many remain for the worker."""
+        subs = self._subscribers.get(key, set())
+        subs.discard(queue)
+        if not subs:
+            self._subscribers.pop(key, None)
+        return len(subs)
+
+    def subscriber_count(self, key: WorkerKey) -> int:
+        return len(self._subscribers.get(key, ()))
+
+    def publish(
+        self, key: WorkerKey, event: registry_pb2.AttachResponse, event_id: int = 0
+    ) -> None:
+        """Queue an event for every Attach stream of the worker. ``event_id``
+        names a persisted event, acknowledged once a stream has sent it."""
+        for queue in self._subscribers.get(key, ()):
+            if queue.full():
+                queue.get_nowait()
+            queue.put_nowait((event_id, event))

@@ -1,0 +1,143 @@
+"""Plain-text tables of a ``kvmapd bench`` result (the dict ``runner.run_bench``
+returns): one table per profile, planners side by side, and each planner's
+gain over ``baseline`` (> 1 is better, whatever the direction of the figure)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvmap.tools.bench.runner import RATIO_KEYS, ratio
+
+_HIGHER_IS_BETTER = dict(RATIO_KEYS)
+
+
+def _int(v: Any) -> str:
+    return f"{int(v):,}"
+
+
+def _ms(v: Any) -> str:
+    ms = float(v) * 1e3
+    return f"{ms:.3f}" if ms < 1 else f"{ms:.1f}" if ms >= 100 else f"{ms:.2f}"
+
+
+def _gbps(v: Any) -> str:
+    return f"{float(v):.2f}"
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.1f} MB" if n < 1e9 else f"{n / 1e9:,.2f} GB"
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    key: str
+    fmt: Callable[[Any], str]
+
+
+ROWS = (
+    Row("regions", "regions", _int),
+    Row("registered descriptors", "descriptors", _int),
+    Row("NIXL registrations", "nixl_registrations", _int),
+    Row("agent metadata bytes", "agent_metadata_bytes", _int),
+    Row("region map bytes", "region_map_bytes", _int),
+    Row("ready ms (RegisterWorker)", "ready_seconds", _ms),
+    Row("first contact ms (cold, end to end)", "first_contact_seconds", _ms),
+    Row("first contact ms (steps, median)", "first_contact_steps_seconds", _ms),
+    Row("scattered: descriptors/transfer", "descriptors_per_transfer_scattered", _int),
+    Row("scattered: post ms", "post_seconds_scattered", _ms),
+    Row("scattered: completion ms", "completion_seconds_scattered", _ms),
+    Row("contiguous: descriptors/transfer", "descriptors_per_transfer_contiguous", _int),
+    Row("contiguous: post ms", "post_seconds_contiguous", _ms),
+    Row("contiguous: completion ms", "completion_seconds_contiguous", _ms),
+    Row("pull GB/s (full pages)", "pull_gbps", _gbps),
+)
+
+
+def _gain(base: dict[str, Any], r: dict[str, Any], key: str) -> str:
+    if key not in _HIGHER_IS_BETTER:
+        return ""
+    g = ratio(float(base[key]), float(r[key]), _HIGHER_IS_BETTER[key])
+    return "-" if g is None else f"{g:,.2f}x"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
+    out = []
+    for r in [headers, *rows]:
+        cells = [r[0].ljust(widths[0])] + [
+            c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)
+        ]
+        out.append("  " + "  ".join(cells).rstrip())
+    return out
+
+
+def render_profile(name: str, results: dict[str, Any], info: dict[str, Any]) -> str:
+    planners = list(results)
+    base = results.get("baseline")
+    others = [p for p in planners if p != "baseline"] if base else []
+    ts, bw, frag = info["timing_scale"], info["bandwidth_request"], info["fragmentation"]
+    blocks = "+".join(f"{n:,}" for n in info["request_blocks"])
+    lines = [
+        f"{name}: {info['title']}",
+        f"  source: {info['source']}",
+        f"  full scale: {info['views']} views in {info['allocations']} allocations, "
+        f"{info['blocks']:,} blocks of {info['block_tokens']} tokens "
+        f"({_mb(info['allocated_bytes'])} mapped sparse)",
+        f"  {info['request_tokens']:,}-token requests: {blocks} blocks, "
+        f"{_mb(info['request_bytes_full_scale'])} at full scale; timed at 1/{ts['page_divisor']} "
+        f"page bytes ({', '.join(f'{p:,}' for p in ts['page_bytes'])} B pages, "
+        f"{_mb(ts['request_bytes'])}); descriptor counts as at full scale",
+        f"  scattered ids: consecutive neighbours {frag['ascending_pairs_local']:.1%} decode, "
+        f"{frag['ascending_pairs_remote']:.1%} prefill, {frag['ascending_pairs_both']:.1%} both",
+        f"  bandwidth: {'+'.join(str(n) for n in bw['blocks'])} scattered blocks at full page "
+        f"size ({_mb(bw['bytes'])}); memcpy {info['memcpy_gbps']:.2f} GB/s; times are medians "
+        f"of {results[planners[0]]['repeats']}",
+        "",
+    ]
+    headers = ["", *planners, *(f"{p} vs baseline" for p in others)]
+    rows: list[list[str]] = []
+    for row in ROWS:
+        cells = [row.label, *(row.fmt(results[p][row.key]) for p in planners)]
+        cells += [_gain(results["baseline"], results[p], row.key) for p in others]
+        rows.append(cells)
+    rss = [
+        "{prefill:,.0f} / {decode:,.0f}".format(
+            **{side: n / 1e6 for side, n in r["daemon_rss_bytes"].items()}
+        )
+        for r in results.values()
+    ]
+    rows.append(["daemon RSS MB (prefill / decode)", *rss, *([""] * len(others))])
+    checks = [
+        ("yes" if r["verified"] else f"NO ({r['bad_blocks']} blocks)")
+        + f", {_mb(r['bytes_verified'])}"
+        for r in results.values()
+    ]
+    rows.append(["bytes verified", *checks, *([""] * len(others))])
+    lines += _table(headers, rows)
+    mismatch = [
+        p
+        for p, r in results.items()
+        if r["descriptors_per_transfer_scattered"]
+        != r["descriptors_per_transfer_scattered_full_scale"]
+    ]
+    if mismatch:
+        lines.append(f"  WARNING: scaled descriptor counts differ from full scale for {mismatch}")
+    return "\n".join(lines) + "\n"
+
+
+def render(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    out = [
+        f"kvmapd bench: {m['cpu']}, {m['cpus']} CPUs, {m['memory_bytes'] / 2**30:.0f} GiB; "
+        f"{m['transport']}",
+        f"memcpy {result['memcpy_gbps']:.2f} GB/s (single thread, {_mb(result['memcpy_bytes'])}, "
+        "median over the run): the physical limit of a pull on this machine",
+        "",
+    ]
+    for name, results in result["profiles"].items():
+        out.append(render_profile(name, results, result["profile_info"][name]))
+    out.append(f"run took {result['seconds']:.0f}s")
+    return "\n".join(out) + "\n"

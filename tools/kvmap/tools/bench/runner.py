@@ -1,0 +1,756 @@
+"""The benchmark run: for each profile and planner, two real daemons (prefill
+and decode, separate processes, real NIXL agents over loopback UCX) and one
+bench worker process next to each; register, handshake, pull, verify, and
+collect the figures as one JSON-able dict.
+
+What is measured where (``docs/benchmarks.md`` has the long version):
+
+- ``full`` worker, full-scale geometry on sparse memfds (nothing is touched
+  but the blocks a pull moves): regions, registered descriptors, NIXL
+  registrations, agent metadata and region-map bytes, ready time
+  (RegisterWorker round trip: fd hand-off, import, validate, plan, NIXL
+  register, prepare the local list), first-contact cost (end to end through
+  the daemons, and step by step in ``contact``), pull bandwidth at full page
+  size, daemon resident memory.
+- ``req`` worker, the same geometry with every page divided by a stated
+  power of two so that a 128K-token request fits in memory: layers, blocks
+  and block ids are untouched, so descriptors per transfer are exactly the
+  full-scale ones (cross-checked against ``plan_transfer`` on the full-scale
+  maps). Post time (``make_prepped_xfer`` + ``transfer``, as the daemon
+  reports it) and completion time of the scattered and the contiguous request.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import platform
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from kvmap.daemon.core import convert
+from kvmap.daemon.core import planner as planners
+from kvmap.daemon.core.geometry import RegionMapModel, WorkerGeometry
+from kvmap.daemon.core.transfer_pieces import LayerSelection, build_piece_table
+from kvmap.daemon.core.transfer_plan import GroupPairs, plan_transfer
+from kvmap.tools.bench import blockpool
+from kvmap.tools.bench.profiles import Profile, get_profile
+from kvmap.tools.launch import DaemonProc, WorkerProc, spawn_worker, start_daemon
+from kvmap.v1 import peer_pb2, peer_pb2_grpc, types_pb2
+
+MIB = 1024 * 1024
+SCHEMA = "kvmap-bench/1"
+# Figures every planner object has (the issue's minimum, and the test's).
+REQUIRED_KEYS = (
+    "regions",
+    "descriptors",
+    "ready_seconds",
+    "first_contact_seconds",
+    "descriptors_per_transfer_scattered",
+    "post_seconds_scattered",
+    "pull_gbps",
+)
+WORKER_TIMEOUT_S = 180.0
+PREFILL_SEED, DECODE_SEED = 1, 2
+
+Ids = list[list[int]]  # block ids per request group
+
+
+@dataclass
+class Options:
+    profiles: list[str]
+    planners: list[str]
+    repeats: int = 5
+    # Largest request (bytes per side) the 128K-token requests may move.
+    request_budget: int = 128 * MIB
+    # Bytes per side of the full-page-size bandwidth request.
+    bandwidth_budget: int = 256 * MIB
+    memcpy_bytes: int = 256 * MIB
+    contact_repeats: int = 20
+    progress: Callable[[str], None] = field(default=lambda line: None)
+
+
+# Requests -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    """Block ids per request group, on each side."""
+
+    groups: tuple[int, ...]
+    local: Ids
+    remote: Ids
+
+    def spec(self) -> list[dict[str, Any]]:
+        return [
+            {"group": g, "local": loc, "remote": rem}
+            for g, loc, rem in zip(self.groups, self.local, self.remote, strict=True)
+        ]
+
+    def head(self, k: int) -> Request:
+        """The first ``k`` blocks of every group."""
+        return Request(self.groups, [ids[:k] for ids in self.local], [r[:k] for r in self.remote])
+
+
+def _request_ids(profile: Profile, draw: Callable[[list[int]], Ids]) -> Ids:
+    counts = [profile.group_blocks(g) for g in profile.request_groups]
+    own = [i == 0 or g.own_blocks for i, g in enumerate(profile.request_groups)]
+    drawn = draw([n if o else 0 for n, o in zip(counts, own, strict=True)])
+    # A group without its own block table uses the first group's ids; a
+    # windowed one only the last blocks of them.
+    return [d if o else drawn[0][-n:] for d, n, o in zip(drawn, counts, own, strict=True)]
+
+
+def requests(profile: Profile) -> tuple[Request, Request]:
+    """(scattered, contiguous) 128K-token requests of ``profile``."""
+    groups = tuple(g.transfer_group for g in profile.request_groups)
+
+    def scattered(seed: int) -> Ids:
+        return _request_ids(
+            profile,
+            lambda counts: blockpool.scattered(
+                profile.num_blocks, profile.block_tokens, counts, seed
+            ),
+        )
+
+    fresh = _request_ids(profile, lambda counts: blockpool.contiguous(profile.num_blocks, counts))
+    return (
+        Request(groups, scattered(DECODE_SEED), scattered(PREFILL_SEED)),
+        Request(groups, fresh, [list(ids) for ids in fresh]),
+    )
+
+
+def _views_bytes(geometry: WorkerGeometry, group: int) -> int:
+    """Bytes one block of ``group`` holds over all its views."""
+    return sum(v.block_len_bytes for v in geometry.views if v.transfer_group == group)
+
+
+def request_bytes(geometry: WorkerGeometry, req: Request) -> int:
+    return sum(
+        len(ids) * _views_bytes(geometry, g) for g, ids in zip(req.groups, req.local, strict=True)
+    )
+
+
+def timing_divisor(profile: Profile, req: Request, budget: int) -> int:
+    """Smallest power of two the pages are divided by for ``req`` to fit ``budget``."""
+    divisor = 1
+    while request_bytes(profile.geometry(divisor), req) > budget and divisor < 1 << 20:
+        divisor *= 2
+    return divisor
+
+
+def bandwidth_blocks(geometry: WorkerGeometry, req: Request, budget: int) -> int:
+    """Most blocks per group whose full-page bytes fit ``budget`` (at least 1)."""
+    k = 1
+    longest = max(len(ids) for ids in req.local)
+    while k < longest and request_bytes(geometry, req.head(k + 1)) <= budget:
+        k += 1
+    return k
+
+
+# Processes -------------------------------------------------------------------
+
+
+def _start_daemons(workdir: Path, planners_: list[str]) -> dict[str, tuple[DaemonProc, DaemonProc]]:
+    """Start a prefill and a decode daemon per planner, all at once."""
+    out: dict[tuple[str, str], DaemonProc] = {}
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def start(planner: str, side: str) -> None:
+        try:
+            d = start_daemon(workdir / planner / side, "--planner", planner, name=side)
+        except BaseException as err:
+            with lock:
+                errors.append(err)
+            return
+        with lock:
+            out[(planner, side)] = d
+
+    threads = [
+        threading.Thread(target=start, args=(p, side))
+        for p in planners_
+        for side in ("prefill", "decode")
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        for d in out.values():
+            d.kill()
+        raise errors[0]
+    return {p: (out[(p, "prefill")], out[(p, "decode")]) for p in planners_}
+
+
+def _start_worker(daemon: DaemonProc, side: str) -> WorkerProc:
+    return spawn_worker(
+        daemon, "kvmap.tools.bench.worker", [], f"bench-worker-{side}", WORKER_TIMEOUT_S
+    )
+
+
+def _call(w: WorkerProc, cmd: dict[str, Any]) -> dict[str, Any]:
+    out = w.call(cmd, timeout=WORKER_TIMEOUT_S)
+    if not out.get("ok"):
+        raise RuntimeError(f"bench worker {cmd['cmd']} failed: {out.get('code')}: {out}")
+    return out
+
+
+def daemon_rss(pid: int) -> int:
+    """The daemon's own resident memory: RSS minus the shared KV-cache pages
+    it maps (those belong to the worker and are counted there)."""
+    fields: dict[str, int] = {}
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            key, _, rest = line.partition(":")
+            if key in ("RssAnon", "RssFile"):
+                fields[key] = int(rest.split()[0]) * 1024
+    return fields.get("RssAnon", 0) + fields.get("RssFile", 0)
+
+
+def agent_metadata(target: str, engine_id: str) -> peer_pb2.GetAgentMetadataResponse:
+    """What a peer downloads at first contact (the Peer handshake)."""
+    with grpc.insecure_channel(
+        target, options=[("grpc.max_receive_message_length", 64 * MIB)]
+    ) as ch:
+        stub = peer_pb2_grpc.PeerStub(ch)
+        resp: peer_pb2.GetAgentMetadataResponse = stub.GetAgentMetadata(
+            peer_pb2.GetAgentMetadataRequest(worker=types_pb2.WorkerId(engine_id=engine_id)),
+            timeout=30,
+        )
+    return resp
+
+
+class Pair:
+    """A planner's two daemons (prefill, decode) and a bench worker next to
+    each. The decode worker pulls; the prefill worker owns the source."""
+
+    def __init__(
+        self, stack: contextlib.ExitStack, planner: str, daemons: tuple[DaemonProc, DaemonProc]
+    ) -> None:
+        self.planner = planner
+        self.prefill, self.decode = daemons
+        stack.callback(self.prefill.stop)
+        stack.callback(self.decode.stop)
+        self.pw = _start_worker(self.prefill, "prefill")
+        stack.callback(self.pw.stop)
+        self.dw = _start_worker(self.decode, "decode")
+        stack.callback(self.dw.stop)
+        self.pulls = 0
+
+    def register(self, side: str, name: str, profile: str, divisor: int) -> dict[str, Any]:
+        """Register worker ``<side>-<name>`` with the profile's geometry."""
+        return _call(
+            self.pw if side == "prefill" else self.dw,
+            {
+                "cmd": "register",
+                "name": name,
+                "engine_id": f"{side}-{name}",
+                "profile": profile,
+                "divisor": divisor,
+            },
+        )
+
+    def pull(self, name: str, req: Request, remote: str = "") -> dict[str, Any]:
+        """Decode worker ``name`` pulls ``req`` from prefill worker ``remote``
+        (default: the prefill worker of the same name)."""
+        self.pulls += 1
+        return _call(
+            self.dw,
+            {
+                "cmd": "pull",
+                "name": name,
+                "request_id": f"bench-{name}-{self.pulls}",
+                "remote_target": self.prefill.tcp_target,
+                "remote_engine_id": f"prefill-{remote or name}",
+                "groups": req.spec(),
+            },
+        )
+
+    def fill(self, name: str, req: Request) -> None:
+        """Write the pattern into the source blocks of ``req``."""
+        groups = [
+            {"group": g, "blocks": ids} for g, ids in zip(req.groups, req.remote, strict=True)
+        ]
+        _call(self.pw, {"cmd": "fill", "name": name, "groups": groups})
+
+    def zero(self, name: str, req: Request) -> None:
+        _call(self.dw, {"cmd": "zero", "name": name, "groups": req.spec()})
+
+    def verify(self, name: str, req: Request) -> tuple[int, int]:
+        """(bytes checked, blocks that differ) of ``req``'s destination."""
+        out = _call(self.dw, {"cmd": "verify", "name": name, "groups": req.spec()})
+        return int(out["bytes"]), int(out["bad_blocks"])
+
+    def contact(self, profile: str, repeats: int) -> dict[str, Any]:
+        """First-contact steps timed in the decode worker (bench.contact)."""
+        return _call(
+            self.dw,
+            {
+                "cmd": "contact",
+                "remote_target": self.prefill.tcp_target,
+                "remote_engine_id": "prefill-full",
+                "profile": profile,
+                "planner": self.planner,
+                "repeats": repeats,
+            },
+        )
+
+    def rss(self) -> dict[str, int]:
+        return {
+            "prefill": daemon_rss(self.prefill.proc.pid),
+            "decode": daemon_rss(self.decode.proc.pid),
+        }
+
+    def notified(self) -> int:
+        """Transfers the prefill worker was told of (TransferFinished events)."""
+        return int(_call(self.pw, {"cmd": "events"})["finished"])
+
+
+# Measurement -----------------------------------------------------------------
+
+
+def memcpy_gbps(nbytes: int, rounds: int = 5) -> float:
+    """Single-thread memcpy between two resident buffers: the physical limit
+    a single-stream CPU pull can approach. Median of ``rounds``."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    np.copyto(dst, src)  # touch both
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        samples.append(time.perf_counter() - start)
+    return nbytes / statistics.median(samples) / 1e9
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def _order(pairs: list[Pair], i: int) -> list[Pair]:
+    """The pairs in round ``i``: reversed every other round (ABBA), so that a
+    change in machine load while the bench runs hits every planner alike."""
+    return pairs if i % 2 == 0 else pairs[::-1]
+
+
+def _rounds(pairs: list[Pair], n: int) -> list[Pair]:
+    return [pair for i in range(n) for pair in _order(pairs, i)]
+
+
+@dataclass
+class PullSeries:
+    """Timed pulls of one request: samples as the daemon reported them."""
+
+    descriptors: int = 0
+    bytes: int = 0
+    post: list[float] = field(default_factory=list)
+    completion: list[float] = field(default_factory=list)
+    wall: list[float] = field(default_factory=list)
+    verified_bytes: int = 0
+    bad_blocks: int = 0
+
+    def add(self, out: dict[str, Any]) -> None:
+        st = out["stats"]
+        self.descriptors = int(st["descriptors"])
+        self.bytes = int(st["bytes"])
+        self.post.append(float(st["post_seconds"]))
+        self.completion.append(float(st["completion_seconds"]))
+        self.wall.append(float(out["wall_seconds"]))
+
+    @property
+    def transfer(self) -> list[float]:
+        return [p + c for p, c in zip(self.post, self.completion, strict=True)]
+
+    def samples(self) -> dict[str, list[float]]:
+        return {"post_seconds": self.post, "completion_seconds": self.completion, "wall": self.wall}
+
+
+@dataclass
+class PlannerRun:
+    """What one planner's pair measured in one profile."""
+
+    pair: Pair
+    full_prefill: dict[str, Any] = field(default_factory=dict)
+    full_decode: dict[str, Any] = field(default_factory=dict)
+    metadata: peer_pb2.GetAgentMetadataResponse | None = None
+    ready: list[float] = field(default_factory=list)
+    cold_contact: float = 0.0
+    contact_steps: dict[str, Any] = field(default_factory=dict)
+    handshaked: bool = False
+    series: dict[str, PullSeries] = field(default_factory=dict)
+    rss_ready: dict[str, int] = field(default_factory=dict)
+    rss: dict[str, int] = field(default_factory=dict)
+    notified: int = 0
+
+
+def _model(b64: str) -> RegionMapModel:
+    return convert.region_map_from_proto(types_pb2.RegionMap.FromString(base64.b64decode(b64)))
+
+
+def full_scale_descriptors(local: RegionMapModel, remote: RegionMapModel, req: Request) -> int:
+    """Descriptors ``req`` takes between two full-scale maps (pure planning)."""
+    table = build_piece_table(local, remote, [LayerSelection(g) for g in req.groups])
+    pairs = [
+        GroupPairs(g, loc, rem)
+        for g, loc, rem in zip(req.groups, req.local, req.remote, strict=True)
+    ]
+    return plan_transfer(table, pairs).descriptors
+
+
+@dataclass
+class ProfilePlan:
+    """Everything about a profile that does not depend on the planner."""
+
+    profile: Profile
+    scattered: Request
+    contiguous: Request
+    bandwidth: Request
+    first_contact: Request
+    divisor: int
+    info: dict[str, Any]
+
+
+def plan_profile(profile: Profile, opts: Options) -> ProfilePlan:
+    full = profile.geometry()
+    scattered, contiguous = requests(profile)
+    divisor = timing_divisor(profile, scattered, opts.request_budget)
+    timed = profile.geometry(divisor)
+    k = bandwidth_blocks(full, scattered, opts.bandwidth_budget)
+    bandwidth = scattered.head(k)
+    pages = sorted({v.block_len_bytes for v in full.views}, reverse=True)
+    timed_pages = sorted({v.block_len_bytes for v in timed.views}, reverse=True)
+    info = {
+        "title": profile.title,
+        "source": profile.source,
+        "kv_cache_layout": profile.kv_cache_layout,
+        "views": len(full.views),
+        "allocations": len(full.allocations),
+        "blocks": profile.num_blocks,
+        "block_tokens": profile.block_tokens,
+        "page_bytes": pages,
+        "allocated_bytes": sum(a.size_bytes for a in full.allocations),
+        "request_tokens": profile.request_tokens,
+        "request_blocks": [len(ids) for ids in scattered.local],
+        "request_bytes_full_scale": request_bytes(full, scattered),
+        "timing_scale": {
+            "page_divisor": divisor,
+            "page_bytes": timed_pages,
+            "request_bytes": request_bytes(timed, scattered),
+            "note": "128K-token requests timed with every page divided by page_divisor; "
+            "layers, blocks and block ids (so descriptors) as at full scale",
+        },
+        "bandwidth_request": {
+            "blocks": [len(ids) for ids in bandwidth.local],
+            "bytes": request_bytes(full, bandwidth),
+            "note": "full page size; the first blocks of the scattered request",
+        },
+        "fragmentation": {
+            "model": blockpool.MODEL,
+            "ascending_pairs_local": blockpool.ascending_pairs(scattered.local[0]),
+            "ascending_pairs_remote": blockpool.ascending_pairs(scattered.remote[0]),
+            "ascending_pairs_both": blockpool.joint_ascending_pairs(
+                scattered.local[0], scattered.remote[0]
+            ),
+        },
+    }
+    return ProfilePlan(
+        profile=profile,
+        scattered=scattered,
+        contiguous=contiguous,
+        bandwidth=bandwidth,
+        first_contact=scattered.head(1),
+        divisor=divisor,
+        info=info,
+    )
+
+
+def measure_profile(pp: ProfilePlan, opts: Options) -> dict[str, dict[str, Any]]:
+    """One profile under every planner, on fresh daemons."""
+    with tempfile.TemporaryDirectory(prefix="kvmap-bench-") as tmp:
+        try:
+            return _measure(pp, opts, Path(tmp))
+        except (RuntimeError, TimeoutError, AssertionError, OSError) as err:
+            raise RuntimeError(f"{pp.profile.name}: {err}{_log_tails(Path(tmp))}") from err
+
+
+def _log_tails(workdir: Path, n: int = 1500) -> str:
+    out = []
+    for log in sorted(workdir.glob("*/*/*.log")):
+        with contextlib.suppress(OSError):
+            out.append(f"\n--- {log.parent.parent.name}/{log.name} (last {n} chars) ---\n")
+            out.append(log.read_text(errors="replace")[-n:])
+    return "".join(out)
+
+
+def _measure(pp: ProfilePlan, opts: Options, workdir: Path) -> dict[str, dict[str, Any]]:
+    profile, say = pp.profile, opts.progress
+    # Extra full-scale prefill workers whose registrations are the timed
+    # "ready" samples; the first is also the remote of the cold first contact.
+    fresh = [f"ready{i}" for i in range(opts.repeats)]
+    with contextlib.ExitStack() as stack:
+        t0 = time.perf_counter()
+        daemons = _start_daemons(workdir, opts.planners)
+        pairs = [Pair(stack, p, daemons[p]) for p in opts.planners]
+        say(f"{profile.name}: {2 * len(pairs)} daemons and workers up in "
+            f"{time.perf_counter() - t0:.1f}s")  # fmt: skip
+        runs = {pair.planner: PlannerRun(pair) for pair in pairs}
+
+        # Registration. Prefill: the full-scale worker alone first (so the
+        # agent metadata is one worker's), then the request worker.
+        for run in runs.values():
+            run.full_prefill = run.pair.register("prefill", "full", profile.name, 1)
+            run.metadata = agent_metadata(run.pair.prefill.tcp_target, "prefill-full")
+            run.pair.register("prefill", "req", profile.name, pp.divisor)
+            run.full_decode = run.pair.register("decode", "full", profile.name, 1)
+            run.pair.register("decode", "req", profile.name, pp.divisor)
+        for i, name in enumerate(fresh):
+            for pair in _order(pairs, i):
+                out = pair.register("prefill", name, profile.name, 1)
+                runs[pair.planner].ready.append(float(out["ready_seconds"]))
+        for pair in pairs:
+            pair.fill(fresh[0], pp.first_contact)
+        for run in runs.values():
+            run.rss_ready = run.pair.rss()
+
+        # First contact, end to end: the decode daemon's very first pull
+        # (handshake, load the remote agent, connect UCX, build the piece
+        # table, prepare both lists) minus the next identical one. Then the
+        # same steps one by one, repeated, from the decode worker's process.
+        for pair in pairs:
+            first = pair.pull("full", pp.first_contact, remote=fresh[0])
+            again = pair.pull("full", pp.first_contact, remote=fresh[0])
+            run = runs[pair.planner]
+            run.cold_contact = first["wall_seconds"] - again["wall_seconds"]
+            run.handshaked = bool(first["stats"]["handshaked"])
+        for pair in pairs:
+            runs[pair.planner].contact_steps = pair.contact(profile.name, opts.contact_repeats)
+        say(f"{profile.name}: first contact " + ", ".join(
+            f"{p} {r.cold_contact * 1e3:.1f} ms cold, "
+            f"{r.contact_steps['total_seconds'] * 1e3:.2f} ms in steps" for p, r in runs.items()
+        ))  # fmt: skip
+
+        # Timed pulls, planners interleaved ABBA. Each series: write the
+        # source, warm up once, clear the destination, pull, verify every
+        # byte (only the timed pulls can have written it).
+        for kind, name, req in (
+            ("bandwidth", "full", pp.bandwidth),
+            ("scattered", "req", pp.scattered),
+            ("contiguous", "req", pp.contiguous),
+        ):
+            for pair in pairs:
+                pair.fill(name, req)
+                pair.pull(name, req)
+                pair.zero(name, req)
+                runs[pair.planner].series[kind] = PullSeries()
+            for pair in _rounds(pairs, opts.repeats):
+                runs[pair.planner].series[kind].add(pair.pull(name, req))
+            for pair in pairs:
+                s = runs[pair.planner].series[kind]
+                s.verified_bytes, s.bad_blocks = pair.verify(name, req)
+            say(f"{profile.name}: {kind} " + ", ".join(
+                f"{p} {r.series[kind].descriptors:,} descriptors post "
+                f"{_median(r.series[kind].post) * 1e3:.1f} ms" for p, r in runs.items()
+            ))  # fmt: skip
+        for run in runs.values():
+            run.rss = run.pair.rss()
+            run.notified = _notified(run.pair)
+    return {planner: _result(pp, run, opts) for planner, run in runs.items()}
+
+
+def _notified(pair: Pair, timeout_s: float = 10.0) -> int:
+    """Wait (bounded) until the prefill worker was told of every pull."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        n = pair.notified()
+        if n >= pair.pulls or time.monotonic() > deadline:
+            return n
+        time.sleep(0.05)
+
+
+def _result(pp: ProfilePlan, run: PlannerRun, opts: Options) -> dict[str, Any]:
+    planner = planners.get_planner(run.pair.planner)
+    geometry = pp.profile.geometry()
+    start = time.perf_counter()
+    plan = planner.plan(geometry)
+    plan_s = time.perf_counter() - start
+    remote_map = _model(run.full_prefill["region_map"])
+    local_map = _model(run.full_decode["region_map"])
+    if remote_map.descriptor_count != plan.descriptor_count:
+        raise RuntimeError(
+            f"{pp.profile.name}/{planner.info.name}: the daemon registered "
+            f"{remote_map.descriptor_count} descriptors, the planner alone plans "
+            f"{plan.descriptor_count}"
+        )
+    assert run.metadata is not None
+    bw, sc, co = (run.series[k] for k in ("bandwidth", "scattered", "contiguous"))
+    bad = sum(s.bad_blocks for s in run.series.values())
+    return {
+        "planner": {"name": planner.info.name, "version": planner.info.version},
+        "regions": len(remote_map.regions),
+        "descriptors": remote_map.descriptor_count,
+        "baseline_descriptors": remote_map.baseline_descriptor_count,
+        # The daemon registers each allocation with NIXL exactly once
+        # (registration.py), whatever the planner.
+        "nixl_registrations": len(remote_map.allocations),
+        "agent_metadata_bytes": len(run.metadata.agent_metadata),
+        "region_map_bytes": run.metadata.region_map.ByteSize(),
+        "registration_request_bytes": int(run.full_prefill["request_bytes"]),
+        "plan_seconds": plan_s,
+        "ready_seconds": _median(run.ready),
+        "first_contact_seconds": max(0.0, run.cold_contact),
+        "first_contact_steps_seconds": run.contact_steps["total_seconds"],
+        "first_contact_steps": {
+            k: v for k, v in run.contact_steps.items() if k.endswith("_seconds") or k == "pieces"
+        },
+        "first_contact_handshaked": run.handshaked,
+        "descriptors_per_transfer_scattered": sc.descriptors,
+        "descriptors_per_transfer_scattered_full_scale": full_scale_descriptors(
+            local_map, remote_map, pp.scattered
+        ),
+        "post_seconds_scattered": _median(sc.post),
+        "completion_seconds_scattered": _median(sc.completion),
+        "transfer_seconds_scattered": _median(sc.transfer),
+        "bytes_scattered": sc.bytes,
+        "descriptors_per_transfer_contiguous": co.descriptors,
+        "descriptors_per_transfer_contiguous_full_scale": full_scale_descriptors(
+            local_map, remote_map, pp.contiguous
+        ),
+        "post_seconds_contiguous": _median(co.post),
+        "completion_seconds_contiguous": _median(co.completion),
+        "transfer_seconds_contiguous": _median(co.transfer),
+        "bytes_contiguous": co.bytes,
+        "pull_gbps": bw.bytes / _median(bw.transfer) / 1e9 if bw.transfer else 0.0,
+        "pull_gbps_wall": bw.bytes / _median(bw.wall) / 1e9 if bw.wall else 0.0,
+        "pull_bytes": bw.bytes,
+        "pull_descriptors": bw.descriptors,
+        "daemon_rss_bytes": run.rss,
+        "daemon_rss_ready_bytes": run.rss_ready,
+        "bytes_verified": sum(s.verified_bytes for s in run.series.values()),
+        "bad_blocks": bad,
+        "verified": bad == 0,
+        "pulls": run.pair.pulls,
+        "owner_notified": run.notified,
+        "repeats": opts.repeats,
+        "samples": {
+            "ready_seconds": run.ready,
+            "first_contact_steps": run.contact_steps["samples"],
+            **{kind: s.samples() for kind, s in run.series.items()},
+        },
+    }
+
+
+# Ratios ----------------------------------------------------------------------
+
+# (key, higher is better): a ratio > 1 always means "better than baseline".
+RATIO_KEYS: tuple[tuple[str, bool], ...] = (
+    ("regions", False),
+    ("descriptors", False),
+    ("nixl_registrations", False),
+    ("agent_metadata_bytes", False),
+    ("region_map_bytes", False),
+    ("ready_seconds", False),
+    ("first_contact_seconds", False),
+    ("first_contact_steps_seconds", False),
+    ("descriptors_per_transfer_scattered", False),
+    ("post_seconds_scattered", False),
+    ("completion_seconds_scattered", False),
+    ("transfer_seconds_scattered", False),
+    ("descriptors_per_transfer_contiguous", False),
+    ("post_seconds_contiguous", False),
+    ("completion_seconds_contiguous", False),
+    ("transfer_seconds_contiguous", False),
+    ("pull_gbps", True),
+)
+
+
+def ratio(base: float, value: float, higher_is_better: bool) -> float | None:
+    """How many times better than baseline ``value`` is (None if undefined)."""
+    num, den = (value, base) if higher_is_better else (base, value)
+    if den <= 0:
+        return None
+    return float(num / den)
+
+
+def add_ratios(results: dict[str, dict[str, Any]]) -> None:
+    base = results.get("baseline")
+    if base is None:
+        return
+    for name, r in results.items():
+        if name == "baseline":
+            continue
+        r["vs_baseline"] = {
+            key: ratio(float(base[key]), float(r[key]), higher) for key, higher in RATIO_KEYS
+        }
+
+
+# The run -----------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    mem = 0
+    with contextlib.suppress(OSError), open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                mem = int(line.split()[1]) * 1024
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "memory_bytes": mem,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "transport": "NIXL UCX backend over loopback (UCX_NET_DEVICES=lo)",
+    }
+
+
+def default_planners() -> list[str]:
+    """``baseline`` first, then every other planner the daemon knows."""
+    names = sorted(planners.PLANNERS)
+    return ["baseline", *[n for n in names if n != "baseline"]] if "baseline" in names else names
+
+
+def run_bench(opts: Options) -> dict[str, Any]:
+    started = time.perf_counter()
+    profiles = [get_profile(name) for name in opts.profiles]
+    for name in opts.planners:
+        planners.get_planner(name)  # fail before starting anything
+    out: dict[str, Any] = {
+        "schema": SCHEMA,
+        "machine": machine(),
+        "memcpy_gbps": 0.0,
+        "memcpy_bytes": opts.memcpy_bytes,
+        "repeats": opts.repeats,
+        "profiles": {},
+        "profile_info": {},
+    }
+    # memcpy is measured next to every profile's pulls, so that a busy
+    # neighbour slows both alike; the headline figure is their median.
+    memcpy: list[float] = []
+    for profile in profiles:
+        memcpy.append(memcpy_gbps(opts.memcpy_bytes))
+        opts.progress(f"{profile.name}: memcpy {memcpy[-1]:.2f} GB/s")
+        pp = plan_profile(profile, opts)
+        pp.info["memcpy_gbps"] = memcpy[-1]
+        results = measure_profile(pp, opts)
+        add_ratios(results)
+        out["profiles"][profile.name] = results
+        out["profile_info"][profile.name] = pp.info
+    out["memcpy_gbps"] = _median(memcpy)
+    out["seconds"] = time.perf_counter() - started
+    return out

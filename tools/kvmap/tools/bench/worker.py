@@ -1,0 +1,298 @@
+"""A stand-in for a vLLM worker, run as its own process by ``kvmapd bench``:
+it maps each allocation of a profile's geometry as a sparse memfd (only the
+blocks a request touches ever get memory), registers it with its kvmapd over
+the client library (fds over SCM_RIGHTS), keeps an Attach stream open per
+registered worker, and obeys JSON-line commands on stdin, answering one JSON
+line each on stdout.
+
+Block contents are a pure function of (view index, block id, word), so the
+decode side verifies what it pulled without seeing the prefill side's memory.
+Memory is filled and checked as 32-bit words through strided numpy views,
+one view per layer, so a full 128K-token request checks in well under a
+second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import mmap
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from numpy.lib.stride_tricks import as_strided
+
+from kvmap.client.client import KvmapClient
+from kvmap.client.errors import KvmapClientError, Unavailable
+from kvmap.daemon.core.geometry import ViewSpec, WorkerGeometry
+from kvmap.tools import json_lines
+from kvmap.tools.bench.profiles import WORD, get_profile
+from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
+
+Words = npt.NDArray[np.uint32]
+
+# Spreads view indices over the word space so two layers never share a pattern.
+_VIEW_SALT = 2654435761
+_BLOCK_SALT = 65537
+REGISTER_ATTEMPTS = 3
+
+
+def pattern(view_index: int, blocks: npt.NDArray[np.int64], words: int) -> Words:
+    """The words of blocks ``blocks`` of view ``view_index`` on a prefill worker."""
+    per_block = (blocks.astype(np.uint64) * _BLOCK_SALT).astype(np.uint32)
+    salt = np.uint32((view_index * _VIEW_SALT) % 2**32)
+    base = np.arange(words, dtype=np.uint32) + salt
+    out: Words = per_block[:, None] + base[None, :]
+    return out
+
+
+@dataclass
+class Registered:
+    """One registered worker: its geometry, memory and Attach events."""
+
+    name: str
+    worker: types_pb2.WorkerId
+    geometry: WorkerGeometry
+    maps: dict[str, mmap.mmap]
+    finished: int = 0
+    stream_errors: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def words(self, view: ViewSpec) -> Words:
+        """View ``view`` as a (num_blocks, block_len / 4) array of words."""
+        base = np.frombuffer(self.maps[view.allocation_id], dtype=np.uint32)
+        start = base[view.offset_bytes // WORD :]
+        arr: Words = as_strided(
+            start,
+            shape=(view.num_blocks, view.block_len_bytes // WORD),
+            strides=(view.block_stride_bytes, WORD),
+        )
+        return arr
+
+    def views_of(self, group: int) -> list[tuple[int, ViewSpec]]:
+        return [(i, v) for i, v in enumerate(self.geometry.views) if v.transfer_group == group]
+
+    def close(self) -> None:
+        for m in self.maps.values():
+            with contextlib.suppress(BufferError):
+                m.close()
+
+
+def _ids(values: list[int]) -> npt.NDArray[np.int64]:
+    return np.asarray(values, dtype=np.int64)
+
+
+class BenchWorker:
+    def __init__(self, socket: str) -> None:
+        self.client = KvmapClient.connect(socket, timeout_s=120.0)
+        self.workers: dict[str, Registered] = {}
+
+    def register(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        profile = get_profile(cmd["profile"])
+        engine_id = cmd["engine_id"]
+        geometry = profile.geometry(int(cmd.get("divisor", 1)), engine_id)
+        worker = types_pb2.WorkerId(engine_id=engine_id)
+        req = registry_pb2.RegisterWorkerRequest(
+            worker=worker,
+            kv_cache_layout=geometry.kv_cache_layout,
+            block_size_tokens=geometry.block_size_tokens,
+            tp_size=geometry.tp_size,
+        )
+        fds: list[int] = []
+        maps: dict[str, mmap.mmap] = {}
+        try:
+            for i, alloc in enumerate(geometry.allocations):
+                # Sparse: ftruncate allocates nothing; pages appear only where
+                # a fill or a pull writes.
+                fd = os.memfd_create(f"kvmap-bench-{alloc.id}", os.MFD_CLOEXEC)
+                fds.append(fd)
+                os.ftruncate(fd, alloc.size_bytes)
+                maps[alloc.id] = mmap.mmap(fd, alloc.size_bytes, flags=mmap.MAP_SHARED)
+                req.allocations.add(
+                    id=alloc.id,
+                    size_bytes=alloc.size_bytes,
+                    device=types_pb2.Device(type=types_pb2.DEVICE_TYPE_CPU),
+                    shm_fd=types_pb2.ShmFdHandle(index=i),
+                )
+            for v in geometry.views:
+                req.views.add(
+                    layer_name=v.layer_name,
+                    allocation_id=v.allocation_id,
+                    transfer_group=v.transfer_group,
+                    cache_kind=int(v.cache_kind),
+                    dtype=v.dtype,
+                    offset_bytes=v.offset_bytes,
+                    block_len_bytes=v.block_len_bytes,
+                    block_stride_bytes=v.block_stride_bytes,
+                    num_blocks=v.num_blocks,
+                )
+            region_map, ready_s = self._register(req, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)  # the daemon holds its own duplicates now
+        reg = Registered(cmd["name"], worker, geometry, maps)
+        self.workers[reg.name] = reg
+        self._attach(reg)
+        raw = region_map.SerializeToString()
+        return {
+            "ok": True,
+            "ready_seconds": ready_s,
+            "request_bytes": req.ByteSize(),
+            "region_map": base64.b64encode(raw).decode(),
+        }
+
+    def _register(
+        self, req: registry_pb2.RegisterWorkerRequest, fds: list[int]
+    ) -> tuple[types_pb2.RegionMap, float]:
+        """Register, timing the attempt that succeeds: on a busy machine the
+        first connection to a just-started daemon can time out."""
+        for attempt in range(REGISTER_ATTEMPTS):
+            start = time.perf_counter()
+            try:
+                region_map = self.client.register(req, fds)
+            except Unavailable:
+                if attempt == REGISTER_ATTEMPTS - 1:
+                    raise
+                time.sleep(0.5 * (attempt + 1))
+                continue
+            return region_map, time.perf_counter() - start
+        raise AssertionError("unreachable")
+
+    def _attach(self, reg: Registered) -> None:
+        stream = self.client.attach(reg.worker)
+
+        def run() -> None:
+            try:
+                for event in stream:
+                    if event.HasField("transfer_finished"):
+                        with reg.lock:
+                            reg.finished += 1
+            except KvmapClientError as err:
+                with reg.lock:
+                    reg.stream_errors.append(str(err))
+
+        threading.Thread(target=run, daemon=True, name=f"attach-{reg.name}").start()
+
+    def fill(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        reg = self.workers[cmd["name"]]
+        nbytes = 0
+        for g in cmd["groups"]:
+            blocks = _ids(g["blocks"])
+            for vi, view in reg.views_of(g["group"]):
+                arr = reg.words(view)
+                arr[blocks] = pattern(vi, blocks, arr.shape[1])
+                nbytes += blocks.size * view.block_len_bytes
+        return {"ok": True, "bytes": nbytes}
+
+    def zero(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        reg = self.workers[cmd["name"]]
+        for g in cmd["groups"]:
+            blocks = _ids(g["local"])
+            for _, view in reg.views_of(g["group"]):
+                reg.words(view)[blocks] = 0
+        return {"ok": True}
+
+    def verify(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Local block ``local[i]`` of every view of the group must hold remote
+        block ``remote[i]``'s pattern; counts (view, block) pairs that differ."""
+        reg = self.workers[cmd["name"]]
+        bad = nbytes = 0
+        for g in cmd["groups"]:
+            local, remote = _ids(g["local"]), _ids(g["remote"])
+            for vi, view in reg.views_of(g["group"]):
+                got = reg.words(view)[local]
+                want = pattern(vi, remote, got.shape[1])
+                bad += int(np.count_nonzero((got != want).any(axis=1)))
+                nbytes += got.nbytes
+        return {"ok": True, "bad_blocks": bad, "bytes": nbytes}
+
+    def pull(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        reg = self.workers[cmd["name"]]
+        spec = transfers_pb2.TransferSpec(
+            request_id=cmd["request_id"],
+            local_worker=reg.worker,
+            remote_target=cmd["remote_target"],
+            remote_worker=types_pb2.WorkerId(engine_id=cmd["remote_engine_id"]),
+        )
+        for g in cmd["groups"]:
+            spec.groups.add(
+                transfer_group=g["group"], local_block_ids=g["local"], remote_block_ids=g["remote"]
+            )
+        start = time.perf_counter()
+        try:
+            result = self.client.pull(spec, timeout_s=120.0)
+        except KvmapClientError as err:
+            return {"ok": False, "code": err.code.name, "message": err.message}
+        wall = time.perf_counter() - start
+        return {"ok": True, "wall_seconds": wall, "stats": dict(result.__dict__)}
+
+    def contact(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Time the steps of a first contact with a remote daemon (bench.contact)."""
+        from kvmap.tools.bench.contact import first_contact_steps  # noqa: PLC0415  (NIXL)
+
+        steps = first_contact_steps(
+            cmd["remote_target"],
+            cmd["remote_engine_id"],
+            cmd["profile"],
+            cmd["planner"],
+            int(cmd.get("repeats", 10)),
+        )
+        return {"ok": True, **steps}
+
+    def events(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """TransferFinished events of worker ``name`` (default: all of them)."""
+        names = [cmd["name"]] if cmd.get("name") else list(self.workers)
+        finished, errors = 0, []
+        for name in names:
+            reg = self.workers[name]
+            with reg.lock:
+                finished += reg.finished
+                errors += reg.stream_errors
+        return {"ok": True, "finished": finished, "stream_errors": errors}
+
+    def close(self) -> None:
+        self.client.close()
+        for reg in self.workers.values():
+            reg.close()
+
+
+COMMANDS = ("register", "fill", "zero", "verify", "pull", "contact", "events")
+
+
+def handle(w: BenchWorker, cmd: dict[str, Any]) -> dict[str, Any]:
+    op = cmd.get("cmd", "")
+    if op not in COMMANDS:
+        return {"ok": False, "code": "UNKNOWN_COMMAND", "message": str(op)}
+    try:
+        out: dict[str, Any] = getattr(w, op)(cmd)
+    except KvmapClientError as err:
+        return {"ok": False, "code": err.code.name, "message": err.message}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvmap-bench-worker")
+    p.add_argument("--socket", required=True)
+    args = p.parse_args(argv)
+    # Answers go to the original stdout; anything else a library writes to
+    # fd 1 (NIXL and UCX log there) goes to stderr, the worker's log file.
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    w = BenchWorker(args.socket)
+    try:
+        json_lines.serve({"ready": True, "pid": os.getpid()}, lambda cmd: handle(w, cmd), answers)
+    finally:
+        w.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

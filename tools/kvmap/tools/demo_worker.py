@@ -1,0 +1,297 @@
+"""A stand-in for a vLLM worker, run as its own process by ``kvmapd demo`` and
+by the integration tests: it allocates a GLM-like block-outermost KV cache in
+shared memory, hands it to its kvmapd (fd over SCM_RIGHTS), keeps the Attach
+stream open, and obeys JSON-line commands on stdin (pull, push, verify, ...),
+answering one JSON line each on stdout.
+
+Block contents are a pure function of (group, block id, byte), so a decode
+worker verifies what it pulled without seeing the prefill worker's memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from google.protobuf import json_format
+
+from kvmap.client.client import KvmapClient
+from kvmap.client.errors import KvmapClientError
+from kvmap.client.session import Backoff, WorkerSession
+from kvmap.tools import json_lines
+from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
+
+# A restarted sidecar is back within a second or two.
+RECONNECT = Backoff(initial_s=0.05, max_s=1.0)
+
+# GLM-5.3's per-token page sizes (bytes): MLA latent 656, indexer key 132.
+MLA_TOKEN_BYTES = 656
+INDEXER_TOKEN_BYTES = 132
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    kind: int  # types_pb2.CacheKind
+    layers: int
+    page_bytes: int
+    prefix: str
+
+
+@dataclass(frozen=True)
+class DemoGeometry:
+    num_blocks: int
+    block_tokens: int
+    mla_layers: int
+    indexer_layers: int
+
+    @property
+    def groups(self) -> tuple[GroupLayout, ...]:
+        return (
+            GroupLayout(
+                types_pb2.CACHE_KIND_MLA,
+                self.mla_layers,
+                self.block_tokens * MLA_TOKEN_BYTES,
+                "model.layers.{}.self_attn.attn",
+            ),
+            GroupLayout(
+                types_pb2.CACHE_KIND_INDEXER,
+                self.indexer_layers,
+                self.block_tokens * INDEXER_TOKEN_BYTES,
+                "model.layers.{}.self_attn.indexer.k_cache",
+            ),
+        )
+
+    def layer_names(self, group: int) -> list[str]:
+        g = self.groups[group]
+        # Indexer layers are numbered after the MLA ones, as distinct names.
+        first = 0 if group == 0 else self.mla_layers
+        return [g.prefix.format(first + i) for i in range(g.layers)]
+
+
+def pattern(group: int, block: int, row_bytes: int, seed: int = 0) -> torch.Tensor:
+    """The bytes of block ``block`` of group ``group`` on a prefill worker."""
+    i = torch.arange(row_bytes, dtype=torch.int64)
+    return ((i * 31 + block * 7919 + group * 104729 + seed * 15485863) % 251).to(torch.uint8)
+
+
+class DemoWorker:
+    def __init__(self, socket: str, worker: types_pb2.WorkerId, geo: DemoGeometry) -> None:
+        self.geo = geo
+        self.worker = worker
+        self.client = KvmapClient.connect(socket)
+        # One allocation per transfer group: [num_blocks, layers * page]
+        # (block-outermost: a block's layers are adjacent in one row).
+        self.rows = self._allocate()
+        self.seed = 0
+        self.events: list[dict[str, Any]] = []
+        self.session: WorkerSession | None = None
+        self._events_lock = threading.Lock()
+
+    def _allocate(self) -> list[torch.Tensor]:
+        return [
+            torch.zeros(self.geo.num_blocks, g.layers * g.page_bytes, dtype=torch.uint8)
+            for g in self.geo.groups
+        ]
+
+    def registration(self) -> tuple[registry_pb2.RegisterWorkerRequest, list[int]]:
+        req = registry_pb2.RegisterWorkerRequest(
+            worker=self.worker, kv_cache_layout="BLHNC", block_size_tokens=self.geo.block_tokens
+        )
+        fds: list[int] = []
+        for gi, (g, rows) in enumerate(zip(self.geo.groups, self.rows, strict=True)):
+            rows.share_memory_()  # type: ignore[no-untyped-call]
+            fd, size = rows.untyped_storage()._share_fd_cpu_()
+            fds.append(fd)
+            alloc_id = f"kv-group{gi}"
+            req.allocations.add(
+                id=alloc_id,
+                size_bytes=size,
+                device=types_pb2.Device(type=types_pb2.DEVICE_TYPE_CPU),
+                shm_fd=types_pb2.ShmFdHandle(index=gi),
+            )
+            for li, name in enumerate(self.geo.layer_names(gi)):
+                req.views.add(
+                    layer_name=name,
+                    allocation_id=alloc_id,
+                    transfer_group=gi,
+                    cache_kind=g.kind,
+                    dtype="uint8",
+                    offset_bytes=li * g.page_bytes,
+                    block_len_bytes=g.page_bytes,
+                    block_stride_bytes=g.layers * g.page_bytes,
+                    num_blocks=self.geo.num_blocks,
+                )
+        return req, fds
+
+    def register(self) -> types_pb2.RegionMap:
+        """Register the current memory. The first call starts the client
+        library's session, which keeps the worker attached (and registered
+        again when a restarted daemon does not know it) for the life of the
+        process; later calls register anew (a new generation)."""
+        req, fds = self.registration()
+        if self.session is None:
+            self.session = WorkerSession(
+                self.client, req, fds, on_event=self._on_event, backoff=RECONNECT
+            )
+            return self.session.start(timeout_s=60)
+        self.session.request, self.session.fds = req, fds
+        region_map = self.client.register(req, fds)
+        self.session.region_map = region_map
+        return region_map
+
+    def _on_event(self, event: registry_pb2.AttachResponse) -> None:
+        self._record(json_format.MessageToDict(event, preserving_proto_field_name=True))
+
+    def fill(self, seed: int = 0) -> None:
+        self.seed = seed
+        for gi, rows in enumerate(self.rows):
+            for b in range(self.geo.num_blocks):
+                rows[b].copy_(pattern(gi, b, rows.shape[1], seed))
+
+    def _record(self, event: dict[str, Any]) -> None:
+        with self._events_lock:
+            self.events.append(event)
+
+    def layer_slices(self, group: int, layers: list[str]) -> list[tuple[int, int]]:
+        g = self.geo.groups[group]
+        names = self.geo.layer_names(group)
+        chosen = layers or names
+        return [(names.index(n) * g.page_bytes, g.page_bytes) for n in chosen]
+
+    def verify(
+        self, group: int, local: list[int], remote: list[int], layers: list[str], seed: int = 0
+    ) -> int:
+        """Local block ``local[i]`` holds remote block ``remote[i]``'s bytes
+        (written with ``seed``) in the selected layers; returns the number of
+        mismatching blocks."""
+        rows = self.rows[group]
+        bad = 0
+        for lb, rb in zip(local, remote, strict=True):
+            want = pattern(group, rb, rows.shape[1], seed)
+            for off, n in self.layer_slices(group, layers):
+                if not torch.equal(rows[lb, off : off + n], want[off : off + n]):
+                    bad += 1
+                    break
+        return bad
+
+    def digest(self) -> list[int]:
+        """A cheap fingerprint of every row (to show bytes were untouched)."""
+        return [int(rows.to(torch.int64).sum().item()) for rows in self.rows]
+
+
+def _spec(cmd: dict[str, Any], worker: types_pb2.WorkerId) -> transfers_pb2.TransferSpec:
+    spec = transfers_pb2.TransferSpec(
+        request_id=cmd["request_id"],
+        local_worker=worker,
+        remote_target=cmd["remote_target"],
+        remote_worker=json_format.ParseDict(cmd["remote_worker"], types_pb2.WorkerId()),
+        remote_generation=int(cmd.get("remote_generation", 0)),
+        timeout_ms=int(cmd.get("timeout_ms", 0)),
+    )
+    for g in cmd["groups"]:
+        spec.groups.add(
+            transfer_group=g["group"],
+            local_block_ids=g["local"],
+            remote_block_ids=g["remote"],
+            layer_names=g.get("layers", []),
+        )
+    return spec
+
+
+def handle(w: DemoWorker, cmd: dict[str, Any]) -> dict[str, Any]:
+    op = cmd["cmd"]
+    if op in ("pull", "push"):
+        spec = _spec(cmd, w.worker)
+        try:
+            result = w.client.pull(spec) if op == "pull" else w.client.push(spec)
+        except KvmapClientError as err:
+            return {"ok": False, "code": err.code.name, "message": err.message}
+        out: dict[str, Any] = {"ok": True, "stats": result.__dict__}
+        if op == "pull" and cmd.get("verify", True):
+            seed = int(cmd.get("seed", 0))
+            out["bad_blocks"] = sum(
+                w.verify(g["group"], g["local"], g["remote"], g.get("layers", []), seed)
+                for g in cmd["groups"]
+            )
+        return out
+    if op == "verify":
+        bad = w.verify(
+            cmd["group"], cmd["local"], cmd["remote"], cmd.get("layers", []), cmd.get("seed", 0)
+        )
+        return {"ok": True, "bad_blocks": bad}
+    if op == "fill":
+        w.fill(int(cmd.get("seed", 0)))
+        return {"ok": True}
+    if op == "realloc":
+        # New memory with other contents, registered anew: a puller that read
+        # the old mapping would see the old seed's bytes.
+        w.rows = w._allocate()
+        w.fill(int(cmd["seed"]))
+        m = w.register()
+        return {"ok": True, "generation": m.generation}
+    if op == "zero":
+        for rows in w.rows:
+            rows.zero_()
+        return {"ok": True}
+    if op == "digest":
+        return {"ok": True, "digest": w.digest()}
+    if op == "events":
+        with w._events_lock:
+            return {"ok": True, "events": list(w.events)}
+    if op == "reregister":
+        m = w.register()
+        return {"ok": True, "generation": m.generation}
+    return {"ok": False, "code": "UNKNOWN_COMMAND", "message": op}
+
+
+def worker_arguments(prog: str) -> argparse.ArgumentParser:
+    """The command line every demo worker (CPU or GPU) takes."""
+    p = argparse.ArgumentParser(prog=prog)
+    p.add_argument("--socket", required=True)
+    p.add_argument("--engine-id", required=True)
+    p.add_argument("--tp-rank", type=int, default=0)
+    p.add_argument("--blocks", type=int, default=64)
+    p.add_argument("--block-tokens", type=int, default=64)
+    p.add_argument("--mla-layers", type=int, default=6)
+    p.add_argument("--indexer-layers", type=int, default=3)
+    p.add_argument("--fill", action="store_true", help="write the prefill pattern")
+    return p
+
+
+def geometry(args: argparse.Namespace) -> DemoGeometry:
+    return DemoGeometry(args.blocks, args.block_tokens, args.mla_layers, args.indexer_layers)
+
+
+def worker_id(args: argparse.Namespace) -> types_pb2.WorkerId:
+    return types_pb2.WorkerId(engine_id=args.engine_id, tp_rank=args.tp_rank)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = worker_arguments("kvmap-demo-worker").parse_args(argv)
+    w = DemoWorker(args.socket, worker_id(args), geometry(args))
+    return serve_worker(w, fill=args.fill)
+
+
+def serve_worker(w: DemoWorker, fill: bool, **ready_extra: Any) -> int:
+    """Fill (prefill side), register, then answer commands until exit."""
+    if fill:
+        w.fill()
+    region_map = w.register()
+    ready = {
+        "ready": True,
+        "pid": os.getpid(),
+        **ready_extra,
+        "region_map": json_format.MessageToDict(region_map, preserving_proto_field_name=True),
+    }
+    json_lines.serve(ready, lambda cmd: handle(w, cmd))
+    w.client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""Start kvmapd and demo-worker processes and talk to them: used by
+``kvmapd demo``, the benchmarks and the integration tests. Each daemon gets a
+Unix socket in a private directory and a free 127.0.0.1 port, and reports
+where it listens through a ready file; every wait is bounded."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+START_TIMEOUT_S = 60.0
+
+# Every process started here, in order, so that a caller that failed halfway
+# (a test assertion, an interrupted demo) can still reap what it started.
+_started: list[subprocess.Popen[Any]] = []
+
+
+def _track(proc: subprocess.Popen[Any]) -> None:
+    _started.append(proc)
+
+
+def started_count() -> int:
+    """A mark for ``kill_started(since=...)``."""
+    return len(_started)
+
+
+def kill_started(since: int = 0) -> int:
+    """Kill the processes started through this module since the mark that
+    still run; returns how many there were."""
+    alive = [p for p in _started[since:] if p.poll() is None]
+    for p in alive:
+        p.kill()
+    for p in alive:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(10)
+    return len(alive)
+
+
+atexit.register(kill_started)
+
+
+def local_env(tmp: Path) -> dict[str, str]:
+    """Environment of a child process that must stay on this machine: UCX
+    listens on loopback only and temporary files stay in ``tmp``."""
+    env = dict(os.environ)
+    env["UCX_NET_DEVICES"] = "lo"
+    env["TMPDIR"] = str(tmp)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@dataclass
+class DaemonProc:
+    proc: subprocess.Popen[bytes]
+    socket: str
+    tcp_port: int
+    instance: str
+    agent: str
+    workdir: Path
+    log_path: Path
+
+    @property
+    def unix_target(self) -> str:
+        return f"unix://{self.socket}"
+
+    @property
+    def tcp_target(self) -> str:
+        return f"127.0.0.1:{self.tcp_port}"
+
+    def channel(self, tcp: bool = False) -> grpc.Channel:
+        return grpc.insecure_channel(self.tcp_target if tcp else self.unix_target)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+            raise AssertionError(f"kvmapd did not exit on SIGTERM\n{self.log()}") from None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM, and SIGKILL if it does not exit in time (cleanup paths)."""
+        try:
+            self.terminate(timeout)
+        except AssertionError:
+            self.kill()
+
+
+def start_daemon(
+    workdir: Path, *extra: str, name: str = "kvmapd", listen: str = "127.0.0.1:0"
+) -> DaemonProc:
+    workdir.mkdir(parents=True, exist_ok=True)
+    sock = workdir / f"{name}.sock"
+    ready = workdir / f"{name}.ready"
+    log_path = workdir / f"{name}.log"
+    # A ready file left by a killed predecessor must not pass for this one's.
+    ready.unlink(missing_ok=True)
+    args = [
+        sys.executable,
+        "-m",
+        "kvmap.daemon.cli.kvmapd",
+        "serve",
+        "--socket",
+        str(sock),
+        "--listen",
+        listen,
+        "--ready-file",
+        str(ready),
+        "--log-format",
+        "json",
+        *extra,
+    ]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, env=local_env(workdir), cwd=workdir
+        )
+    _track(proc)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not ready.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"kvmapd exited {proc.returncode}:\n{log_path.read_text()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"kvmapd not ready in {START_TIMEOUT_S}s:\n{log_path.read_text()}")
+        time.sleep(0.05)
+    info = json.loads(ready.read_text())
+    return DaemonProc(
+        proc=proc,
+        socket=str(sock),
+        tcp_port=int(info["tcp_port"]),
+        instance=info["instance"],
+        agent=info["agent"],
+        workdir=workdir,
+        log_path=log_path,
+    )
+
+
+@dataclass
+class WorkerProc:
+    """A ``kvmap.tools.demo_worker`` process driven by JSON lines."""
+
+    proc: subprocess.Popen[str]
+    ready: dict[str, Any]
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def region_map(self) -> dict[str, Any]:
+        m: dict[str, Any] = self.ready["region_map"]
+        return m
+
+    def call(self, cmd: dict[str, Any], timeout: float = 60.0) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = _readline(self.proc, timeout, self.log_path)
+        out: dict[str, Any] = json.loads(line)
+        return out
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            try:
+                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+def _readline(proc: subprocess.Popen[str], timeout: float, log_path: Path) -> str:
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    if not ready:
+        raise TimeoutError(f"worker {proc.pid} gave no answer in {timeout}s:\n{_tail(log_path)}")
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait(10)
+        raise RuntimeError(f"worker {proc.pid} exited {proc.returncode}:\n{_tail(log_path)}")
+    return line
+
+
+def _tail(path: Path, n: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def spawn_worker(
+    daemon: DaemonProc,
+    module: str,
+    args: list[str],
+    log_name: str,
+    timeout: float = START_TIMEOUT_S,
+) -> WorkerProc:
+    """Start ``python -m module --socket <daemon's> *args`` (a JSON-lines
+    worker, see ``json_lines``) and wait for its ready line; a worker that
+    never gets ready is killed."""
+    log_path = daemon.workdir / f"{log_name}.log"
+    cmd = [sys.executable, "-m", module, "--socket", daemon.socket, *args]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=local_env(daemon.workdir),
+            cwd=daemon.workdir,
+        )
+    _track(proc)
+    try:
+        ready = json.loads(_readline(proc, timeout, log_path))
+    except BaseException:
+        proc.kill()
+        proc.wait(10)
+        raise
+    return WorkerProc(proc=proc, ready=ready, log_path=log_path)
+
+
+def start_worker(
+    daemon: DaemonProc,
+    engine_id: str,
+    *extra: str,
+    timeout: float = START_TIMEOUT_S,
+    module: str = "kvmap.tools.demo_worker",
+) -> WorkerProc:
+    """A demo worker (``module``: the CPU one, or ``gpu_demo_worker``)
+    registered with ``daemon``."""
+    return spawn_worker(
+        daemon,
+        module,
+        ["--engine-id", engine_id, *extra],
+        f"worker-{engine_id}",
+        timeout,
+    )
