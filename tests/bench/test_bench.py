@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvmap.daemon.core import planner as planners
-from kvmap.tools.bench import blockpool, report, runner
+from kvmap.tools.bench import blockpool, plot, report, results, runner
 from kvmap.tools.bench.profiles import DEFAULT_PROFILES, PROFILES, get_profile
 
 
@@ -35,6 +36,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path
 
 @pytest.mark.integration
 def test_json_schema(tiny: tuple[dict[str, Any], Path]) -> None:
+    """kvmapd bench --json on the tiny profile reports the schema version, a memcpy figure and, per
+    planner (baseline first), every required key and ratios against baseline."""
     result, _ = tiny
     assert result["schema"] == runner.SCHEMA
     assert result["memcpy_gbps"] > 0
@@ -43,7 +46,7 @@ def test_json_schema(tiny: tuple[dict[str, Any], Path]) -> None:
     assert planners_run[0] == "baseline"
     assert set(planners_run) == set(planners.PLANNERS)
     for name, r in result["profiles"]["tiny"].items():
-        missing = [k for k in runner.REQUIRED_KEYS if k not in r]
+        missing = [k for k in results.REQUIRED_KEYS if k not in r]
         assert not missing, (name, missing)
         for key in (
             "nixl_registrations",
@@ -64,6 +67,9 @@ def test_json_schema(tiny: tuple[dict[str, Any], Path]) -> None:
 
 @pytest.mark.integration
 def test_figures_are_consistent(tiny: tuple[dict[str, Any], Path]) -> None:
+    """The tiny bench's figures agree with the profile's geometry: baseline posts one descriptor per
+    layer per block, no planner does worse, coalesce posts one run per group, every pull was
+    verified byte for byte and its owner notified."""
     result, _ = tiny
     profile = get_profile("tiny")
     geometry = profile.geometry()
@@ -114,18 +120,33 @@ def test_figures_are_consistent(tiny: tuple[dict[str, Any], Path]) -> None:
 
 @pytest.mark.integration
 def test_table_and_plot(tiny: tuple[dict[str, Any], Path]) -> None:
+    """The text report renders the bench result with its labelled rows and the coalesce-vs-baseline
+    comparison, and --plot writes a PNG file."""
     result, png = tiny
-    text = report.render(result)
+    text = report.render(results.BenchResult.from_json(result))
     for label in ("registered descriptors", "scattered: post ms", "pull GB/s", "bytes verified"):
         assert label in text
     assert "coalesce vs baseline" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.integration
+def test_typed_result_writes_the_same_json(tiny: tuple[dict[str, Any], Path]) -> None:
+    """The --json output read back as a BenchResult and written again is the same text: the typed
+    result is the whole schema, keys and order included."""
+    result, _ = tiny
+    typed = results.BenchResult.from_json(result)
+    assert json.dumps(typed.to_json(), indent=2) == json.dumps(result, indent=2)
+    assert typed.verified
+    assert typed.profiles["tiny"]["baseline"].vs_baseline is None
+
+
 # Pure parts: no processes. ------------------------------------------------------
 
 
 def test_profiles_at_full_scale() -> None:
+    """At full scale the glm53 profile plans to 3,234,222 baseline and 64,044 coalesced descriptors,
+    llama-mha gains nothing, and scaling pages down keeps every view and block."""
     glm = get_profile("glm53").geometry()
     assert planners.BASELINE.plan(glm).descriptor_count == 3_234_222  # upstream's "before"
     assert planners.COALESCE.plan(glm).descriptor_count == 64_044
@@ -144,6 +165,9 @@ def test_profiles_at_full_scale() -> None:
 
 
 def test_timing_scale_keeps_requests_within_budget() -> None:
+    """Request block lists have the documented sizes, the timing divisor scales glm53 pages by 64 so
+    a request fits in 128 MiB, and the hybrid profile's groups draw distinct blocks from one
+    pool."""
     glm = get_profile("glm53")
     scattered, contiguous = runner.requests(glm)
     assert [len(ids) for ids in scattered.local] == [2048, 2048]  # 128K tokens / 64
@@ -157,7 +181,18 @@ def test_timing_scale_keeps_requests_within_budget() -> None:
     assert not set(sc.local[0]) & set(sc.local[1])  # one pool: distinct rows
 
 
+def test_table_plot_and_ratio_figures_are_numeric_fields() -> None:
+    """Every figure the table, the plot and the ratios read by name (PlannerResult.figure) is a
+    numeric field of PlannerResult."""
+    numeric = {f.name for f in fields(results.PlannerResult) if f.type in ("int", "float")}
+    named = {k for k, _ in results.RATIO_KEYS} | {row.key for row in report.ROWS}
+    assert named | {panel[0] for panel in plot.PANELS} <= numeric
+    assert "verified" not in numeric and "samples" not in numeric
+
+
 def test_block_pool_model() -> None:
+    """The block pool model gives distinct, non-null, churned (not ascending) ids reproducibly per
+    seed for scattered requests, and consecutive ids from 1 for fresh ones."""
     ids = blockpool.scattered(4096, 16, [512, 0], seed=3)
     assert len(ids[0]) == 512 and ids[1] == []
     assert len(set(ids[0])) == 512 and 0 not in ids[0]

@@ -21,6 +21,9 @@ FIGURES = [
 
 
 def test_load_script_reports_its_figures_and_verifies_every_pull() -> None:
+    """The load script with 3 clients and 2 decode daemons completes and verifies every pull, the
+    prefill daemon serves each pull plus one warm-up per client, and every reported figure is
+    finite and positive, in its JSON and its table."""
     clients, pulls = 3, 4
     proc = subprocess.run(
         [

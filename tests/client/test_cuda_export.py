@@ -28,6 +28,8 @@ def share_tuple(handle: bytes, size: int = 4096, offset: int = 512) -> tuple[Any
     "handle", [RAW, b"\x02c" + RAW, (b"\x02c" + RAW).decode("latin-1")], ids=["v1", "v2", "str"]
 )
 def test_legacy_handles_parse_to_the_raw_ipc_handle(handle: Any) -> None:
+    """torch's _share_cuda_ result with a raw 64-byte handle, a version-prefixed one, or the same as
+    a str, parses to the raw handle, device, storage size and offset."""
     got = parse_share_cuda(share_tuple(handle))
     assert (got.device_index, got.handle, got.storage_size_bytes, got.offset_bytes) == (
         0,
@@ -38,6 +40,8 @@ def test_legacy_handles_parse_to_the_raw_ipc_handle(handle: Any) -> None:
 
 
 def test_expandable_segment_handle_is_refused_with_the_fix() -> None:
+    """An expandable-segment handle is refused with ExpandableSegmentsError mentioning the
+    expandable_segments setting to change."""
     with pytest.raises(ExpandableSegmentsError, match="expandable_segments"):
         parse_share_cuda(share_tuple(b"\x02e" + b"\x00" * 40))
 
@@ -53,6 +57,8 @@ def test_expandable_segment_handle_is_refused_with_the_fix() -> None:
     ],
 )
 def test_malformed_share_results_are_refused(result: tuple[Any, ...]) -> None:
+    """An unknown handle prefix, a short handle, a zero size, a truncated tuple or a non-bytes
+    handle is refused with CudaExportError."""
     with pytest.raises(CudaExportError):
         parse_share_cuda(result)
 
@@ -68,6 +74,8 @@ def test_malformed_share_results_are_refused(result: tuple[Any, ...]) -> None:
     ],
 )
 def test_expandable_segments_detection(env: dict[str, str], enabled: bool) -> None:
+    """Expandable segments count as enabled exactly when PYTORCH_CUDA_ALLOC_CONF or
+    PYTORCH_ALLOC_CONF sets expandable_segments to true (any case, among other options)."""
     assert expandable_segments_enabled(env) is enabled
 
 
@@ -96,6 +104,9 @@ class FakeTensor:
 
 
 def test_export_groups_views_by_storage_and_finds_the_ipc_block() -> None:
+    """Each storage is shared once; its offset and size come from the share result and its block
+    size from the caching allocator segment holding it, and views get their storage index and
+    byte offset."""
     base = 0x7F00_0000_0000
     s1, s2 = FakeStorage(base + 1024), FakeStorage(base + 1024 + 8192)
     tensors = [FakeTensor(s1, 0), FakeTensor(s1, 100), FakeTensor(s2, 8)]
@@ -120,6 +131,8 @@ def test_export_groups_views_by_storage_and_finds_the_ipc_block() -> None:
 
 
 def test_export_without_a_known_segment_uses_the_storage_extent() -> None:
+    """When no allocator segment holds the storage, the block size is the storage's own extent from
+    the share result."""
     s = FakeStorage(0x1000)
     storages, _ = export_cuda_tensors(
         [FakeTensor(s, 0)],
@@ -132,6 +145,8 @@ def test_export_without_a_known_segment_uses_the_storage_extent() -> None:
 
 
 def test_export_refuses_expandable_segments_cpu_tensors_and_overruns() -> None:
+    """Export refuses when expandable segments are enabled, for a CPU tensor, and when the storage
+    would run past its allocator segment."""
     t = FakeTensor(FakeStorage(0x1000), 0)
     with pytest.raises(ExpandableSegmentsError):
         export_cuda_tensors([t], env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})

@@ -31,6 +31,8 @@ def views_of(t: torch.Tensor, num_blocks: int, page: int = 0) -> list[BlockView]
 
 
 def test_layer_outermost_cpu_layout_one_view_per_layer() -> None:
+    """A layer-outermost (LBHNC) layer tensor becomes one view whose block length and stride are one
+    page, at that layer's byte offset in the shared storage."""
     # vLLM CPU attention, LBHNC: each layer a contiguous [blocks, heads, bs, 2*hd] run.
     nb, heads, bs, hd2 = 16, 2, 32, 128
     storage = torch.zeros(2 * nb * heads * bs * hd2, dtype=torch.float32)
@@ -44,6 +46,8 @@ def test_layer_outermost_cpu_layout_one_view_per_layer() -> None:
 
 
 def test_block_outermost_cross_layer_views_share_rows() -> None:
+    """In a block-outermost (BLHNC) storage each layer's slice becomes one view at the layer's
+    offset in the row, with the whole row as its block stride."""
     # BLHNC: one [blocks, layers, page] storage; layer l is rows[:, l].
     nb, layers, page_elems = 10, 3, 656
     rows = torch.zeros(nb, layers, page_elems, dtype=torch.uint8)
@@ -53,6 +57,8 @@ def test_block_outermost_cross_layer_views_share_rows() -> None:
 
 
 def test_kv_split_leading_dim_gives_one_view_per_half() -> None:
+    """A tensor with a leading K/V dimension of 2 yields two views, suffixed [0] and [1], the second
+    starting after all blocks of the first."""
     # FlashAttention-style [2, blocks, bs, heads, hd]: K and V are apart.
     nb, bs, heads, hd = 8, 16, 2, 4
     t = torch.zeros(2, nb, bs, heads, hd, dtype=torch.float16)
@@ -64,6 +70,8 @@ def test_kv_split_leading_dim_gives_one_view_per_half() -> None:
 
 
 def test_physically_permuted_block_is_still_one_page() -> None:
+    """A logical view over a physically permuted block (HND stored, NHD viewed) is still one view
+    with one page per block."""
     # Logical [blocks, bs, heads, hd] over a physical [blocks, heads, bs, hd] (HND).
     nb, bs, heads, hd = 6, 16, 4, 8
     phys = torch.zeros(nb, heads, bs, hd)
@@ -73,6 +81,8 @@ def test_physically_permuted_block_is_still_one_page() -> None:
 
 
 def test_block_that_is_not_one_page_is_refused() -> None:
+    """A tensor whose block does not cover one contiguous span of bytes is refused with
+    GeometryError."""
     nb = 4
     t = torch.zeros(nb, 8, 8)[:, :, :4]  # every row of a block skips 4 elements
     with pytest.raises(GeometryError, match="not one contiguous page"):
@@ -80,11 +90,14 @@ def test_block_that_is_not_one_page_is_refused() -> None:
 
 
 def test_no_block_dimension_is_refused() -> None:
+    """A tensor with no dimension of size num_blocks is refused with GeometryError."""
     with pytest.raises(GeometryError, match="no dimension"):
         views_of(torch.zeros(3, 5), 7)
 
 
 def test_flat_byte_view_needs_and_uses_the_page_size() -> None:
+    """A flat byte tensor is refused without a page size and, given one, becomes one view of
+    num_blocks pages."""
     t = torch.zeros(4 * 100, dtype=torch.uint8)
     with pytest.raises(GeometryError, match="page size"):
         views_of(t, 4)
@@ -92,6 +105,8 @@ def test_flat_byte_view_needs_and_uses_the_page_size() -> None:
 
 
 def test_build_registration_one_allocation_per_storage_and_daemon_accepts_it() -> None:
+    """Layers on one storage become one shm_fd allocation with a view per layer that has a spec
+    (others skipped), and an in-memory daemon accepts the request once the fds are sent."""
     nb, page = 12, 256
     storage = torch.zeros(2 * nb * page, dtype=torch.uint8)
     kv = {
@@ -121,6 +136,8 @@ def test_build_registration_one_allocation_per_storage_and_daemon_accepts_it() -
 
 
 def test_build_registration_refuses_mixed_devices_and_empty() -> None:
+    """build_registration refuses a set with no specified KV cache layer, and a layer tensor without
+    a block dimension, with GeometryError."""
     worker = types_pb2.WorkerId(engine_id="e")
     with pytest.raises(GeometryError, match="no KV cache layer"):
         build_registration(worker, {"a": torch.zeros(2, 2)}, {}, block_size_tokens=16)

@@ -119,6 +119,10 @@ def prefill_request(p: Side, rid: str, blocks: list[int], tokens: int) -> dict[s
 
 
 def test_full_pd_flow_moves_bytes_and_frees_prefill_blocks(pair: tuple[Side, Side]) -> None:
+    """The whole P/D flow: prefill keeps its blocks under a lease and hands out kv_transfer_params;
+    decode loads the whole prompt once, asynchronously, and holds the prefill blocks' exact
+    bytes; the owner's event then frees the prefill blocks (no lease expiry) and both daemons
+    count the blocks."""
     p, d = pair
     remote_blocks = [3, 17, 4]
     kv = prefill_request(p, "req-p", remote_blocks, tokens=40)
@@ -154,6 +158,8 @@ def test_full_pd_flow_moves_bytes_and_frees_prefill_blocks(pair: tuple[Side, Sid
 
 
 def test_local_prefix_hit_pulls_only_the_tail(pair: tuple[Side, Side]) -> None:
+    """A decode request with a local prefix hit pulls only the remote blocks after it, into the
+    blocks it allocated for them."""
     p, d = pair
     kv = prefill_request(p, "req-p", [1, 2, 3, 4], tokens=64)
     d.sched.after_alloc("req-d", dict(kv), [[20, 21]], 32)  # decode had the first 2 blocks
@@ -166,6 +172,8 @@ def test_local_prefix_hit_pulls_only_the_tail(pair: tuple[Side, Side]) -> None:
 def test_unpulled_prefill_blocks_are_freed_when_the_lease_runs_out(
     pair: tuple[Side, Side],
 ) -> None:
+    """With nobody pulling, the prefill blocks are freed exactly when the lease runs out on the
+    worker's clock (not a moment before), reported once and counted as an expired lease."""
     p, _ = pair
     prefill_request(p, "req-p", [5], tokens=10)
     assert p.worker.poll().finished_sending == set()
@@ -178,6 +186,8 @@ def test_unpulled_prefill_blocks_are_freed_when_the_lease_runs_out(
 
 
 def test_aborted_prefill_request_keeps_nothing(pair: tuple[Side, Side]) -> None:
+    """A prefill request that finished abnormally keeps no blocks and sends no lease: the worker
+    tracks no pending send."""
     p, _ = pair
     params: dict[str, Any] = {"do_remote_decode": True}
     p.sched.after_alloc("r", params, [[1]], 0)
@@ -192,6 +202,9 @@ def test_aborted_prefill_request_keeps_nothing(pair: tuple[Side, Side]) -> None:
 
 
 def test_failed_pull_is_reported_as_a_load_failure(pair: tuple[Side, Side]) -> None:
+    """A pull the daemon fails is reported as a finished and failed load, its blocks as load-error
+    blocks (drained once), its memory untouched, and the owner is not told (its blocks wait for
+    the lease)."""
     p, d = pair
     kv = prefill_request(p, "req-p", [1, 2], tokens=20)
 
@@ -210,12 +223,37 @@ def test_failed_pull_is_reported_as_a_load_failure(pair: tuple[Side, Side]) -> N
     assert p.worker.poll().finished_sending == set()
 
 
-def test_pull_that_never_answers_is_given_up_by_the_watchdog(pair: tuple[Side, Side]) -> None:
-    p, d = pair
-    kv = prefill_request(p, "req-p", [1], tokens=8)
+@pytest.fixture
+def serial_pair() -> Iterator[tuple[Side, Side]]:
+    """Like ``pair``, but the decode worker runs one pull at a time: a pull
+    submitted later starts only once the earlier one has returned."""
+    net = MemoryNetwork()
+    p = make_side(net, P_ADDR, "prefill", fill=True)
+    d = make_side(net, D_ADDR, "decode", fill=False, max_parallel_pulls=1)
+    yield p, d
+    for s in (p, d):
+        s.worker.shutdown()
+        s.daemon.stop()
+
+
+def test_pull_that_never_answers_is_given_up_by_the_watchdog(
+    serial_pair: tuple[Side, Side],
+) -> None:
+    """A pull with no answer fails (as a load failure) exactly when the
+    watchdog's deadline passes on the worker's clock, not before; when its
+    answer does arrive later, it changes nothing: no second report, the load
+    stays failed."""
+    p, d = serial_pair
+    stuck = prefill_request(p, "req-p", [1], tokens=8)
+    later = prefill_request(p, "req-p2", [2], tokens=8)
     release = threading.Event()
-    d.daemon.pull_hook = lambda spec: release.wait(10) and None
-    d.sched.after_alloc("req-d", dict(kv), [[3]], 8)
+
+    def hold_the_first(spec: transfers_pb2.TransferSpec) -> None:
+        if spec.request_id == "req-p":
+            assert release.wait(30), "never released"
+
+    d.daemon.pull_hook = hold_the_first
+    d.sched.after_alloc("req-d", dict(stuck), [[3]], 8)
     d.worker.start(d.sched.build_meta())
     assert d.worker.poll().finished_recving == set()
     d.clock.now += 5.0 + WATCHDOG_GRACE_S - 0.1
@@ -224,12 +262,22 @@ def test_pull_that_never_answers_is_given_up_by_the_watchdog(pair: tuple[Side, S
     r = d.worker.poll()
     assert r.finished_recving == r.failed_recving == {"req-d"}
     assert "within" in d.worker.loads[-1].error
+    # Queued behind the stuck pull (one at a time): once this one finishes,
+    # the late answer has provably come back to the worker.
+    d.sched.after_alloc("req-d2", dict(later), [[4]], 8)
+    d.worker.start(d.sched.build_meta())
     release.set()
-    time.sleep(0.1)
+    r = step(d, timeout=30)
+    assert r.finished_recving == {"req-d2"} and not r.failed_recving
+    assert d.daemon.get_stats().transfers.pulls_done == 2  # the late pull did complete
     assert d.worker.poll().finished_recving == set()  # a late answer changes nothing
+    assert [(x.request_id, x.ok) for x in d.worker.loads] == [("req-d", False), ("req-d2", True)]
+    assert d.worker.load_error_blocks() == {3}
 
 
 def test_unusable_params_fail_fast_or_are_ignored(pair: tuple[Side, Side]) -> None:
+    """Malformed kv_transfer_params are ignored by the scheduler (no remote load); a tensor-parallel
+    size mismatch fails the load at once without sending a pull."""
     _, d = pair
     # Malformed params: not a remote prefill at all.
     bad = {"do_remote_prefill": True, "remote_block_ids": [[1]]}
@@ -248,6 +296,8 @@ def test_unusable_params_fail_fast_or_are_ignored(pair: tuple[Side, Side]) -> No
 
 
 def test_decode_request_aborted_before_scheduling_asks_nothing(pair: tuple[Side, Side]) -> None:
+    """A decode request aborted before it was scheduled clears its remote-prefill flag and asks for
+    no load."""
     p, d = pair
     kv = prefill_request(p, "req-p", [1], tokens=8)
     params = dict(kv)
@@ -261,6 +311,8 @@ def test_decode_request_aborted_before_scheduling_asks_nothing(pair: tuple[Side,
 def test_restarted_decode_daemon_is_rejoined_and_pulls_work_again(
     pair: tuple[Side, Side],
 ) -> None:
+    """After its daemon restarts, the decode worker registers again by itself (the test waits for
+    that event) and the next pull moves the right bytes."""
     p, d = pair
     d.daemon.restart()
     assert d.worker.session is not None
@@ -276,6 +328,8 @@ def test_restarted_decode_daemon_is_rejoined_and_pulls_work_again(
 
 
 def test_pair_blocks() -> None:
+    """pair_blocks aligns local and remote block lists per group, the remote tail when the remote
+    side has more blocks, and refuses a longer local list or a different number of groups."""
     assert pair_blocks(((1, 2),), ((7, 8, 9),)) == (((1, 2),), ((8, 9),))
     assert pair_blocks(((),), ((7,),)) == (((),), ((),))
     with pytest.raises(ValueError, match="group 0"):
@@ -285,6 +339,9 @@ def test_pair_blocks() -> None:
 
 
 def test_options_from_extra_config() -> None:
+    """ConnectorOptions.from_extra_config reads known keys with their types, defaults the socket
+    path, and refuses unknown keys, wrong types, non-positive timeouts, bad or missing peer
+    addresses."""
     o = ConnectorOptions.from_extra_config(
         {"socket": "/run/kvmap/kvmapd.sock", "peer_address": "10.1.2.3:50051", "lease_seconds": 5},
         producer=True,

@@ -8,16 +8,17 @@ import itertools
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 import torch
 
 from kvmap.client.aio import AsyncKvmapClient
 from kvmap.client.client import KvmapClient
-from kvmap.client.errors import DeadlineExceeded, NotFound, Unavailable
+from kvmap.client.errors import DeadlineExceeded, KvmapClientError, NotFound, Unavailable
 from kvmap.client.geometry import LayerSpec, build_registration
 from kvmap.client.session import Backoff, WorkerSession
+from kvmap.client.transports.base import AttachStream
 from kvmap.client.transports.memory import MemoryDaemon, MemoryNetwork, MemoryTransport
 from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
 
@@ -27,10 +28,48 @@ KEY = ("engine-a", 0, 0, 0)
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait for ``cond`` (an event the test observes), failing after ``timeout``."""
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.01)
+
+
+class CountingClient(KvmapClient):
+    """A real client over the memory transport that counts its register and
+    attach calls that failed, and runs ``on_first_failure`` once, at the
+    first one (the test's view of the session's attempts)."""
+
+    def __init__(
+        self, daemon: MemoryDaemon, on_first_failure: Callable[[], None] | None = None
+    ) -> None:
+        super().__init__(MemoryTransport(daemon))
+        self.failures = 0
+        self._on_first_failure = on_first_failure
+        self._lock = threading.Lock()
+
+    def _failed(self) -> None:
+        with self._lock:
+            self.failures += 1
+            hook, self._on_first_failure = self._on_first_failure, None
+        if hook is not None:
+            hook()
+
+    def register(
+        self, req: registry_pb2.RegisterWorkerRequest, fds: Sequence[int] = ()
+    ) -> types_pb2.RegionMap:
+        try:
+            return super().register(req, fds)
+        except KvmapClientError:
+            self._failed()
+            raise
+
+    def attach(self, worker: types_pb2.WorkerId) -> AttachStream:
+        try:
+            return super().attach(worker)
+        except KvmapClientError:
+            self._failed()
+            raise
 
 
 @pytest.fixture
@@ -50,6 +89,8 @@ def registration(nb: int = 8) -> tuple[registry_pb2.RegisterWorkerRequest, list[
 
 
 def test_backoff_grows_to_its_cap_with_jitter() -> None:
+    """Backoff delays start at ``initial_s`` (less jitter), grow to ``max_s`` and
+    stay there, each within the jitter band; a cap below the start is refused."""
     b = Backoff(initial_s=0.1, max_s=1.0, multiplier=2.0, jitter=0.2)
     delays = list(itertools.islice(b.delays(random.Random(1)), 8))
     assert 0.08 - 1e-9 <= delays[0] <= 0.1
@@ -59,6 +100,8 @@ def test_backoff_grows_to_its_cap_with_jitter() -> None:
 
 
 def test_start_registers_attaches_and_delivers_events(daemon: MemoryDaemon) -> None:
+    """start() registers (generation 1) and attaches; the first event handed to
+    the callback is ``attached`` naming the daemon instance; stop() deregisters."""
     req, fds, _kv = registration()
     events: list[registry_pb2.AttachResponse] = []
     session = WorkerSession(
@@ -75,13 +118,17 @@ def test_start_registers_attaches_and_delivers_events(daemon: MemoryDaemon) -> N
 
 
 def test_daemon_restart_reregisters_same_worker_with_new_generation(daemon: MemoryDaemon) -> None:
+    """After its daemon went away (and the session's attempts failed while it
+    was down), a restarted daemon that forgot the worker gets it registered
+    again: same worker, generation 2, one disconnect, the new instance."""
     req, fds, _kv = registration()
-    session = WorkerSession(KvmapClient(MemoryTransport(daemon)), req, fds, backoff=FAST)
+    client = CountingClient(daemon)
+    session = WorkerSession(client, req, fds, backoff=FAST)
     session.start(timeout_s=2)
     first_instance = daemon.instance
     daemon.stop()
     wait_for(lambda: not session.connected.is_set())
-    time.sleep(0.1)  # a few failed attempts while it is down
+    wait_for(lambda: client.failures >= 3)  # a few failed attempts while it is down
     assert daemon.workers() == []
     daemon.restart()
     assert session.wait_connected(5)
@@ -94,6 +141,8 @@ def test_daemon_restart_reregisters_same_worker_with_new_generation(daemon: Memo
 
 
 def test_worker_dropped_by_daemon_registers_again(daemon: MemoryDaemon) -> None:
+    """When the daemon ends the Attach stream itself (e.g. draining), the
+    session registers and attaches again by itself."""
     req, fds, _kv = registration()
     session = WorkerSession(KvmapClient(MemoryTransport(daemon)), req, fds, backoff=FAST)
     session.start(timeout_s=2)
@@ -106,32 +155,46 @@ def test_worker_dropped_by_daemon_registers_again(daemon: MemoryDaemon) -> None:
     session.stop()
 
 
+@pytest.mark.timeout(30)
 def test_start_waits_for_a_daemon_that_comes_up(daemon: MemoryDaemon) -> None:
+    """start() against a daemon that is down keeps trying: the daemon comes up
+    right after the first attempt failed, and start() registers with it."""
     daemon.stop()
     req, fds, _kv = registration()
-    session = WorkerSession(KvmapClient(MemoryTransport(daemon)), req, fds, backoff=FAST)
-    threading.Timer(0.2, daemon.restart).start()
-    assert session.start(timeout_s=5).generation == 1
+    client = CountingClient(daemon, on_first_failure=daemon.restart)
+    session = WorkerSession(client, req, fds, backoff=FAST)
+    assert session.start(timeout_s=20).generation == 1
+    assert client.failures == 1  # it was down at first, and waited
+    assert daemon.workers() == [KEY]
     session.stop()
 
 
+@pytest.mark.timeout(30)
 def test_start_gives_up_after_its_timeout(daemon: MemoryDaemon) -> None:
+    """start() against a daemon that never comes up retries, then raises
+    DeadlineExceeded naming the worker and the daemon's last error (rather
+    than retrying for ever: the test's timeout guards against a hang)."""
     daemon.stop()
     req, fds, _kv = registration()
-    session = WorkerSession(KvmapClient(MemoryTransport(daemon)), req, fds, backoff=FAST)
-    start = time.monotonic()
-    with pytest.raises(DeadlineExceeded, match="could not register worker engine-a"):
-        session.start(timeout_s=0.3)
-    assert time.monotonic() - start < 2
+    client = CountingClient(daemon)
+    session = WorkerSession(client, req, fds, backoff=FAST)
+    with pytest.raises(DeadlineExceeded, match="could not register worker engine-a") as err:
+        session.start(timeout_s=1.0)
+    assert "UNAVAILABLE" in str(err.value)
+    assert client.failures >= 2  # it retried before giving up
+    assert daemon.workers() == []
 
 
 def test_attach_to_unregistered_worker_is_not_found(daemon: MemoryDaemon) -> None:
+    """Attaching a worker the daemon does not know raises NotFound at once."""
     client = KvmapClient(MemoryTransport(daemon))
     with pytest.raises(NotFound):
         client.attach(WORKER)
 
 
 def test_async_client_registers_attaches_and_reads_events(daemon: MemoryDaemon) -> None:
+    """The asyncio client registers, reads the ``attached`` event from its
+    stream and sees the worker in the daemon's stats."""
     req, fds, _kv = registration()
 
     async def go() -> tuple[int, str, int]:
@@ -151,6 +214,8 @@ def test_async_client_registers_attaches_and_reads_events(daemon: MemoryDaemon) 
 
 
 def test_memory_pull_copies_bytes_counts_and_notifies_owner() -> None:
+    """A pull through the memory daemons copies exactly the requested blocks,
+    counts them on both sides and tells the owner (PULLED_FROM, request id)."""
     net = MemoryNetwork()
     pd, dd = net.daemon("p:1"), net.daemon("d:1")
     kv_p = torch.arange(8 * 64, dtype=torch.int64).to(torch.uint8).view(8, 64)

@@ -14,6 +14,8 @@ vllm_iface = pytest.importorskip("vllm.v1.kv_cache_interface", reason="vllm is n
 
 
 def test_cache_kind_of_each_spec() -> None:
+    """vLLM full-attention and sliding-window specs map to MHA, an MLA spec to MLA, and an MLA spec
+    with the indexer cache role to INDEXER."""
     from kvmap.client.vllm_connector import cache_kind_of
 
     v = vllm_iface
@@ -36,6 +38,8 @@ def test_cache_kind_of_each_spec() -> None:
 
 
 def test_layer_specs_from_a_kv_cache_config() -> None:
+    """layer_specs gives every layer of a KVCacheConfig its group index as transfer group, its cache
+    kind, the config's block count and the spec's page size."""
     from kvmap.client.vllm_connector import layer_specs
 
     v = vllm_iface

@@ -762,6 +762,8 @@ def dockerignore_included(patterns: list[str], path: str) -> bool:
 
 
 def test_bundled_schemas_cover_the_supported_versions() -> None:
+    """The installed kubernetes-validate bundles the schema of the oldest supported Kubernetes
+    (1.29), so validation against it is not silently done with another version."""
     # kubernetes-validate silently falls back to the newest schema older than the
     # requested version: make sure the oldest supported one is really bundled.
     versions = kubernetes_versions()
@@ -775,6 +777,8 @@ def test_bundled_schemas_cover_the_supported_versions() -> None:
 def test_manifests_validate_strictly(
     render: Callable[[str], Docs], variant: str, version: str
 ) -> None:
+    """Every overlay and overlay+component combination renders with kustomize and passes kubernetes-
+    validate --strict, warnings included, for the oldest and newest bundled Kubernetes."""
     # validate() sends every kind except CRD_KINDS and fails on WARN (unknown
     # kind), so nothing else escapes schema validation.
     assert validate(render(variant), version) == []
@@ -795,6 +799,8 @@ def test_manifests_validate_strictly(
 def test_validation_rejects_broken_manifests(
     render: Callable[[str], Docs], breakage: Callable[[Doc], None]
 ) -> None:
+    """The strict validation step itself fails on an unknown field, an unknown kind and a wrongly
+    typed probe port."""
     docs = render("prefill")
     breakage(deployments(docs)[0])
     assert validate(docs, MIN_K8S) != []
@@ -808,17 +814,24 @@ def test_validation_rejects_broken_manifests(
 def test_invariants(
     render: Callable[[str], Docs], variant: str, checker: Callable[[Docs], list[str]]
 ) -> None:
+    """Every rendered variant satisfies each cross-object invariant checker (native sidecar, probes,
+    socket paths, GPU, /dev/shm, PID namespace, security, resources, service, labels,
+    PodMonitor)."""
     assert checker(render(variant)) == []
 
 
 @pytest.mark.parametrize("variant", ["prefill", "decode"])
 def test_connector_module_is_importable(render: Callable[[str], Docs], variant: str) -> None:
+    """The kv_connector_module_path in vLLM's rendered --kv-transfer-config names a module the
+    installed package really has."""
     # find_spec on the module path string taken from vLLM's rendered args: the
     # manifests name a module the package really ships.
     assert check_connector_importable(render(variant)) == []
 
 
 def test_connector_check_accepts_an_importable_module(render: Callable[[str], Docs]) -> None:
+    """The connector checker passes when the module path is swapped for another importable module,
+    so it does not fail on everything."""
     # The checker is not always-failing: with a module the package already has,
     # it passes (the negative cases are in BREAKAGES).
     docs = render("prefill")
@@ -1035,6 +1048,9 @@ def test_checkers_detect_breakage(
     checker: Callable[[Docs], list[str]],
     breakage: Callable[[Docs], None],
 ) -> None:
+    """Each checker passes on the rendered prefill+podmonitor pods (the connector-import
+    checker is exempt from that precondition) and reports a problem once its specific
+    breakage is applied to a copy."""
     docs = render("prefill+podmonitor")
     assert checker(docs) == [] or checker is check_connector_importable
     breakage(docs)
@@ -1042,6 +1058,8 @@ def test_checkers_detect_breakage(
 
 
 def test_roles_differ_only_where_they_should(render: Callable[[str], Docs]) -> None:
+    """Prefill and decode have distinct names, component labels, Service selectors and vLLM args,
+    but the same connector config and an identical sidecar."""
     prefill, decode = render("prefill"), render("decode")
     p_dep, d_dep = deployments(prefill)[0], deployments(decode)[0]
     assert p_dep["metadata"]["name"] != d_dep["metadata"]["name"]
@@ -1058,6 +1076,8 @@ def test_roles_differ_only_where_they_should(render: Callable[[str], Docs]) -> N
 
 
 def test_editing_the_config_does_not_roll_the_pods(tmp_path: Path) -> None:
+    """Changing kvmapd.toml changes the ConfigMap's data but not its name nor the Deployment, so a
+    config edit does not restart vLLM."""
     # The kvmapd ConfigMap keeps its name when its content changes, so a config
     # change never alters the pod template (which would restart vLLM).
     shutil.copytree(K8S, tmp_path / "k8s")
@@ -1074,6 +1094,8 @@ def test_editing_the_config_does_not_roll_the_pods(tmp_path: Path) -> None:
 def test_the_daemon_accepts_the_rendered_configuration(
     render: Callable[[str], Docs], tmp_path: Path
 ) -> None:
+    """kvmapd's own config loader accepts the rendered kvmapd.toml plus the pod's flags, and the
+    socket paths it derives match the connector's."""
     # Through kvmapd's own loader: unknown keys in kvmapd.toml would make
     # `kvmapd serve` exit 2 in the pod.
     from kvmap.daemon.adapters.config_files import load_config
@@ -1100,6 +1122,8 @@ def test_the_daemon_accepts_the_rendered_configuration(
 
 
 def test_dockerfile_builds_kvmapd_from_source() -> None:
+    """The repository's Dockerfile passes the Dockerfile checker (install from source, torch first,
+    non-root user, exec-form entrypoint, ...)."""
     assert check_dockerfile((REPO / "Dockerfile").read_text()) == []
 
 
@@ -1124,12 +1148,16 @@ DOCKERFILE_BREAKAGES = {
     ("old", "new"), DOCKERFILE_BREAKAGES.values(), ids=DOCKERFILE_BREAKAGES.keys()
 )
 def test_dockerfile_checker_detects_breakage(old: str, new: str) -> None:
+    """Each listed edit of the Dockerfile (install from a registry, torch after the project, root
+    user, shell entrypoint, ...) makes the checker report a problem."""
     text = (REPO / "Dockerfile").read_text()
     assert old in text
     assert check_dockerfile(text.replace(old, new, 1)) != []
 
 
 def test_image_matches_the_manifests(render: Callable[[str], Docs]) -> None:
+    """The image's default CMD uses the same --config path as the rendered sidecar args, and its
+    USER matches the sidecar's runAsUser."""
     stages = dockerfile_stages((REPO / "Dockerfile").read_text())
     final = stages[-1][1]
     cmd = json.loads(next(a for i, a in final if i == "CMD"))
@@ -1140,6 +1168,8 @@ def test_image_matches_the_manifests(render: Callable[[str], Docs]) -> None:
 
 
 def test_vllm_image_gets_the_client_dependencies() -> None:
+    """The vllm-kvmap image stage pip-installs exactly the project's dependencies other than torch
+    and nixl."""
     # The vllm-kvmap stage installs the project with --no-deps (vLLM keeps its
     # torch) and then the project's other dependencies: keep both lists equal.
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
@@ -1157,6 +1187,8 @@ def test_vllm_image_gets_the_client_dependencies() -> None:
 
 
 def test_build_context_holds_the_sources_and_nothing_else() -> None:
+    """.dockerignore lets in every package, its package data and the files the image needs, keeps
+    out venvs, .git, build output, caches and tests, and every COPY source exists."""
     patterns = (REPO / ".dockerignore").read_text().splitlines()
     setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     needed = ["pyproject.toml", "README.md", "deploy/k8s/base/kvmapd.toml"]

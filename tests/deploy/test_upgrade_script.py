@@ -148,6 +148,9 @@ def _image(containers: list[dict[str, Any]], name: str) -> str:
 
 @pytest.mark.parametrize("kubelet", ["v1.33.2", "v1.32.0"])
 def test_upgrade_restarts_only_the_sidecar_and_rolls_nothing(tmp_path: Path, kubelet: str) -> None:
+    """On kubelets that restart changed sidecars, the script patches each pod's kvmapd image
+    (restarted once, ready, vLLM untouched), then pauses, patches ReplicaSet and Deployment
+    templates and resumes, without a rollout or any patch of the vLLM container."""
     cluster = Cluster(tmp_path, _state(kubelet))
     proc = cluster.run()
     assert proc.returncode == 0, proc.stderr
@@ -180,6 +183,8 @@ def test_upgrade_restarts_only_the_sidecar_and_rolls_nothing(tmp_path: Path, kub
 
 
 def test_old_kubelets_get_the_daemon_stopped(tmp_path: Path) -> None:
+    """On kubelets older than 1.32 the script also execs into each pod's kvmapd container to stop
+    the daemon, so the new image runs, and vLLM is not restarted."""
     # Before 1.32 the kubelet does not restart a sidecar whose image changed:
     # the script stops kvmapd, and the kubelet restarts it from the new spec.
     cluster = Cluster(tmp_path, _state("v1.30.4"))
@@ -194,12 +199,15 @@ def test_old_kubelets_get_the_daemon_stopped(tmp_path: Path) -> None:
 
 
 def test_new_kubelets_are_not_kicked(tmp_path: Path) -> None:
+    """On kubelet 1.34 the script never execs into a pod to stop the daemon."""
     cluster = Cluster(tmp_path, _state("v1.34.0"))
     assert cluster.run().returncode == 0
     assert not [c for c in cluster.changes() if c[0] == "exec"]
 
 
 def test_stops_when_vllm_restarts(tmp_path: Path) -> None:
+    """If vLLM restarts while its pod is being upgraded, the script fails with "restarted during the
+    upgrade" after touching only that first pod and no template."""
     cluster = Cluster(tmp_path, _state("v1.33.2"))
     proc = cluster.run(FAKE_MAIN_RESTARTS="1")
     assert proc.returncode != 0
@@ -209,6 +217,8 @@ def test_stops_when_vllm_restarts(tmp_path: Path) -> None:
 
 
 def test_stops_when_the_new_sidecar_never_gets_ready(tmp_path: Path) -> None:
+    """If the new sidecar does not become ready within --timeout, the script fails telling how to
+    roll the pod back to the old image, having touched only that pod."""
     cluster = Cluster(tmp_path, _state("v1.33.2"))
     proc = cluster.run("--timeout", "1", FAKE_SIDECAR_NEVER_READY="1")
     assert proc.returncode != 0
@@ -217,6 +227,8 @@ def test_stops_when_the_new_sidecar_never_gets_ready(tmp_path: Path) -> None:
 
 
 def test_refuses_to_start_during_a_rollout(tmp_path: Path) -> None:
+    """When the Deployment's pods belong to several ReplicaSets (mid-rollout), the script refuses to
+    start and changes nothing."""
     cluster = Cluster(tmp_path, _state("v1.33.2", split_owners=True))
     proc = cluster.run()
     assert proc.returncode != 0
@@ -225,6 +237,8 @@ def test_refuses_to_start_during_a_rollout(tmp_path: Path) -> None:
 
 
 def test_dry_run_changes_nothing(tmp_path: Path) -> None:
+    """--dry-run makes no mutating kubectl call and prints one DRY-RUN line per planned step (patch
+    and exec per pod, then the four template steps)."""
     cluster = Cluster(tmp_path, _state("v1.30.4"))
     proc = cluster.run("--dry-run")
     assert proc.returncode == 0, proc.stderr
@@ -234,6 +248,7 @@ def test_dry_run_changes_nothing(tmp_path: Path) -> None:
 
 
 def test_skip_template_leaves_the_deployment_alone(tmp_path: Path) -> None:
+    """--skip-template patches only the pods and leaves the Deployment template on the old image."""
     cluster = Cluster(tmp_path, _state("v1.33.2"))
     assert cluster.run("--skip-template").returncode == 0
     assert [c[:2] for c in cluster.changes()] == [["patch", "pod"], ["patch", "pod"]]
@@ -242,6 +257,8 @@ def test_skip_template_leaves_the_deployment_alone(tmp_path: Path) -> None:
 
 
 def test_the_fake_controller_rolls_on_a_bare_template_change(tmp_path: Path) -> None:
+    """The fake kubectl itself models a rollout: patching only the Deployment template creates a new
+    ReplicaSet and scales the old one to zero."""
     # Guards the fake itself: patching only the Deployment (what
     # `kubectl set image deployment/...` does) replaces the ReplicaSet, which
     # is the vLLM restart the script exists to avoid.
@@ -270,6 +287,8 @@ def test_the_fake_controller_rolls_on_a_bare_template_change(tmp_path: Path) -> 
 
 
 def test_the_kick_stops_only_the_daemon(tmp_path: Path) -> None:
+    """The script's KICK program sends SIGTERM to the process running "kvmapd serve" only, leaving a
+    non-serving kvmapd and a decoy with the name in its arguments alone."""
     # Run the script's KICK program against a stand-in daemon started the way
     # the image starts it (a console script: "python .../kvmapd serve ...") and
     # a decoy. The daemon's name is made unique so that no real kvmapd on this

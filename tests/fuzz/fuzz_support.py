@@ -5,13 +5,15 @@ hostile values.
 Every call carries a deadline. A call that runs into the *client's* deadline
 is a hang and fails the test; a ``DEADLINE_EXCEEDED`` the daemon reports
 itself (a transfer's own ``timeout_ms``) is a precise status like any other.
+The two are told apart by who wrote the status, not by how long it took:
+the daemon's own DEADLINE_EXCEEDED says which transfer or peer ran out of
+time; gRPC's (client-side, or the stream torn down at the deadline) does not.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +42,12 @@ OK = Code.OK
 FORBIDDEN = frozenset({Code.UNKNOWN, Code.INTERNAL, Code.DATA_LOSS})
 # Client-side deadline of one call: far above anything a sane answer takes.
 CALL_TIMEOUT_S = 20.0
+# How kvmapd's own DEADLINE_EXCEEDED begins: it names the transfer that ran
+# into its timeout_ms ("transfer <id>: no completion in <n>s") or the peer
+# whose answer it passes on ("remote daemon <target>: ..."). gRPC's own texts
+# for a call that ran out of the client's deadline ("Deadline Exceeded",
+# "Stream removed (Deadline Exceeded)") never do.
+DAEMON_DEADLINE_PREFIXES = ("transfer ", "remote daemon ")
 # Channels of the tests accept and send more than the daemon's 16 MiB limit,
 # so that the limit observed is the daemon's.
 TEST_CHANNEL_OPTIONS = [
@@ -110,31 +118,30 @@ class Outcome:
     code: Code
     details: str
     responses: list[Any] = field(default_factory=list)
-    seconds: float = 0.0
 
     @property
     def response(self) -> Any:
         return self.responses[-1] if self.responses else None
 
 
-def _finish(start: float, timeout: float, err: grpc.RpcError, what: str) -> Outcome:
-    elapsed = time.monotonic() - start
+def _finish(timeout: float, err: grpc.RpcError, what: str) -> Outcome:
+    """The status the daemon answered; raises if the client's own deadline
+    ended the call instead (no answer: a hang)."""
     code, details = err.code(), err.details() or ""
-    if code is Code.DEADLINE_EXCEEDED and elapsed >= timeout * 0.95:
+    if code is Code.DEADLINE_EXCEEDED and not details.startswith(DAEMON_DEADLINE_PREFIXES):
         raise AssertionError(f"{what}: no answer within the {timeout}s client deadline (a hang)")
-    return Outcome(code, details, seconds=elapsed)
+    return Outcome(code, details)
 
 
 def call(
     fn: Callable[..., Any], request: Any, what: str, timeout: float = CALL_TIMEOUT_S
 ) -> Outcome:
     """A unary call, its status and its answer. Raises on a hang."""
-    start = time.monotonic()
     try:
         resp = fn(request, timeout=timeout)
     except grpc.RpcError as err:
-        return _finish(start, timeout, err, what)
-    return Outcome(OK, "", [resp], time.monotonic() - start)
+        return _finish(timeout, err, what)
+    return Outcome(OK, "", [resp])
 
 
 def call_stream(
@@ -146,7 +153,6 @@ def call_stream(
 ) -> Outcome:
     """A server-streaming call read to its end (or its first message, then
     cancelled: Attach never ends by itself)."""
-    start = time.monotonic()
     it = fn(request, timeout=timeout)
     out: list[Any] = []
     try:
@@ -157,11 +163,11 @@ def call_stream(
                 break
     except grpc.RpcError as err:
         if first_only and out and err.code() is Code.CANCELLED:
-            return Outcome(OK, "", out, time.monotonic() - start)
-        o = _finish(start, timeout, err, what)
+            return Outcome(OK, "", out)
+        o = _finish(timeout, err, what)
         o.responses = out
         return o
-    return Outcome(OK, "", out, time.monotonic() - start)
+    return Outcome(OK, "", out)
 
 
 def short(msg: Any, limit: int = 600) -> str:

@@ -432,6 +432,9 @@ def _undo_registration(env: Env, req: registry_pb2.RegisterWorkerRequest, before
 @fuzz_settings(250)
 @given(drawn=registrations())
 def test_register_worker(env: Env, drawn: tuple[Any, ...]) -> None:
+    """Fuzzed registrations (hostile geometries, fds and paths): every status is in RegisterWorker's
+    closed set, never a hang; a rejected one leaves the daemon's state exactly as it was; an
+    accepted one is undone; the daemon stays healthy."""
     live = env.live
     req = build_registration(env, drawn)
     before = live.snapshot()
@@ -448,6 +451,9 @@ def test_register_worker(env: Env, drawn: tuple[Any, ...]) -> None:
 @given(drawn=registrations(), planner=st.sampled_from(["", "coalesce", "baseline"]) | odd_strings,
        tcp=st.booleans())  # fmt: skip
 def test_plan_preview(env: Env, drawn: tuple[Any, ...], planner: str, tcp: bool) -> None:
+    """Fuzzed PlanPreview requests on both listeners: statuses in the closed set; an accepted
+    preview is an unregistered plan (generation 0, no addresses) whose descriptor count is its
+    blocks; the daemon's state never changes."""
     live = env.live
     req = region_maps_pb2.PlanPreviewRequest(spec=build_registration(env, drawn), planner=planner)
     before = live.snapshot()
@@ -470,6 +476,8 @@ others = worker_ids([ENGINE]).filter(lambda w: not is_key(w, ENGINE))
 @fuzz_settings(60)
 @given(worker=others)
 def test_deregister_unknown_workers(env: Env, worker: types_pb2.WorkerId) -> None:
+    """Deregistering any worker id other than the registered one is refused with a closed-set status
+    and changes nothing."""
     live = env.live
     req = registry_pb2.DeregisterWorkerRequest(worker=worker)
     before = live.snapshot()
@@ -482,6 +490,8 @@ def test_deregister_unknown_workers(env: Env, worker: types_pb2.WorkerId) -> Non
 @fuzz_settings(60)
 @given(worker=others)
 def test_attach_unknown_workers(env: Env, worker: types_pb2.WorkerId) -> None:
+    """Attaching any worker id other than the registered one is refused with a closed-set status and
+    changes nothing."""
     live = env.live
     req = registry_pb2.AttachRequest(worker=worker)
     before = live.snapshot()
@@ -492,6 +502,8 @@ def test_attach_unknown_workers(env: Env, worker: types_pb2.WorkerId) -> None:
 
 
 def test_a_strangers_attach_ending_does_not_remove_a_live_worker(env: Env) -> None:
+    """Other Attach streams to the live worker that open and end (a stranger's) leave it registered:
+    the state is unchanged."""
     live = env.live
     before = live.snapshot()
     req = registry_pb2.AttachRequest(worker=types_pb2.WorkerId(engine_id=ENGINE))
@@ -506,6 +518,9 @@ def test_a_strangers_attach_ending_does_not_remove_a_live_worker(env: Env) -> No
 def test_get_region_map_and_agent_metadata(
     env: Env, worker: types_pb2.WorkerId, tcp: bool, peer: bool
 ) -> None:
+    """GetRegionMap (both listeners) and GetAgentMetadata answer OK exactly for the registered
+    worker id, with this daemon's agent and matching generations; other ids are refused; nothing
+    changes."""
     live = env.live
     before = live.snapshot()
     if peer:
@@ -531,6 +546,8 @@ KNOWN_PLANNERS = {"", "coalesce", "baseline"}
 @fuzz_settings(40)
 @given(planner=odd_strings.filter(lambda p: p not in KNOWN_PLANNERS))
 def test_replan_with_unknown_planners(env: Env, planner: str) -> None:
+    """Replan to an unknown planner name is INVALID_ARGUMENT naming the planner, and changes
+    nothing."""
     live = env.live
     req = admin_pb2.ReplanRequest(planner=planner)
     before = live.snapshot()
@@ -541,6 +558,8 @@ def test_replan_with_unknown_planners(env: Env, planner: str) -> None:
 
 
 def test_replan_with_known_planners_bumps_generation_once_each(env: Env) -> None:
+    """Each replan to a known planner bumps the worker's generation by exactly one and the daemon
+    reports the new planner."""
     live = env.live
     gen = live.generation(ENGINE)
     for i, planner in enumerate(["baseline", "coalesce"], start=1):
@@ -586,6 +605,10 @@ def begin_request(live: Live, fields: dict[str, Any]) -> peer_pb2.BeginTransferR
 @fuzz_settings(120)
 @given(fields=begin_fields())
 def test_begin_transfer(env: Env, fields: dict[str, Any]) -> None:
+    """Fuzzed BeginTransfer: statuses in the closed set; only a request with non-negative sizes for
+    the live worker at its current generation (this agent or none) pins it, and ending the lease
+    restores the state; negative sizes are INVALID_ARGUMENT, a stale generation
+    FAILED_PRECONDITION."""
     live = env.live
     req = begin_request(live, fields)
     before = live.snapshot()
@@ -615,6 +638,8 @@ def test_begin_transfer(env: Env, fields: dict[str, Any]) -> None:
 @fuzz_settings(40)
 @given(token=st.sampled_from(["", "0" * 32]) | odd_strings, completed=st.booleans())
 def test_end_transfer_with_unknown_tokens(env: Env, token: str, completed: bool) -> None:
+    """EndTransfer with tokens that were never handed out answers a closed-set status and changes
+    nothing."""
     live = env.live
     req = peer_pb2.EndTransferRequest(transfer_token=token, completed=completed)
     before = live.snapshot()
@@ -748,6 +773,8 @@ def test_raw_bytes_that_do_not_decode_are_invalid_argument(
 
 
 def test_every_method_of_the_api_is_fuzzed() -> None:
+    """Every RPC of the API has a closed set of statuses and a seed request for the raw-bytes
+    fuzzing: a new method cannot go unfuzzed."""
     methods = set()
     for module in (registry_pb2, region_maps_pb2, admin_pb2, transfers_pb2, peer_pb2):
         for svc in module.DESCRIPTOR.services_by_name.values():
@@ -757,6 +784,8 @@ def test_every_method_of_the_api_is_fuzzed() -> None:
 
 @pytest.mark.parametrize(("method", "tcp"), ROUTES)
 def test_undecodable_request_is_invalid_argument(env: Env, method: str, tcp: bool) -> None:
+    """Bytes that parse as no request are INVALID_ARGUMENT on every method and listener, change
+    nothing, and the daemon stays healthy."""
     live = env.live
     data = b"\xff\xff\xff"  # field 0x1fffff... with an invalid wire type: never parses
     assert not _decodes(method, data)
@@ -768,6 +797,8 @@ def test_undecodable_request_is_invalid_argument(env: Env, method: str, tcp: boo
 
 
 def test_a_shm_path_with_a_nul_byte_is_invalid_argument(env: Env) -> None:
+    """A shared-memory path with a NUL byte is INVALID_ARGUMENT naming the field, and changes
+    nothing."""
     live = env.live
     req = template()
     for a in req.allocations:

@@ -55,7 +55,8 @@ class Cluster:
     def __repr__(self) -> str:
         return f"Cluster(prefill={self.p.daemon.tcp_target}, decode={self.d.daemon.tcp_target})"
 
-    def digests(self) -> tuple[list[int], list[int]]:
+    def digests(self) -> tuple[list[str], list[str]]:
+        """sha256 of every group of the prefill and the decode worker's memory."""
         return self.pw.call({"cmd": "digest"})["digest"], self.dw.call({"cmd": "digest"})["digest"]
 
     def snapshots(self) -> tuple[str, str]:
@@ -266,16 +267,24 @@ def _check_example(c: Cluster, s: dict[str, Any]) -> None:
 @fuzz_settings(150)
 @given(s=specs(write=False))
 def test_pull(cluster: Cluster, s: dict[str, Any]) -> None:
+    """Fuzzed pulls (valid specs with up to two injected faults): closed-set statuses, never a hang;
+    region maps unchanged; the prefill side (read) never changes; the decode side changes only if
+    the pull was accepted or ran into its own timeout; accepted pulls verify."""
     _check_example(cluster, s)
 
 
 @fuzz_settings(100)
 @given(s=specs(write=True))
 def test_push(cluster: Cluster, s: dict[str, Any]) -> None:
+    """Fuzzed pushes: the same rules with the roles swapped (the decode side is read and never
+    changes; the prefill side is written only by an accepted push or one that ran into its own
+    timeout)."""
     _check_example(cluster, s)
 
 
 def test_plain_pull_still_verifies_after_the_fuzzing(cluster: Cluster) -> None:
+    """After all the fuzzing a plain pull still succeeds and every block verifies: nothing the
+    fuzzer did poisoned either cache or daemon."""
     assert cluster.pw.call({"cmd": "fill"})["ok"]
     out = cluster.dw.call(
         {

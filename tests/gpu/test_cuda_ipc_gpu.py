@@ -54,6 +54,8 @@ def _open(imp: CudaIpcImporter, s: dict[str, object], **over: object) -> CudaMap
 
 
 def test_the_workers_device_is_found_by_uuid(driver: LibCuda) -> None:
+    """The UUID the worker's exporter reports is one of the device UUIDs the daemon's driver
+    sees."""
     with Exporter(SMALL) as ex:
         want = parse_uuid(ex.storage(0)["uuid"], "uuid")
     assert want in driver.device_uuids()
@@ -62,6 +64,8 @@ def test_the_workers_device_is_found_by_uuid(driver: LibCuda) -> None:
 def test_reads_and_writes_land_in_the_workers_memory(
     driver: LibCuda, importer: CudaIpcImporter
 ) -> None:
+    """Through the imported mapping the daemon reads exactly the worker's bytes, and bytes it writes
+    show up in the worker's tensor without disturbing the rest."""
     with Exporter(SMALL) as ex, _open(importer, ex.storage(0)) as m:
         assert copy_out(driver, m.dev_id, m.address, SMALL) == expected(0, SMALL)
         copy_in(driver, m.dev_id, m.address + 1000, b"kvmap was here")
@@ -72,6 +76,8 @@ def test_reads_and_writes_land_in_the_workers_memory(
 def test_two_storages_of_one_block_share_one_open(
     driver: LibCuda, importer: CudaIpcImporter
 ) -> None:
+    """Two storages the caching allocator put in one cudaMalloc block are imported with one open at
+    one block address, each reads its own bytes, and the block closes with its last user."""
     with Exporter(SMALL, SMALL) as ex:
         a, b = ex.storage(0), ex.storage(1)
         assert a["handle"] == b["handle"], "the allocator put them in two blocks"
@@ -85,6 +91,8 @@ def test_two_storages_of_one_block_share_one_open(
 
 
 def test_a_block_larger_than_the_real_mapping_is_refused(importer: CudaIpcImporter) -> None:
+    """A declared block size beyond the driver's real mapping is INVALID_ARGUMENT on
+    cuda_ipc.block_size_bytes, and no handle stays open."""
     with Exporter(SMALL) as ex:
         s = ex.storage(0)
         with pytest.raises(InvalidArgument) as e:
@@ -94,6 +102,8 @@ def test_a_block_larger_than_the_real_mapping_is_refused(importer: CudaIpcImport
 
 
 def test_the_handle_of_an_exited_worker_does_not_open(importer: CudaIpcImporter) -> None:
+    """Once the exporting worker has been killed, importing its handle fails with an error naming
+    the handle field, leaving nothing open."""
     with Exporter(SMALL) as ex:
         s = ex.storage(0)
         ex.kill()

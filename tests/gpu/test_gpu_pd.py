@@ -21,6 +21,7 @@ pytestmark = [
 
 
 def test_gpu_pulls_verify_under_both_planners() -> None:
+    """On a real GPU the GPU demo runs both planners and every pulled byte verifies."""
     if reason := nixl_skip_reason():
         pytest.skip(reason)
     args = [sys.executable, "-m", "kvmap.tools.gpu_demo", "--blocks", "96"]

@@ -66,6 +66,9 @@ def worker_id(engine: str = "engine-a") -> types_pb2.WorkerId:
 
 
 def test_blhnc_worker_region_map_is_coalesced(daemon: DaemonProc, worker: WorkerProc) -> None:
+    """A real worker registering a BLHNC cache gets a coalesce-planned map with one full-row region
+    per transfer group, 2 x blocks descriptors instead of one per layer and block, real base
+    addresses, and the same map the worker saw."""
     with daemon.channel(tcp=True) as ch:
         got = region_maps_pb2_grpc.RegionMapsStub(ch).GetRegionMap(
             region_maps_pb2.GetRegionMapRequest(worker=worker_id()), timeout=10
@@ -88,6 +91,8 @@ def test_blhnc_worker_region_map_is_coalesced(daemon: DaemonProc, worker: Worker
 
 
 def test_grpcurl_list_describe_and_call_over_tcp(daemon: DaemonProc, worker: WorkerProc) -> None:
+    """Over TCP, grpcurl lists RegionMaps, Peer and Health via reflection but not Registry,
+    describes the RegionMaps RPCs, and fetches a worker's region map as JSON."""
     listed = grpcurl("-plaintext", daemon.tcp_target, "list")
     assert listed.returncode == 0, listed.stderr
     services = set(listed.stdout.split())
@@ -114,6 +119,8 @@ def test_grpcurl_list_describe_and_call_over_tcp(daemon: DaemonProc, worker: Wor
 
 
 def test_registry_is_not_served_over_tcp(daemon: DaemonProc) -> None:
+    """RegisterWorker over the TCP listener is UNIMPLEMENTED, both from grpcurl and from a gRPC
+    stub."""
     out = grpcurl(
         "-plaintext",
         "-import-path", str(Path(__file__).parents[2] / "protos"),
@@ -132,6 +139,8 @@ def test_registry_is_not_served_over_tcp(daemon: DaemonProc) -> None:
 
 
 def test_health_serving_on_both_listeners(daemon: DaemonProc) -> None:
+    """The overall and kvmap.v1.Peer health checks report SERVING on the Unix and TCP listeners, and
+    grpcurl sees SERVING too."""
     for tcp in (False, True):
         with daemon.channel(tcp=tcp) as ch:
             stub = health_pb2_grpc.HealthStub(ch)
@@ -145,6 +154,8 @@ def test_health_serving_on_both_listeners(daemon: DaemonProc) -> None:
 def test_invalid_registration_names_the_field_and_changes_nothing(
     daemon: DaemonProc, worker: WorkerProc
 ) -> None:
+    """A re-registration with a stride shorter than the block is INVALID_ARGUMENT naming
+    views[0].block_stride_bytes, and the worker stays registered at generation 1."""
     with daemon.channel() as ch:
         registry = registry_pb2_grpc.RegistryStub(ch)
         maps = region_maps_pb2_grpc.RegionMapsStub(ch)
@@ -171,6 +182,8 @@ def test_invalid_registration_names_the_field_and_changes_nothing(
 
 
 def test_reregistration_bumps_generation_atomically(daemon: DaemonProc, worker: WorkerProc) -> None:
+    """Re-registering a worker bumps its generation to 2 in ListWorkers and sends a
+    region_map_changed event for generation 2 on its Attach stream."""
     assert worker.call({"cmd": "reregister"})["generation"] == 2
     with daemon.channel() as ch:
         listed = region_maps_pb2_grpc.RegionMapsStub(ch).ListWorkers(
@@ -188,6 +201,8 @@ def test_reregistration_bumps_generation_atomically(daemon: DaemonProc, worker: 
 
 
 def test_killed_worker_is_deregistered(daemon: DaemonProc, worker: WorkerProc) -> None:
+    """After a worker is killed with SIGKILL the daemon deregisters it: GetRegionMap becomes
+    NOT_FOUND within 10 s."""
     worker.kill()
     deadline = time.monotonic() + 10
     with daemon.channel(tcp=True) as ch:
@@ -205,5 +220,6 @@ def test_killed_worker_is_deregistered(daemon: DaemonProc, worker: WorkerProc) -
 
 
 def test_unix_sockets_are_owner_and_group_only(daemon: DaemonProc) -> None:
+    """The gRPC and fd-handoff Unix sockets have mode 0660."""
     for path in (daemon.socket, daemon.socket + ".fds"):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o660, path

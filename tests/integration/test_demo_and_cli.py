@@ -35,6 +35,8 @@ def _torch_shm(pids: list[int]) -> list[str]:
 
 
 def test_demo_verifies_every_byte(tmp_path: Path) -> None:
+    """kvmapd demo, run as a user would, exits 0 reporting every byte verified, every request's
+    owner told, and the GLM-5.3 descriptor counts, and both its daemons are gone afterwards."""
     out = subprocess.run(
         [sys.executable, "-m", "kvmap.daemon.cli.kvmapd", "demo", *SMALL],
         capture_output=True, text=True, timeout=180, env=local_env(tmp_path), check=False,
@@ -48,6 +50,8 @@ def test_demo_verifies_every_byte(tmp_path: Path) -> None:
 
 
 def test_interrupted_demo_leaves_nothing_behind(tmp_path: Path) -> None:
+    """A demo interrupted with SIGINT mid-pulls exits non-zero, and its two daemons, its workers and
+    its temporary directory are all gone."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvmap.daemon.cli.kvmapd", "demo", *SMALL, "--requests", "500"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=local_env(tmp_path),
@@ -76,6 +80,9 @@ def test_interrupted_demo_leaves_nothing_behind(tmp_path: Path) -> None:
 
 
 def test_kvmapctl_tables_and_metrics(tmp_path: Path) -> None:
+    """kvmapctl lists workers and a worker's coalesced regions over both Unix and TCP targets, exits
+    1 with NOT_FOUND for an unknown worker, and /metrics reports workers, regions, descriptors
+    and RPC counts."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         metrics_port = s.getsockname()[1]

@@ -481,12 +481,17 @@ def wait_notifs(cluster: Cluster, expected: set[bytes], timeout: float = 20.0) -
 
 
 def test_worker_fds_arrive_through_the_handoff_socket(cluster: Cluster) -> None:
+    """Setting up the three processes works end to end: the agents know each other by name, and the
+    initiator holds no pending fds once it has imported the worker's."""
     assert cluster.target_name == "target"
     assert cluster.initiator_name == "initiator"
     assert cluster.pending_fds_after_import == 0  # discarded once imported
 
 
 def test_read_and_write_with_prepped_strided_lists(cluster: Cluster) -> None:
+    """READ and WRITE on prepared strided descriptor lists complete, move the chosen blocks of every
+    region byte for byte and change no other block, and deliver their notifications to the
+    target."""
     assert cluster.initiator.call("prepped", "READ", READ_PREPPED, b"pull-prepped") == "DONE"
     assert cluster.initiator.call("prepped", "WRITE", WRITE_PREPPED, b"push-prepped") == "DONE"
     assert cluster.worker.call("check_read", READ_PREPPED) == []
@@ -495,6 +500,8 @@ def test_read_and_write_with_prepped_strided_lists(cluster: Cluster) -> None:
 
 
 def test_read_and_write_with_explicit_descriptors(cluster: Cluster) -> None:
+    """READ and WRITE on explicit descriptor rows complete and move the chosen blocks byte for byte
+    (the earlier prepped transfers intact, nothing else changed), with their notifications."""
     assert cluster.initiator.call("descs", "READ", READ_DESCS, b"pull-descs") == "DONE"
     assert cluster.initiator.call("descs", "WRITE", WRITE_DESCS, b"push-descs") == "DONE"
     assert cluster.worker.call("check_read", READ_PREPPED + READ_DESCS) == []
@@ -503,11 +510,16 @@ def test_read_and_write_with_explicit_descriptors(cluster: Cluster) -> None:
 
 
 def test_notifications_reach_the_target(cluster: Cluster) -> None:
+    """A standalone notification sent by the initiator arrives at the target, and nothing else
+    does."""
     cluster.initiator.call("notif", b"standalone")
     wait_notifs(cluster, {b"standalone"})
 
 
 def test_nixl_errors_are_mapped(cluster: Cluster) -> None:
+    """NIXL failures map to kvmap errors: unknown agent and unregistered memory are NOT_FOUND; bad
+    index, metadata, lengths, row shape, self as peer and empty registration are INVALID_ARGUMENT
+    with a field; an overlapping registration is ALREADY_EXISTS."""
     errs = cluster.initiator.call("errors")
     kind, _, message = errs["unknown agent"]
     assert kind == "NotFound" and "NIXL_ERR_NOT_FOUND" in message and "'nobody'" in message
@@ -535,6 +547,8 @@ def test_nixl_errors_are_mapped(cluster: Cluster) -> None:
 
 
 def test_every_nixl_exception_class_is_mapped(cluster: Cluster) -> None:
+    """Every exception class the installed nixl bindings define has a mapping, and no mapping names
+    a class that no longer exists."""
     assert cluster.initiator.call("drift") == {"unmapped": [], "stale": []}
 
 
@@ -566,6 +580,8 @@ def test_translate_matches_the_documented_table() -> None:
 
 
 def test_peer_death_is_unavailable_and_close_survives_it() -> None:
+    """After the remote process is killed, a READ from it fails as UNAVAILABLE (or ends in ERR) with
+    a disconnect or backend status, and the survivor's agent closes and exits cleanly."""
     os.environ["UCX_NET_DEVICES"] = "lo"
     ctx = mp.get_context("spawn")
     procs = []

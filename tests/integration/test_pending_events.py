@@ -38,6 +38,9 @@ def registration(kv_file: Path) -> registry_pb2.RegisterWorkerRequest:
 
 
 def test_finished_notification_survives_daemon_kill(tmp_path: Path) -> None:
+    """A transfer_finished event for a worker that was not attached survives a SIGKILL of its
+    daemon: after restart from the state dir, Attach yields the restored generation and then that
+    pull's event."""
     kv_file = tmp_path / "kv.bin"
     kv_file.write_bytes(bytes(range(256)) * (BLOCKS * LAYERS * PAGE // 256))
     state = tmp_path / "state"

@@ -93,6 +93,9 @@ def tls_args(pki: Pki, client_ca: Path) -> tuple[str, ...]:
 
 
 def test_mutual_tls_between_daemons(tmp_path: Path) -> None:
+    """With mutual TLS, a daemon holding a certificate from the shared CA pulls and verifies, one
+    signed by another CA or without TLS gets UNAVAILABLE, a plaintext client gets no health
+    answer and a CA-signed client sees SERVING."""
     good = make_pki(tmp_path / "pki", "kvmap")
     rogue = make_pki(tmp_path / "rogue", "rogue")
     prefill = start_daemon(tmp_path / "p", *tls_args(good, good.ca), name="prefill")

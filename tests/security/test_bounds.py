@@ -183,11 +183,17 @@ def _hostile(
 
 @pytest.mark.parametrize("name", list(HOSTILE_PULLS))
 def test_hostile_pull_is_refused_and_touches_nothing(c: Cluster, name: str) -> None:
+    """Each hostile pull (block ids out of range or overflowing, foreign or unknown layers and
+    groups, repeated destinations, forged generations, unknown workers, no groups) gets its exact
+    status and field, and both workers' memory and both daemons' maps stay unchanged."""
     _hostile(c, HOSTILE_PULLS[name], write=False)
 
 
 @pytest.mark.parametrize("name", list(HOSTILE_PUSHES))
 def test_hostile_push_is_refused_and_touches_nothing(c: Cluster, name: str) -> None:
+    """Each hostile push (destination or source ids out of range, a destination written twice, a
+    layer of another group, a forged generation) gets its exact status and field, and both
+    workers' memory and both daemons' maps stay unchanged."""
     _hostile(c, HOSTILE_PUSHES[name], write=True)
 
 
@@ -237,6 +243,9 @@ def _begin(c: Cluster, **kw: Any) -> tuple[Code, str, str]:
 def test_begin_transfer_with_forged_fields_is_refused(
     c: Cluster, fields: dict[str, Any], code: Code, fragment: str
 ) -> None:
+    """A BeginTransfer with a stale or forged generation, an agent name from an old handshake, an
+    unknown or mis-ranked worker, or no worker id gets its exact status and leaves the prefill
+    daemon's state and all memory unchanged."""
     before = c.p.snapshot()
     got, msg, _ = _begin(c, **fields)
     assert (got, fragment in msg) == (code, True), (got, msg)
@@ -245,6 +254,8 @@ def test_begin_transfer_with_forged_fields_is_refused(
 
 
 def test_end_transfer_with_unknown_or_forged_tokens_changes_nothing(c: Cluster) -> None:
+    """EndTransfer with empty, unknown, malformed or huge tokens is at most NOT_FOUND or
+    INVALID_ARGUMENT and changes neither daemon state nor memory."""
     before = c.p.snapshot()
     for token in ["", "0" * 32, "not-a-token", "x" * 10_000]:
         try:

@@ -168,6 +168,9 @@ REFUSED_LIES: dict[str, Tamper] = {
 def test_a_lying_peer_map_is_refused_and_nothing_is_written(
     c: Cluster, fake: Callable[[Tamper], FakePeer], lie: str, remote_ids: list[int]
 ) -> None:
+    """A peer whose map lies about layer lengths, block counts or allocation addresses is refused
+    for both pull and push, whatever block ids are asked, and no byte of either worker nor either
+    daemon's state changes."""
     f = fake(REFUSED_LIES[lie])
     before = (c.p.snapshot(), c.d.snapshot())
     spec = c.spec([{"group": 0, "local": [3, 4], "remote": remote_ids}], target=f.target)
@@ -250,6 +253,8 @@ def test_a_peer_claiming_addresses_of_another_process_is_refused(
 def test_a_peer_borrowing_a_real_agent_name_cannot_cut_off_the_real_peer(
     tmp_path: Path,
 ) -> None:
+    """A fake peer that first proxies the real prefill daemon and then changes its agent name is
+    refused, and pulls straight from the real prefill daemon keep working afterwards."""
     gen = start_cluster(tmp_path)
     c = next(gen)
     mode: dict[str, int | str] = {}
@@ -283,6 +288,9 @@ def test_a_peer_borrowing_a_real_agent_name_cannot_cut_off_the_real_peer(
 def test_a_stranger_with_the_agent_metadata_cannot_touch_bytes_outside_registrations(
     c: Cluster, tmp_path: Path
 ) -> None:
+    """A stranger's own NIXL agent loaded with the prefill daemon's metadata can transfer inside the
+    registrations (the control) but every attempt outside them fails, and prefill's memory and
+    state stay unchanged."""
     before = c.p.snapshot()
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("nixl_attacker.py")),

@@ -39,6 +39,8 @@ BLOCKS = MAX_BLOCKS_PER_TRANSFER
 
 
 def test_the_limits_are_the_documented_ones() -> None:
+    """The limit constants have the documented values: 16 MiB messages, 16,384 views, 1,024
+    allocations, 2**24 blocks per view, 65,536 blocks per transfer, 1,024 leases per peer."""
     assert MAX_MESSAGE_BYTES == 16 * 1024 * 1024
     assert MAX_VIEWS == 16_384
     assert MAX_ALLOCATIONS == 1_024
@@ -97,6 +99,8 @@ def _raw(live: Live, method: str, tcp: bool, stream: bool, data: bytes) -> tuple
 def test_a_message_over_16_mib_is_resource_exhausted(
     c: Cluster, method: str, tcp: bool, stream: bool
 ) -> None:
+    """A request one past 16 MiB to any method, unary or streaming, on either listener is
+    RESOURCE_EXHAUSTED naming the limit, and leaves the daemon's state unchanged and healthy."""
     before = c.d.snapshot()
     code, msg = _raw(c.d, method, tcp, stream, OVERSIZED)
     assert code is Code.RESOURCE_EXHAUSTED, (code, msg)
@@ -127,6 +131,8 @@ def _field(number: int, payload: bytes) -> bytes:
 
 @pytest.mark.parametrize("tcp", [False, True])
 def test_a_message_of_exactly_16_mib_is_accepted(c: Cluster, tcp: bool) -> None:
+    """A request of exactly 16 MiB is served on both listeners, and one byte more is
+    RESOURCE_EXHAUSTED naming the limit."""
     data = _list_workers_of_size(MAX_MESSAGE_BYTES)
     assert len(data) == MAX_MESSAGE_BYTES
     method = "/kvmap.v1.RegionMaps/ListWorkers"
@@ -137,6 +143,8 @@ def test_a_message_of_exactly_16_mib_is_accepted(c: Cluster, tcp: bool) -> None:
 
 
 def test_a_rejection_of_a_huge_request_has_a_bounded_message_and_log_line(c: Cluster) -> None:
+    """A near-16 MiB request for an unknown worker is answered NOT_FOUND with a message under 4 KiB,
+    and grows the daemon's log by less than 64 KiB."""
     req = region_maps_pb2.GetRegionMapRequest(
         worker=types_pb2.WorkerId(engine_id="e" * (MAX_MESSAGE_BYTES - 64))
     )
@@ -189,6 +197,9 @@ def _with_memory(c: Cluster, req: registry_pb2.RegisterWorkerRequest) -> int:
 
 
 def test_16384_views_plan_and_register_and_16385_are_refused(c: Cluster) -> None:
+    """16,384 adjacent views plan into one region and register; 16,385 are INVALID_ARGUMENT naming
+    MAX_VIEWS in both PlanPreview and RegisterWorker, and the refused registration changes
+    nothing."""
     ok = views_request(MAX_VIEWS)
     code, msg, resp = _code(
         c.d.maps.PlanPreview, region_maps_pb2.PlanPreviewRequest(spec=ok, planner="coalesce")
@@ -226,6 +237,8 @@ def test_16384_views_plan_and_register_and_16385_are_refused(c: Cluster) -> None
 
 
 def test_allocations_and_blocks_per_view_limits(c: Cluster) -> None:
+    """One allocation past MAX_ALLOCATIONS and one block past MAX_BLOCKS per view are
+    INVALID_ARGUMENT naming the limit; exactly MAX_BLOCKS plans."""
     req = views_request(1)
     for i in range(MAX_ALLOCATIONS):
         req.allocations.add(id=f"x{i}", size_bytes=1, none=types_pb2.NoHandle())
@@ -258,6 +271,9 @@ def test_a_region_map_too_big_to_send_is_refused_by_plan_preview(c: Cluster) -> 
 def test_a_registration_whose_region_map_cannot_be_sent_is_refused_and_changes_nothing(
     c: Cluster,
 ) -> None:
+    """A registration that fits in 16 MiB but whose region map would not is refused
+    (INVALID_ARGUMENT or RESOURCE_EXHAUSTED), the worker is not registered and the daemon's state
+    is unchanged."""
     req = views_request(MAX_VIEWS, engine="long-names", name_bytes=600)
     before = c.d.snapshot()
     fd = _with_memory(c, req)
@@ -280,6 +296,8 @@ def test_a_registration_whose_region_map_cannot_be_sent_is_refused_and_changes_n
 
 
 def test_65536_blocks_in_one_pull_work_and_65537_are_refused(c: Cluster) -> None:
+    """A pull of 65,536 blocks moves the right bytes; 65,537 block pairs across two groups are
+    INVALID_ARGUMENT naming the limit for pull and push, and memory is left intact."""
     every = list(range(BLOCKS))
     reverse = every[::-1]
     code, msg = c.transfer(
@@ -324,6 +342,9 @@ def _end(c: Cluster, token: str) -> None:
 
 
 def test_1024_outstanding_transfers_per_peer_then_resource_exhausted(c: Cluster) -> None:
+    """A peer may hold 1,024 outstanding BeginTransfer leases; the next is RESOURCE_EXHAUSTED, an
+    unknown token frees nothing, other peers still transfer, and ending one lease admits exactly
+    one more."""
     tokens: list[str] = []
     try:
         for _ in range(MAX_LEASES_PER_PEER):

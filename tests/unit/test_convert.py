@@ -74,6 +74,8 @@ def _invalid(call: Callable[[], object]) -> InvalidArgument:
 
 
 def test_geometry_from_proto_copies_every_field() -> None:
+    """A valid RegisterWorkerRequest converts to a WorkerGeometry carrying its worker key, layout,
+    block size, tp size, allocations (with device) and views unchanged."""
     g = convert.parse_and_validate(_request())
     assert g.worker == WorkerKey("e", 1, 1, 0)
     assert (g.kv_cache_layout, g.block_size_tokens, g.tp_size) == ("BLHNC", 64, 2)
@@ -82,12 +84,14 @@ def test_geometry_from_proto_copies_every_field() -> None:
 
 
 def test_tp_size_zero_means_one() -> None:
+    """An unset (zero) tp_size in a request is read as tp_size 1."""
     req = _request(tp_size=0)
     req.worker.tp_rank = 0
     assert convert.geometry_from_proto(req).tp_size == 1
 
 
 def test_missing_worker_is_named() -> None:
+    """A request without a worker id is INVALID_ARGUMENT on the "worker" field."""
     req = _request()
     req.ClearField("worker")
     assert _invalid(lambda: convert.geometry_from_proto(req)).field == "worker"
@@ -98,6 +102,8 @@ def test_missing_worker_is_named() -> None:
     [(0, "must be set (one of CACHE_KIND_MLA, "), (42, "unknown cache kind 42")],
 )
 def test_cache_kind_must_be_known(number: int, problem: str) -> None:
+    """A view with an unset or unknown cache kind is INVALID_ARGUMENT on that view's cache_kind,
+    saying which."""
     req = _request()
     req.views[1].cache_kind = number  # type: ignore[assignment]
     err = _invalid(lambda: convert.geometry_from_proto(req))
@@ -109,6 +115,8 @@ def test_cache_kind_must_be_known(number: int, problem: str) -> None:
     [("cuda_ipc", DeviceKind.CUDA), ("shm_path", DeviceKind.CPU), ("none", DeviceKind.CPU)],
 )
 def test_unspecified_device_type_follows_the_handle(handle: str, kind: DeviceKind) -> None:
+    """An allocation with no device type gets CUDA for a cuda_ipc handle and CPU for shared memory
+    or no handle."""
     allocation = types_pb2.Allocation(id="kv", size_bytes=800)
     getattr(allocation, handle).SetInParent()
     req = _request()
@@ -118,6 +126,8 @@ def test_unspecified_device_type_follows_the_handle(handle: str, kind: DeviceKin
 
 
 def test_device_type_contradicting_the_handle_or_unknown_is_rejected() -> None:
+    """A CPU device type on a cuda_ipc allocation, or an unknown device type number, is
+    INVALID_ARGUMENT on allocations[i].device.type."""
     req = _request()
     req.allocations[0].device.type = types_pb2.DEVICE_TYPE_CPU
     err = _invalid(lambda: convert.geometry_from_proto(req))
@@ -128,6 +138,8 @@ def test_device_type_contradicting_the_handle_or_unknown_is_rejected() -> None:
 
 
 def test_parse_and_validate_prefixes_field_paths() -> None:
+    """Validation errors from parse_and_validate carry the caller's field prefix in both the field
+    and the message."""
     req = _request()
     req.views[0].num_blocks = 0
     err = _invalid(lambda: convert.parse_and_validate(req, field_prefix="spec."))
@@ -136,6 +148,7 @@ def test_parse_and_validate_prefixes_field_paths() -> None:
 
 
 def test_geometry_from_json_accepts_proto3_json() -> None:
+    """The proto3 JSON form of a request converts to the same geometry as the message itself."""
     text = json_format.MessageToJson(_request())
     assert convert.geometry_from_json(text) == convert.geometry_from_proto(_request())
 
@@ -150,6 +163,8 @@ def test_geometry_from_json_accepts_proto3_json() -> None:
     ],
 )
 def test_json_errors_carry_the_parsers_message(text: str, fragment: str) -> None:
+    """Malformed JSON, unknown fields, unknown enum names and wrongly typed values are
+    INVALID_ARGUMENT quoting the parser's complaint."""
     err = _invalid(lambda: convert.geometry_from_json(text))
     assert "invalid RegisterWorkerRequest JSON" in err.problem and fragment in err.problem
 
@@ -164,6 +179,9 @@ def _model_proto() -> types_pb2.RegionMap:
 
 
 def test_model_from_plan_fills_the_map() -> None:
+    """model_from_plan records generation, planner, view and descriptor counts (coalesced and
+    baseline) and base addresses (0 when unknown), and the proto form keeps full_row and layer
+    names."""
     g = convert.geometry_from_json((EXAMPLES / "glm-tiny.json").read_text())
     plan = COALESCE.plan(g)
     model = convert.model_from_plan(g, plan, 7, {"kv-mla": 4096})
@@ -181,6 +199,8 @@ def test_model_from_plan_fills_the_map() -> None:
 def test_region_map_round_trip_is_exact(
     g: WorkerGeometry, generation: int, planner: Planner
 ) -> None:
+    """For random geometries and either planner, a region map survives conversion to proto,
+    serialisation and conversion back unchanged."""
     addresses = {a.id: 4096 * (i + 1) for i, a in enumerate(g.allocations)}
     model = convert.model_from_plan(g, planner.plan(g), generation, addresses)
     msg = convert.region_map_to_proto(model)
@@ -233,6 +253,9 @@ def _rename_into_region_0(m: types_pb2.RegionMap) -> None:
 def test_a_tampered_region_map_is_rejected(
     edit: Callable[[types_pb2.RegionMap], object], field: str
 ) -> None:
+    """A peer's region map with any one inconsistency (missing ids, bad counts, overruns, duplicate
+    names or ids, wrong descriptor count, bad device or address) is INVALID_ARGUMENT naming the
+    offending field."""
     assert _tampered(edit).field == field
 
 
@@ -262,6 +285,8 @@ _INT_FIELDS = [
 def test_a_corrupted_region_map_never_crashes(
     edits: list[tuple[tuple[str, str], int, int]],
 ) -> None:
+    """Random integer corruptions of a region map either raise INVALID_ARGUMENT or yield a map whose
+    regions and layers fit their allocations and blocks; nothing else escapes."""
     msg = _model_proto()
     for (container, name), index, value in edits:
         items = msg.regions[0].layers if container == "layers" else getattr(msg, container)

@@ -22,7 +22,7 @@ from kvmap.daemon.adapters.cuda_ipc import (
     import_allocation,
     parse_uuid,
 )
-from kvmap.daemon.adapters.nixl_agent import MemoryType
+from kvmap.daemon.adapters.nixl_port import MemoryType
 from kvmap.daemon.core.errors import (
     FailedPrecondition,
     InternalError,
@@ -116,6 +116,8 @@ def _import(
 
 
 def test_uuids_format_like_nvidia_smi_and_parse_back() -> None:
+    """A raw 16-byte UUID formats as nvidia-smi's "GPU-xxxxxxxx-..." text, and that text parses back
+    to the same bytes whatever its case, prefix (GPU-, MIG-, none) or dashes."""
     raw = bytes.fromhex("5e0e1f2a3b4c5d6e7f8091a2b3c4d5e6")
     text = format_uuid(raw)
     assert text == "GPU-5e0e1f2a-3b4c-5d6e-7f80-91a2b3c4d5e6"
@@ -125,6 +127,8 @@ def test_uuids_format_like_nvidia_smi_and_parse_back() -> None:
 
 @pytest.mark.parametrize("bad", ["GPU-1234", "GPU-zz0e1f2a-3b4c-5d6e-7f80-91a2b3c4d5e6", "0"])
 def test_malformed_uuid_names_the_field(bad: str) -> None:
+    """A UUID of the wrong length or with non-hex digits is rejected with INVALID_ARGUMENT naming
+    the given field."""
     with pytest.raises(InvalidArgument) as e:
         parse_uuid(bad, "allocations[2].device.uuid")
     assert e.value.field == "allocations[2].device.uuid"
@@ -132,6 +136,8 @@ def test_malformed_uuid_names_the_field(bad: str) -> None:
 
 
 def test_missing_uuid_says_why_it_is_needed(importer: CudaIpcImporter) -> None:
+    """An import with a blank device UUID is rejected on device.uuid, explaining that ordinals
+    differ between containers."""
     with pytest.raises(InvalidArgument) as e:
         _import(importer, uuid=" ")
     assert e.value.field == "allocations[0].device.uuid"
@@ -143,6 +149,8 @@ def test_missing_uuid_says_why_it_is_needed(importer: CudaIpcImporter) -> None:
 
 @pytest.mark.parametrize("n", [0, 1, 63, 65, 128])
 def test_handle_must_be_64_bytes(n: int) -> None:
+    """A CUDA IPC handle of any length other than 64 bytes is rejected with a message giving the
+    field, the expected size and the actual length."""
     with pytest.raises(InvalidArgument) as e:
         check_handle(b"\x01" * n, "allocations[0].cuda_ipc.handle")
     assert str(e.value) == (
@@ -151,6 +159,8 @@ def test_handle_must_be_64_bytes(n: int) -> None:
 
 
 def test_torch_versioned_and_expandable_handles_get_a_hint() -> None:
+    """A torch-versioned handle (2-byte prefix) and an expandable-segments handle are rejected with
+    a hint about the cause."""
     with pytest.raises(InvalidArgument, match="2-byte prefix"):
         check_handle(b"\x02c" + H1, "h")
     with pytest.raises(InvalidArgument, match="expandable_segments:True"):
@@ -158,6 +168,7 @@ def test_torch_versioned_and_expandable_handles_get_a_hint() -> None:
 
 
 def test_all_zero_handle_is_rejected() -> None:
+    """A 64-byte handle of all zeros is rejected as INVALID_ARGUMENT."""
     with pytest.raises(InvalidArgument, match="all zeros"):
         check_handle(bytes(64), "h")
 
@@ -177,6 +188,8 @@ def test_all_zero_handle_is_rejected() -> None:
 def test_bad_spans_are_rejected_before_the_driver_is_loaded(
     offset: int, size: int, block: int, where: str, text: str
 ) -> None:
+    """Zero sizes, a negative offset or a span past the block's end are rejected on the right field
+    before the CUDA driver is ever loaded, leaving no handle open."""
     loads: list[int] = []
 
     def load() -> FakeDriver:
@@ -191,6 +204,8 @@ def test_bad_spans_are_rejected_before_the_driver_is_loaded(
 
 
 def test_address_is_block_base_plus_offset(importer: CudaIpcImporter, driver: FakeDriver) -> None:
+    """An imported mapping's address is the opened block's base plus the offset, with the requested
+    size and VRAM memory type."""
     m = _import(importer, offset=8192, size=4096)
     (base,) = driver.open
     assert m.block_address == base and m.address == base + 8192 and m.size == 4096
@@ -199,6 +214,8 @@ def test_address_is_block_base_plus_offset(importer: CudaIpcImporter, driver: Fa
 
 
 def test_allocation_ending_exactly_at_block_end_is_accepted(importer: CudaIpcImporter) -> None:
+    """An allocation whose end coincides with the block's end is accepted (the bound is
+    inclusive)."""
     with _import(importer, offset=BLOCK - 4096, size=4096) as m:
         assert not m.closed
 
@@ -206,6 +223,8 @@ def test_allocation_ending_exactly_at_block_end_is_accepted(importer: CudaIpcImp
 def test_block_size_larger_than_the_real_mapping_is_rejected_and_closed(
     importer: CudaIpcImporter, driver: FakeDriver
 ) -> None:
+    """A declared block size larger than the driver's real mapping is rejected on block_size_bytes,
+    citing the real size, and the handle is closed again."""
     driver.sizes[H1] = BLOCK // 2
     with pytest.raises(InvalidArgument) as e:
         _import(importer, size=4096, block=BLOCK)
@@ -220,6 +239,8 @@ def test_block_size_larger_than_the_real_mapping_is_rejected_and_closed(
 def test_device_is_chosen_by_uuid_not_by_ordinal(
     importer: CudaIpcImporter, driver: FakeDriver
 ) -> None:
+    """The device is the one whose UUID matches (ordinal 2 here), and its context is retained before
+    the handle is opened on it."""
     m = _import(importer, uuid=format_uuid(UUIDS[2]))
     assert m.dev_id == 2 and m.device_uuid == format_uuid(UUIDS[2])
     assert driver.calls == ["retain 2", "open 2"]
@@ -229,6 +250,8 @@ def test_device_is_chosen_by_uuid_not_by_ordinal(
 def test_unknown_uuid_lists_what_the_daemon_sees(
     importer: CudaIpcImporter, driver: FakeDriver
 ) -> None:
+    """A UUID no visible device has is rejected with a message listing the UUIDs the daemon does
+    see, and nothing is opened."""
     other = "GPU-" + "ee" * 4 + "-eeee-eeee-eeee-" + "ee" * 6
     with pytest.raises(InvalidArgument) as e:
         _import(importer, uuid=other)
@@ -245,6 +268,8 @@ def test_unknown_uuid_lists_what_the_daemon_sees(
 def test_two_allocations_of_one_block_share_one_open(
     importer: CudaIpcImporter, driver: FakeDriver
 ) -> None:
+    """Two allocations in one block share a single driver open; the block closes only when the last
+    mapping closes, and a repeated close does not drop another mapping's reference."""
     a = _import(importer, offset=0, size=4096)
     b = _import(importer, offset=65536, size=8192)
     assert driver.calls.count("open 1") == 1 and len(driver.open) == 1
@@ -261,6 +286,8 @@ def test_two_allocations_of_one_block_share_one_open(
 
 
 def test_a_closed_block_opens_again(importer: CudaIpcImporter, driver: FakeDriver) -> None:
+    """After a block's last mapping closes, importing the same handle opens it afresh (the context
+    is retained only once)."""
     _import(importer).close()
     with _import(importer) as m:
         assert not m.closed and importer.live_handles() == 1
@@ -268,6 +295,8 @@ def test_a_closed_block_opens_again(importer: CudaIpcImporter, driver: FakeDrive
 
 
 def test_distinct_handles_are_distinct_blocks(importer: CudaIpcImporter) -> None:
+    """Two different handles are opened as two blocks at different addresses, and both close when
+    their mappings do."""
     with _import(importer, handle=H1) as a, _import(importer, handle=H2) as b:
         assert importer.live_handles() == 2 and a.block_address != b.block_address
     assert importer.live_handles() == 0
@@ -276,6 +305,8 @@ def test_distinct_handles_are_distinct_blocks(importer: CudaIpcImporter) -> None
 def test_same_handle_on_another_device_is_rejected(
     importer: CudaIpcImporter, driver: FakeDriver
 ) -> None:
+    """Importing a handle already open on one device for another device is rejected on device.uuid
+    ("already open on") without adding a mapping."""
     with _import(importer, uuid=format_uuid(UUIDS[1])):
         with pytest.raises(InvalidArgument) as e:
             _import(importer, uuid=format_uuid(UUIDS[0]))
@@ -288,6 +319,8 @@ def test_same_handle_on_another_device_is_rejected(
 def test_concurrent_imports_of_one_handle_open_it_once(
     importer: CudaIpcImporter, driver: FakeDriver
 ) -> None:
+    """Eight threads importing the same handle at once cause a single driver open and eight
+    mappings, all released on close."""
     start = threading.Barrier(8)
 
     def one(i: int) -> cuda_ipc.CudaMapping:
@@ -317,6 +350,9 @@ def test_concurrent_imports_of_one_handle_open_it_once(
 def test_open_failures_map_to_statuses_and_leave_nothing_open(
     importer: CudaIpcImporter, driver: FakeDriver, name: str, kind: type[Exception]
 ) -> None:
+    """cuIpcOpenMemHandle errors map to INVALID_ARGUMENT (with a shareProcessNamespace hint),
+    RESOURCE_EXHAUSTED or FAILED_PRECONDITION, name the handle field and the CUDA error, and
+    leave nothing open."""
     driver.fail_open = name
     with pytest.raises(kind) as e:
         _import(importer)
@@ -327,6 +363,8 @@ def test_open_failures_map_to_statuses_and_leave_nothing_open(
 
 
 def test_no_driver_is_failed_precondition_and_is_retried() -> None:
+    """A missing CUDA driver is FAILED_PRECONDITION with the loader's reason, and is not cached: the
+    next import loads the driver again and succeeds."""
     attempts: list[int] = []
     fake = FakeDriver()
 
@@ -348,6 +386,9 @@ def test_no_driver_is_failed_precondition_and_is_retried() -> None:
 
 
 def test_bad_input_is_invalid_argument_even_without_a_driver() -> None:
+    """A malformed handle is INVALID_ARGUMENT even when no CUDA driver can be loaded (input is
+    checked first)."""
+
     def load() -> FakeDriver:
         raise CudaUnavailable("absent")
 
@@ -356,6 +397,9 @@ def test_bad_input_is_invalid_argument_even_without_a_driver() -> None:
 
 
 def test_failed_size_query_closes_the_handle(importer: CudaIpcImporter, driver: FakeDriver) -> None:
+    """When the mapped-size query fails after the open, the import raises INTERNAL and the opened
+    handle is closed."""
+
     def broken(ordinal: int, address: int) -> int:
         raise CudaCallError("cuMemGetAddressRange", 1, "CUDA_ERROR_INVALID_VALUE", "x")
 
@@ -366,6 +410,8 @@ def test_failed_size_query_closes_the_handle(importer: CudaIpcImporter, driver: 
 
 
 def test_close_errors_are_swallowed(importer: CudaIpcImporter, driver: FakeDriver) -> None:
+    """A driver error while closing a mapping's handle is not raised, and the handle is still
+    counted as released."""
     m = _import(importer)
 
     def broken(ordinal: int, address: int) -> None:
@@ -382,6 +428,8 @@ def test_close_errors_are_swallowed(importer: CudaIpcImporter, driver: FakeDrive
 def test_shutdown_closes_everything_and_releases_contexts(
     importer: CudaIpcImporter, driver: FakeDriver
 ) -> None:
+    """Shutdown closes every open handle on every device and releases the retained contexts; later
+    closes of its mappings are harmless no-ops."""
     a = _import(importer, uuid=format_uuid(UUIDS[0]))
     b = _import(importer, handle=H2, uuid=format_uuid(UUIDS[2]))
     importer.shutdown()
@@ -394,6 +442,8 @@ def test_shutdown_closes_everything_and_releases_contexts(
 def test_import_allocation_reads_the_proto_fields(
     importer: CudaIpcImporter, driver: FakeDriver
 ) -> None:
+    """import_allocation takes handle, offset, block size and UUID from an Allocation message,
+    ignoring the worker's device ordinal, and reports errors under the given field prefix."""
     alloc = types_pb2.Allocation(
         id="kv0",
         size_bytes=4096,
@@ -411,20 +461,17 @@ def test_import_allocation_reads_the_proto_fields(
     assert e.value.field == "allocations[3].cuda_ipc.block_size_bytes"
 
 
-def test_module_counters_are_zero_before_any_import() -> None:
-    if cuda_ipc._default is None:
-        assert cuda_ipc.live_handles() == 0 and cuda_ipc.live_mappings() == 0
-    assert cuda_ipc.default_importer() is cuda_ipc.default_importer()
-
-
 # The ctypes layer, where this machine has no driver ----------------------------------
 
 
 def test_missing_libcuda_is_cuda_unavailable() -> None:
+    """Loading a libcuda path that does not exist raises CudaUnavailable naming the path."""
     with pytest.raises(CudaUnavailable, match=r"cannot load /nonexistent/libcuda\.so\.1"):
         LibCuda("/nonexistent/libcuda.so.1")
 
 
 def test_library_without_driver_symbols_is_cuda_unavailable() -> None:
+    """Loading a library that lacks the driver's symbols (libc) raises CudaUnavailable naming the
+    missing symbol."""
     with pytest.raises(CudaUnavailable, match="has no cuGetErrorName"):
         LibCuda("libc.so.6")

@@ -8,6 +8,7 @@ import os
 import socket
 import stat
 import tempfile
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -68,6 +69,9 @@ async def _send(path: Path, fds: list[int], timeout: float = 5.0) -> str:
 
 
 def test_token_flow(sock_dir: Path) -> None:
+    """Sent memfds come back under a token as the same files (new fds the
+    caller owns), with the sender's credentials; discard closes them and the
+    token is then unknown; close() removes the socket and leaks no fd."""
     path = sock_dir / "kvmapd.sock.fds"
     worker_fds = _memfds(3)
     baseline = _open_fds()
@@ -104,6 +108,8 @@ def test_token_flow(sock_dir: Path) -> None:
 
 
 def test_unknown_token_and_bad_index(sock_dir: Path) -> None:
+    """An unknown token is NotFound; an index outside the batch is an
+    InvalidArgument naming the field and the batch size."""
     path = sock_dir / "s.fds"
     fds = _memfds(2)
 
@@ -122,7 +128,39 @@ def test_unknown_token_and_bad_index(sock_dir: Path) -> None:
         _close(fds)
 
 
-def test_tokens_expire_and_their_fds_are_closed(sock_dir: Path) -> None:
+def test_tokens_expire_at_their_ttl_and_their_fds_are_closed(sock_dir: Path) -> None:
+    """With an explicit clock: a batch is kept before its token's ttl ends and
+    expired (fds closed, token unknown) once it has, exactly once."""
+    path = sock_dir / "s.fds"
+    fds = _memfds(2)
+    ttl = 60.0  # far beyond the test: only the explicit clock below expires it
+
+    async def body(server: FdHandoffServer) -> None:
+        await asyncio.to_thread(lambda: None)  # start the thread pool before the baseline
+        baseline = _open_fds()
+        sent_after = time.monotonic()
+        token = await _send(path, fds)
+        received_by = time.monotonic()
+        assert _open_fds() - baseline  # the daemon holds copies
+        assert server.expire(now=sent_after + ttl - 1.0) == 0
+        assert server.pending_tokens == 1
+        os.close(server.claim(token, 0))  # still claimable
+        assert server.expire(now=received_by + ttl) == 1
+        assert server.pending_tokens == 0
+        assert _open_fds() == baseline
+        with pytest.raises(NotFound):
+            server.claim(token, 0)
+        assert server.expire(now=received_by + 2 * ttl) == 0  # expired once
+
+    try:
+        _serve(path, body, token_ttl_s=ttl)
+    finally:
+        _close(fds)
+
+
+def test_the_reaper_expires_tokens_by_itself(sock_dir: Path) -> None:
+    """Nobody calls expire(): the server's own reaper closes an expired batch
+    (the test waits for that event; its timeout is the hang guard)."""
     path = sock_dir / "s.fds"
     fds = _memfds(2)
 
@@ -130,9 +168,9 @@ def test_tokens_expire_and_their_fds_are_closed(sock_dir: Path) -> None:
         await asyncio.to_thread(lambda: None)  # start the thread pool before the baseline
         baseline = _open_fds()
         token = await _send(path, fds)
-        assert _open_fds() - baseline  # the daemon holds copies
-        await asyncio.sleep(0.6)  # the reaper runs every ttl/4
-        assert server.pending_tokens == 0
+        assert server.pending_tokens == 1
+        while server.pending_tokens:  # pending_tokens itself expires nothing
+            await asyncio.sleep(0.01)
         assert _open_fds() == baseline
         with pytest.raises(NotFound):
             server.claim(token, 0)
@@ -144,6 +182,8 @@ def test_tokens_expire_and_their_fds_are_closed(sock_dir: Path) -> None:
 
 
 def test_too_many_fds_in_one_batch(sock_dir: Path) -> None:
+    """A batch above the limit is refused (nothing kept, nothing leaked); one
+    at the limit is accepted."""
     path = sock_dir / "s.fds"
     fds = _memfds(5)
     baseline = _open_fds()
@@ -162,6 +202,8 @@ def test_too_many_fds_in_one_batch(sock_dir: Path) -> None:
 
 
 def test_too_many_pending_tokens(sock_dir: Path) -> None:
+    """Beyond the pending-batch limit the client gets ResourceExhausted; once a
+    batch is discarded, a new one is accepted."""
     path = sock_dir / "s.fds"
     fds = _memfds(1)
 
@@ -180,6 +222,8 @@ def test_too_many_pending_tokens(sock_dir: Path) -> None:
 
 
 def test_client_errors_without_a_daemon(sock_dir: Path) -> None:
+    """Without a daemon the client says kvmapd is not running; an empty fd
+    list is an InvalidArgument; the socket path derives from the gRPC one."""
     fds = _memfds(1)
     try:
         with pytest.raises(client_errors.Unavailable, match="kvmapd is not running"):
@@ -192,6 +236,8 @@ def test_client_errors_without_a_daemon(sock_dir: Path) -> None:
 
 
 def test_client_bad_fd(sock_dir: Path) -> None:
+    """Sending a closed fd number is the client's InvalidArgument, and the
+    server keeps nothing."""
     path = sock_dir / "s.fds"
     fd = 1_000_000  # above any open fd: EBADF
 
@@ -204,6 +250,8 @@ def test_client_bad_fd(sock_dir: Path) -> None:
 
 
 def test_garbage_message_is_rejected(sock_dir: Path) -> None:
+    """A message that is not the hand-off protocol gets an INVALID_ARGUMENT
+    reply and no batch is kept."""
     path = sock_dir / "s.fds"
 
     async def body(server: FdHandoffServer) -> None:
@@ -222,6 +270,8 @@ def test_garbage_message_is_rejected(sock_dir: Path) -> None:
 
 
 def test_stale_socket_is_replaced_and_live_one_is_not(sock_dir: Path) -> None:
+    """A dead daemon's socket file is replaced; a live server's is not taken
+    over (Unavailable) and keeps working; a non-socket file is refused."""
     path = sock_dir / "s.fds"
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     stale.bind(str(path))

@@ -29,6 +29,8 @@ UUID = "GPU-5e0e1f2a-3b4c-5d6e-7f80-91a2b3c4d5e6"
 
 
 def test_pattern_rows_is_demo_workers_pattern() -> None:
+    """The GPU worker's vectorised pattern_rows produces, row for row, the same bytes as
+    demo_worker's per-block pattern for each group and seed."""
     blocks = torch.tensor([0, 5, 11, 4096])
     for group, seed in ((0, 0), (1, 3)):
         rows = pattern_rows(group, blocks, 777, seed)
@@ -44,6 +46,8 @@ def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.usefixtures("small_chunks")
 def test_fill_in_chunks_writes_every_block() -> None:
+    """fill_rows, working in chunks smaller than the tensor, writes every block's pattern, including
+    across chunk boundaries."""
     rows = torch.zeros(10, 100, dtype=torch.uint8)
     fill_rows(rows, 1, seed=2)
     for b in range(10):
@@ -52,6 +56,8 @@ def test_fill_in_chunks_writes_every_block() -> None:
 
 @pytest.mark.usefixtures("small_chunks")
 def test_count_bad_counts_blocks_that_differ_in_the_chosen_slices() -> None:
+    """count_bad counts the local blocks that differ from their remote pattern only within the given
+    byte slices, across chunks, and rejects mismatched block lists."""
     remote = torch.zeros(10, 100, dtype=torch.uint8)
     fill_rows(remote, 0, seed=0)
     local = torch.zeros_like(remote)
@@ -96,6 +102,9 @@ def _fake_export(shared_block: bool) -> Any:
 def test_gpu_worker_registration_is_valid_and_coalesces(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, shared_block: bool
 ) -> None:
+    """The GPU worker registers cuda_ipc allocations on its device UUID, with no fds, that pass the
+    daemon's validation and coalesce to one region per group, whether the groups share an
+    allocator block or not."""
     monkeypatch.setattr(gpu_demo_worker, "export_cuda_tensors", _fake_export(shared_block))
     worker = types_pb2.WorkerId(engine_id="gpu")
     w = GpuDemoWorker(str(tmp_path / "none.sock"), worker, GEO, "cpu")  # no call is made
@@ -117,6 +126,8 @@ def test_gpu_worker_registration_is_valid_and_coalesces(
 
 
 def test_scattered_ids_are_distinct_in_range_and_reproducible() -> None:
+    """scattered returns distinct block ids within range, the same ones for the same seed, and a
+    permutation when asked for all of them."""
     ids = scattered(random.Random(3), 50, 40)
     assert len(ids) == len(set(ids)) == 40 and all(0 <= b < 50 for b in ids)
     assert ids == scattered(random.Random(3), 50, 40)
@@ -124,6 +135,8 @@ def test_scattered_ids_are_distinct_in_range_and_reproducible() -> None:
 
 
 def test_report_lines_and_phase_verdict() -> None:
+    """Pull lines show throughput and a yes/NO verdict or the error; a phase is OK only if every
+    pull verified, all were finished and released; the summary table has one row per phase."""
     good = Pull("req-0", 4, descriptors=400, post_s=0.002, done_s=0.008, nbytes=10**8, bad_blocks=0)
     bad = Pull("req-1", 4, descriptors=8, post_s=0.001, done_s=0.001, nbytes=10**6, bad_blocks=2)
     assert good.ok and good.gbps == pytest.approx(10.0)

@@ -21,11 +21,15 @@ pytestmark = pytest.mark.timeout(30)
 SIZE = 3 * 4096
 
 
+# The daemon's importer: it counts the mappings it made that are open.
+SHM = memory.ShmImporter()
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_mappings() -> Iterator[None]:
-    before = memory.live_mappings()
+    assert SHM.live_mappings() == 0
     yield
-    assert memory.live_mappings() == before
+    assert SHM.live_mappings() == 0
 
 
 def _memfd(size: int = SIZE) -> int:
@@ -51,9 +55,11 @@ def _write(address: int, data: bytes) -> None:
 
 
 def test_fd_mapping_is_shared_both_ways_and_close_unmaps() -> None:
+    """A memfd imported by fd is mapped shared: writes through the mapping reach the fd and vice
+    versa; close unmaps it, closes the fd, and a second close is harmless."""
     fd = _memfd()
-    m = memory.import_shm_fd(fd, 0, SIZE)
-    assert memory.live_mappings() >= 1
+    m = SHM.import_fd(fd, 0, SIZE)
+    assert SHM.live_mappings() == 1
     assert m.size == SIZE and memory.is_mapped(m.address)
     _write(m.address + 5000, b"from the daemon")
     assert os.pread(fd, 15, 5000) == b"from the daemon"
@@ -68,8 +74,10 @@ def test_fd_mapping_is_shared_both_ways_and_close_unmaps() -> None:
 
 
 def test_unaligned_offset_points_address_at_the_allocation() -> None:
+    """With an offset that is not page-aligned, the mapping starts at the page boundary below and
+    the returned address points exactly at the allocation's first byte."""
     fd = _memfd()
-    with memory.import_shm_fd(fd, 4096 + 100, 2000) as m:
+    with SHM.import_fd(fd, 4096 + 100, 2000) as m:
         os.pwrite(fd, b"byte zero", 4096 + 100)
         assert _read(m.address, 9) == b"byte zero"
         assert m.address - m.map_address == 100
@@ -77,9 +85,11 @@ def test_unaligned_offset_points_address_at_the_allocation() -> None:
 
 
 def test_object_smaller_than_offset_plus_size_is_rejected_and_fd_closed() -> None:
+    """An object smaller than offset + size is INVALID_ARGUMENT on the given field with the sizes
+    spelled out, and the passed fd is closed even though the import failed."""
     fd = _memfd(8192)
     with pytest.raises(InvalidArgument) as err:
-        memory.import_shm_fd(fd, 4096, 8192, field="allocations[0].shm_fd")
+        SHM.import_fd(fd, 4096, 8192, field="allocations[0].shm_fd")
     assert err.value.field == "allocations[0].shm_fd"
     assert str(err.value) == (
         "allocations[0].shm_fd: shared-memory object is 8192 bytes, smaller than"
@@ -89,28 +99,32 @@ def test_object_smaller_than_offset_plus_size_is_rejected_and_fd_closed() -> Non
 
 
 def test_bad_fd() -> None:
+    """A closed fd is INVALID_ARGUMENT on the given field ("not an open file")."""
     fd = _memfd()
     os.close(fd)
     with pytest.raises(InvalidArgument, match=r"^allocations\[2\]\.shm_fd: not an open file"):
-        memory.import_shm_fd(fd, 0, SIZE, field="allocations[2].shm_fd")
+        SHM.import_fd(fd, 0, SIZE, field="allocations[2].shm_fd")
 
 
 def test_pipe_is_not_shared_memory() -> None:
+    """A pipe fd is rejected as not a shared-memory object, and the fd is consumed."""
     r, w = os.pipe()
     try:
         with pytest.raises(InvalidArgument, match="not a shared-memory object"):
-            memory.import_shm_fd(r, 0, 10, field="f")
+            SHM.import_fd(r, 0, 10, field="f")
     finally:
         os.close(w)
     assert not _fd_open(r)
 
 
 def test_read_only_fd_cannot_be_mapped_read_write(tmp_path: Path) -> None:
+    """A file descriptor opened read-only is INVALID_ARGUMENT ("cannot map read/write") on the given
+    field."""
     path = tmp_path / "ro"
     path.write_bytes(b"\0" * SIZE)
     fd = os.open(path, os.O_RDONLY)
     with pytest.raises(InvalidArgument, match="f: cannot map read/write"):
-        memory.import_shm_fd(fd, 0, SIZE, field="f")
+        SHM.import_fd(fd, 0, SIZE, field="f")
 
 
 @pytest.mark.parametrize(
@@ -118,16 +132,19 @@ def test_read_only_fd_cannot_be_mapped_read_write(tmp_path: Path) -> None:
     [(-1, 10, "offset -1 is negative"), (0, 0, "size 0 must be positive")],
 )
 def test_range_checks(offset: int, size: int, problem: str) -> None:
+    """A negative offset or a zero size is INVALID_ARGUMENT with a problem saying which."""
     fd = _memfd()
     with pytest.raises(InvalidArgument) as err:
-        memory.import_shm_fd(fd, offset, size, field="x")
+        SHM.import_fd(fd, offset, size, field="x")
     assert err.value.problem == problem
 
 
 def test_path_import(tmp_path: Path) -> None:
+    """An allocation imported by absolute path is mapped shared: bytes written at the mapped address
+    land in the file at the offset, and the mapping is gone after the with block."""
     path = tmp_path / "kv"
     path.write_bytes(b"\0" * SIZE)
-    with memory.import_shm_path(str(path), 4096, 4096) as m:
+    with SHM.import_path(str(path), 4096, 4096) as m:
         _write(m.address, b"hello")
         address = m.address
     assert not memory.is_mapped(address)
@@ -135,20 +152,22 @@ def test_path_import(tmp_path: Path) -> None:
 
 
 def test_path_errors(tmp_path: Path) -> None:
+    """A relative path, a missing file, a symlink and a file smaller than offset + size are each
+    INVALID_ARGUMENT on the shm_path field."""
     field = "allocations[0].shm_path"
     with pytest.raises(InvalidArgument, match=r"shm_path: path 'kv' is not absolute"):
-        memory.import_shm_path("kv", 0, 1, field=field)
+        SHM.import_path("kv", 0, 1, field=field)
     with pytest.raises(InvalidArgument, match=r"cannot open .*No such file"):
-        memory.import_shm_path(str(tmp_path / "missing"), 0, 1, field=field)
+        SHM.import_path(str(tmp_path / "missing"), 0, 1, field=field)
     target = tmp_path / "target"
     target.write_bytes(b"\0" * SIZE)
     (tmp_path / "link").symlink_to(target)
     with pytest.raises(InvalidArgument, match="cannot open"):
-        memory.import_shm_path(str(tmp_path / "link"), 0, 1, field=field)
+        SHM.import_path(str(tmp_path / "link"), 0, 1, field=field)
     with pytest.raises(
         InvalidArgument, match=re.escape(f"{field}: shared-memory object is {SIZE} bytes")
     ):
-        memory.import_shm_path(str(target), 0, SIZE + 1, field=field)
+        SHM.import_path(str(target), 0, SIZE + 1, field=field)
 
 
 def test_torch_shared_tensor_round_trip() -> None:
@@ -158,7 +177,7 @@ def test_torch_shared_tensor_round_trip() -> None:
     fd, size, offset = export_tensor(layer)
     assert kv.is_shared() and size == 4096 and offset == 2048
     # The fd belongs to the storage; the daemon gets its own copy (as SCM_RIGHTS would).
-    with memory.import_shm_fd(os.dup(fd), offset, 1024) as m:
+    with SHM.import_fd(os.dup(fd), offset, 1024) as m:
         _write(m.address, b"\x07" * 1024)
         assert int(layer.sum()) == 7 * 1024
         assert int(kv[1].sum()) == 0
@@ -168,6 +187,8 @@ def test_torch_shared_tensor_round_trip() -> None:
 
 
 def test_export_groups_views_by_storage() -> None:
+    """export_tensors returns one entry per distinct storage, and each view's storage index and byte
+    offset within its storage."""
     a = torch.zeros(8, 256, dtype=torch.float16)
     b = torch.zeros(100, dtype=torch.int32)
     storages, views = export_tensors([a[1], b, a[5, 8:], a])
@@ -179,5 +200,6 @@ def test_export_groups_views_by_storage() -> None:
 
 
 def test_export_rejects_empty_storage() -> None:
+    """Exporting a tensor with an empty storage raises ValueError."""
     with pytest.raises(ValueError, match="storage is empty"):
         export_tensors([torch.zeros(0)])

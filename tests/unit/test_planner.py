@@ -50,6 +50,8 @@ def _region_of(plan: Plan) -> dict[str, tuple[Region, int]]:
 @settings(max_examples=150, deadline=None)
 @given(geometries())
 def test_every_view_block_is_covered_exactly_once_by_the_same_bytes(g: WorkerGeometry) -> None:
+    """In both plans every layer sits in exactly one region of its own allocation and group, and
+    each of its blocks is, byte for byte, the same span of memory as the view's block."""
     validate_geometry(g)  # the strategy only draws valid geometries
     for plan in (BASELINE.plan(g), COALESCE.plan(g)):
         where = _region_of(plan)
@@ -74,6 +76,8 @@ def test_every_view_block_is_covered_exactly_once_by_the_same_bytes(g: WorkerGeo
 @settings(max_examples=150, deadline=None)
 @given(geometries())
 def test_regions_hold_only_view_bytes_and_stay_inside_their_allocation(g: WorkerGeometry) -> None:
+    """A region's layers tile its block with no gap or overlap (aliases at one offset), the block
+    fits its stride, and the last block ends inside the allocation."""
     for plan in (BASELINE.plan(g), COALESCE.plan(g)):
         for r in plan.regions:
             # The layers tile the region's block: no gap, no overlap (aliases
@@ -91,14 +95,12 @@ def test_regions_hold_only_view_bytes_and_stay_inside_their_allocation(g: Worker
 @settings(max_examples=150, deadline=None)
 @given(geometries())
 def test_ids_order_and_counts(g: WorkerGeometry) -> None:
+    """Region ids number the regions in (group, allocation, offset) order; the
+    baseline plan is one region per distinct view footprint (aliases share
+    one), as computed here from the geometry, and its descriptor count, one per
+    block of each such region, is what both plans report as the baseline;
+    coalescing never needs more regions or descriptors."""
     baseline, coalesced = BASELINE.plan(g), COALESCE.plan(g)
-    for plan in (baseline, coalesced):
-        assert [r.id for r in plan.regions] == list(range(len(plan.regions)))
-        keys = [(r.transfer_group, r.allocation_id, r.offset_bytes) for r in plan.regions]
-        assert keys == sorted(keys)
-        assert plan.baseline_descriptor_count == baseline.descriptor_count
-    assert len(coalesced.regions) <= len(baseline.regions)
-    assert coalesced.descriptor_count <= baseline.descriptor_count
     footprints = {
         (
             v.transfer_group,
@@ -110,12 +112,34 @@ def test_ids_order_and_counts(g: WorkerGeometry) -> None:
         )
         for v in g.views
     }
+    expected_descriptors = sum(num_blocks for *_, num_blocks in footprints)
+    for plan in (baseline, coalesced):
+        assert [r.id for r in plan.regions] == list(range(len(plan.regions)))
+        keys = [(r.transfer_group, r.allocation_id, r.offset_bytes) for r in plan.regions]
+        assert keys == sorted(keys)
+        assert plan.baseline_descriptor_count == expected_descriptors
+    assert {
+        (
+            r.transfer_group,
+            r.allocation_id,
+            r.offset_bytes,
+            r.block_len_bytes,
+            r.block_stride_bytes,
+            r.num_blocks,
+        )
+        for r in baseline.regions
+    } == footprints
     assert len(baseline.regions) == len(footprints)
+    assert baseline.descriptor_count == expected_descriptors
+    assert len(coalesced.regions) <= len(baseline.regions)
+    assert coalesced.descriptor_count <= expected_descriptors
 
 
 @settings(max_examples=150, deadline=None)
 @given(geometries())
 def test_coalesced_runs_are_eligible_and_maximal(g: WorkerGeometry) -> None:
+    """Coalesced regions hold only replicated kinds (MLA, INDEXER) or are single-offset fallbacks
+    with a reason, and no two eligible regions could still be merged."""
     regions = COALESCE.plan(g).regions
     for r in regions:
         kinds = {p.cache_kind for p in r.layers}
@@ -144,6 +168,7 @@ def test_coalesced_runs_are_eligible_and_maximal(g: WorkerGeometry) -> None:
 @settings(max_examples=100, deadline=None)
 @given(geometries())
 def test_plans_do_not_depend_on_registration_order(g: WorkerGeometry) -> None:
+    """Both planners produce the same regions whatever order the views were registered in."""
     reversed_g = WorkerGeometry(
         g.worker, g.kv_cache_layout, g.block_size_tokens, g.allocations, g.views[::-1]
     )
@@ -162,6 +187,8 @@ def test_plans_do_not_depend_on_registration_order(g: WorkerGeometry) -> None:
 
 
 def test_blhnc_mla_row_coalesces_to_one_full_row_region() -> None:
+    """Four adjacent MLA layers filling a block-outermost row become one full-row region with the
+    layers at their offsets: 8 descriptors instead of 32."""
     g = geometry(*(view(f"l{i}", i * 100, 100, 400, 8) for i in range(4)))
     plan = _coalesce(g)
     (region,) = plan.regions
@@ -176,6 +203,7 @@ def test_blhnc_mla_row_coalesces_to_one_full_row_region() -> None:
 
 
 def test_a_gap_splits_a_run() -> None:
+    """A gap between layers splits a run into two regions, both eligible."""
     g = geometry(view("l0", 0, 100, 500), view("l1", 100, 100, 500), view("l2", 300, 100, 500))
     regions = _coalesce(g).regions
     assert [r.layer_names for r in regions] == [("l0", "l1"), ("l2",)]
@@ -191,18 +219,22 @@ def test_a_gap_splits_a_run() -> None:
     ids=["stride", "block-count"],
 )
 def test_stride_or_block_count_mismatch_does_not_merge(first: ViewSpec, second: ViewSpec) -> None:
+    """Adjacent views with a different stride or block count stay separate regions."""
     regions = _coalesce(geometry(first, second)).regions
     assert [r.layer_names for r in regions] == [("l0",), ("l1",)]
     assert [r.fallback_reason for r in regions] == ["", ""]
 
 
 def test_different_transfer_groups_never_merge() -> None:
+    """Adjacent views of different transfer groups stay separate regions."""
     g = geometry(view("l0", 0, 100, 200, group=0), view("l1", 100, 100, 200, group=1))
     regions = _coalesce(g).regions
     assert [(r.transfer_group, r.layer_names) for r in regions] == [(0, ("l0",)), (1, ("l1",))]
 
 
 def test_layer_outermost_mha_keeps_one_region_per_layer_with_a_reason() -> None:
+    """MHA (split by heads across TP ranks) and MAMBA views keep one region each, with the reason
+    they were not coalesced."""
     views = [
         view(f"l{i}.{kv}", (2 * i + j) * 400, 100, 100, 4, kind=CacheKind.MHA)
         for i in range(3)
@@ -218,6 +250,8 @@ def test_layer_outermost_mha_keeps_one_region_per_layer_with_a_reason() -> None:
 
 
 def test_aliased_views_share_a_region_at_the_same_offset() -> None:
+    """Two views of the same bytes land in the same region at the same offset,
+    under both planners."""
     g = geometry(view("l0", 0, 100, 300), view("l1", 100, 100, 300), view("l1b", 100, 100, 300))
     for planner, expected in ((BASELINE, 2), (COALESCE, 1)):
         validate_geometry(g)
@@ -230,6 +264,8 @@ def test_aliased_views_share_a_region_at_the_same_offset() -> None:
 
 
 def test_mla_and_indexer_adjacent_share_a_region() -> None:
+    """Adjacent MLA and INDEXER pages of one row coalesce into one region, each keeping its cache
+    kind."""
     g = geometry(view("mla", 0, 100, 150), view("idx", 100, 50, 150, kind=CacheKind.INDEXER))
     (region,) = _coalesce(g).regions
     assert [(p.layer_name, p.cache_kind) for p in region.layers] == [
@@ -239,6 +275,7 @@ def test_mla_and_indexer_adjacent_share_a_region() -> None:
 
 
 def test_region_ids_follow_group_allocation_offset() -> None:
+    """Region ids follow (transfer group, allocation, offset) order, not registration order."""
     g = geometry(
         view("b", 0, 10, 10, allocation="b"),
         view("a1", 50, 10, 10, allocation="a"),
@@ -255,6 +292,8 @@ def test_region_ids_follow_group_allocation_offset() -> None:
 
 
 def test_full_scale_glm53_rank() -> None:
+    """The bundled GLM-5.3 rank: baseline 101 regions / 3,234,222 descriptors, coalesce 2 full-row
+    regions / 64,044 descriptors, with 78 and 23 layers."""
     g = convert.geometry_from_json((EXAMPLES / "glm53-rank.json").read_text())
     validate_geometry(g)
     baseline, coalesced = BASELINE.plan(g), _coalesce(g)
@@ -266,6 +305,8 @@ def test_full_scale_glm53_rank() -> None:
 
 
 def test_registry() -> None:
+    """The planner registry: coalesce is the default, both planners are known by name, and an
+    unknown one is an InvalidArgument listing the known ones."""
     assert DEFAULT_PLANNER == "coalesce"
     assert sorted(PLANNERS) == ["baseline", "coalesce"]
     assert get_planner("baseline") is BASELINE

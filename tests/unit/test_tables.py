@@ -20,6 +20,9 @@ def _summary(engine: str, descriptors: int, baseline: int) -> region_maps_pb2.Wo
 
 
 def test_render_workers() -> None:
+    """The workers table has a daemon/planner header, one row per worker with generation, planner,
+    counts, thousands separators, saving and registered size, "n/a" saving when there is no
+    baseline, and aligned columns."""
     resp = region_maps_pb2.ListWorkersResponse(
         daemon_instance="pod-a",
         planner=types_pb2.PlannerInfo(name="coalesce", version=1),
@@ -40,11 +43,14 @@ def test_render_workers() -> None:
 
 
 def test_render_workers_without_workers() -> None:
+    """An empty ListWorkers response renders as "-" placeholders and "(no workers registered)"."""
     text = tables.render_workers(region_maps_pb2.ListWorkersResponse())
     assert text == "daemon -  planner -\n(no workers registered)\n"
 
 
 def test_render_region_map_abbreviates_long_layer_names() -> None:
+    """A region with many long layer names shows the count and the first and last names truncated
+    with "...", and a map without a baseline shows "saving n/a"."""
     names = [f"model.layers.{i}.self_attn.indexer.k_cache" for i in range(23)]
     region = types_pb2.Region(
         id=0,

@@ -401,6 +401,9 @@ def scenarios(draw: st.DrawFn, aligned: bool = False) -> tuple:  # type: ignore[
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_plan_moves_exactly_the_per_layer_bytes(scenario: tuple) -> None:  # type: ignore[type-arg]
+    """For random layouts, planners, layer subsets, block pairs and both directions, executing the
+    plan writes exactly the bytes vLLM's per-layer copy would, each once, with no more
+    descriptors."""
     local, remote, (lp, rp), sels, pairs, direction = scenario
     table, plan = check_moves_exactly(local, remote, (lp, rp), sels, pairs, direction=direction)
     # Coverage of the interesting shapes (see --hypothesis-show-statistics).
@@ -442,6 +445,8 @@ def glm_like(n: int = 8) -> list[Layer]:
 
 
 def test_coalesce_vs_baseline_glm_like() -> None:
+    """Against a per-layer peer the plan has one piece per layer and no merged runs; two coalescing
+    peers get one whole-row piece, and consecutive block pairs merge into one run descriptor."""
     layers = glm_like()
     side = one_alloc(block_outermost(layers, 40, "a0"))
     sels, pairs = [LayerSelection(0)], [GroupPairs(0, [3, 4, 5, 9], [10, 11, 12, 30])]
@@ -459,6 +464,8 @@ def test_coalesce_vs_baseline_glm_like() -> None:
 
 
 def test_identical_coalesced_full_row_maps_give_one_descriptor_per_run() -> None:
+    """Two full-row coalesced maps pair region for region, and each stretch of consecutive block
+    pairs becomes one run descriptor (a lone pair stays an index pair)."""
     layers = glm_like(4)
     local = one_alloc(block_outermost(layers, 64, "a0"))
     remote = one_alloc(block_outermost(layers, 80, "r0", lead=64), "r0")
@@ -476,6 +483,8 @@ def test_identical_coalesced_full_row_maps_give_one_descriptor_per_run() -> None
 
 
 def test_partial_row_pieces_never_merge_runs() -> None:
+    """A coalesced region that does not cover the whole row (padding at its end) is never merged
+    across blocks: one descriptor per block pair."""
     # Coalesced regions with padding at the row's end: not full_row.
     side = one_alloc(block_outermost(glm_like(2), 16, "a0", tail=64))
     table, plan = check_moves_exactly(
@@ -485,6 +494,8 @@ def test_partial_row_pieces_never_merge_runs() -> None:
 
 
 def test_two_groups_and_a_layer_subset() -> None:
+    """Two transfer groups in different allocations, one restricted to a single layer, move the
+    right bytes, with per-group piece spans and block limits."""
     mla = [Layer(f"m{i}", 0, MLA, 32) for i in range(3)]
     mha = [Layer(f"h{i}", 1, MHA, 16) for i in range(2)]
     lv, lsize = block_outermost(mla, 20, "a0")
@@ -501,6 +512,8 @@ def test_two_groups_and_a_layer_subset() -> None:
 
 
 def test_same_group_twice_with_disjoint_layers_may_share_block_ids() -> None:
+    """One group selected twice for disjoint layer subsets may name the same destination blocks in
+    both entries."""
     side = one_alloc(block_outermost(glm_like(2), 8, "a0"))
     sels = [LayerSelection(0, ("layers.0.mla",)), LayerSelection(0, ("layers.1.mla",))]
     pairs = [GroupPairs(0, [1, 2], [1, 2]), GroupPairs(0, [1, 2], [3, 4])]
@@ -508,6 +521,8 @@ def test_same_group_twice_with_disjoint_layers_may_share_block_ids() -> None:
 
 
 def test_layer_subset_pieces_follow_row_order_and_skip_gaps() -> None:
+    """Selected layers, listed in any order, become pieces in row order, merged where adjacent and
+    split where an unselected layer lies between."""
     layers = glm_like(3)  # m0 i0 m1 i1 m2 i2, one coalesced row on each side
     side = one_alloc(block_outermost(layers, 8, "a0"))
     names = ("layers.2.indexer", "layers.2.mla", "layers.1.indexer", "layers.0.mla")
@@ -529,6 +544,8 @@ def test_layer_subset_pieces_follow_row_order_and_skip_gaps() -> None:
 
 
 def test_dlist_rows_are_strided_rows_per_piece() -> None:
+    """The prepared descriptor list holds one strided row per piece (address, length, device,
+    stride, block count), and first_index gives each piece's starting index on each side."""
     layers = glm_like(2)
     local = one_alloc(block_outermost(layers, 40, "a0"))
     remote = one_alloc(layer_outermost(layers, 50, "b0"), "b0")
@@ -547,6 +564,7 @@ def test_dlist_rows_are_strided_rows_per_piece() -> None:
 
 
 def test_protobuf_repeated_ids_are_accepted() -> None:
+    """Block ids given as protobuf repeated fields plan and move the same bytes as lists."""
     from kvmap.v1 import transfers_pb2
 
     msg = transfers_pb2.GroupBlocks(local_block_ids=[1, 2], remote_block_ids=[2, 3])
@@ -596,6 +614,8 @@ def _raises(exc: type[KvmapError], message: str, fn: Callable[[], object]) -> Kv
 
 
 def test_unknown_transfer_group() -> None:
+    """A transfer group missing from the local or the remote map is NOT_FOUND naming the group and
+    the worker."""
     local, remote = _maps()
     _raises(
         NotFound,
@@ -611,6 +631,8 @@ def test_unknown_transfer_group() -> None:
 
 
 def test_block_id_validation_names_the_field() -> None:
+    """Mismatched id counts and block ids outside the group's smallest region are INVALID_ARGUMENT
+    naming the field and index; a selection of one layer uses that layer's own limit."""
     ok = GroupPairs(1, [0], [0])
     err = _raises(
         InvalidArgument,
@@ -634,6 +656,8 @@ def test_block_id_validation_names_the_field() -> None:
 
 
 def test_destination_block_written_twice_is_rejected() -> None:
+    """A destination block repeated within a group, or written by two entries for the same layers,
+    is INVALID_ARGUMENT naming both positions; repeated source blocks are allowed."""
     _raises(
         InvalidArgument,
         "groups[0].local_block_ids[3]: block 2 repeats "
@@ -658,6 +682,7 @@ def test_destination_block_written_twice_is_rejected() -> None:
 
 
 def test_block_limit_per_transfer() -> None:
+    """More block pairs than MAX_BLOCKS_PER_TRANSFER is INVALID_ARGUMENT on the groups field."""
     n = MAX_BLOCKS_PER_TRANSFER + 1
     err = _raises(
         InvalidArgument,
@@ -668,6 +693,8 @@ def test_block_limit_per_transfer() -> None:
 
 
 def test_layer_selection_validation() -> None:
+    """A selected layer not in the group (or in another group) is NOT_FOUND, and a layer listed
+    twice is INVALID_ARGUMENT, each naming the layer_names index."""
     _raises(
         NotFound,
         "groups[0].layer_names[1]: layer 'nope' not in transfer group 0 of "
@@ -688,6 +715,8 @@ def test_layer_selection_validation() -> None:
 
 
 def test_maps_that_disagree_on_layers() -> None:
+    """A layer present locally but not remotely, or with different block lengths on the two sides,
+    is FAILED_PRECONDITION naming the layer and both workers."""
     local, remote = _maps()
     fewer = RegionMapModel(PREFILL, 1, remote.planner, remote.regions[1:], remote.allocations)
     _raises(
@@ -718,6 +747,8 @@ def test_maps_that_disagree_on_layers() -> None:
 
 
 def test_remote_map_outside_its_allocation_is_rejected() -> None:
+    """A remote map whose region overruns its allocation, places a layer outside the block, repeats
+    a region id or names a missing allocation is FAILED_PRECONDITION."""
     local, remote = _maps()
     r0 = remote.regions[0]
     bad = Region(r0.id, r0.allocation_id, 0, 64, 64, 64, 40000, r0.layers)  # one block too far
@@ -755,6 +786,8 @@ def test_remote_map_outside_its_allocation_is_rejected() -> None:
 
 
 def test_tp_mismatch_mla_ok_mha_split_by_heads() -> None:
+    """Peers with different tp_size may transfer MLA layers, but an MHA layer (split by heads) is
+    FAILED_PRECONDITION unless the tp sizes match or it is left out of the selection."""
     _plan([GroupPairs(0, [1], [1])], maps=_maps(tp=(2, 4)))
     mha = _maps(tp=(2, 4), kinds=(MLA, MHA))
     _raises(

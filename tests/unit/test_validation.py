@@ -55,6 +55,8 @@ def _with_allocation(index: int, **changes: object) -> WorkerGeometry:
 
 
 def test_the_reference_geometry_is_valid() -> None:
+    """The reference geometry the rule cases are derived from passes validation, so each rule case
+    fails for its one change only."""
     validate_geometry(VALID)
 
 
@@ -127,12 +129,17 @@ RULES = [
 
 @pytest.mark.parametrize(("g", "field", "problem"), RULES, ids=[field for _, field, _ in RULES])
 def test_each_rule_names_its_field(g: WorkerGeometry, field: str, problem: str) -> None:
+    """Each single-rule violation (empty ids, non-positive sizes, bad ranks, duplicates, unknown
+    allocation, stride < length, limits, overrun) is INVALID_ARGUMENT with the exact field path
+    and problem text."""
     err = _error(g)
     assert (err.field, err.problem) == (field, problem)
     assert str(err) == f"{field}: {problem}"
 
 
 def test_too_many_allocations_and_views_name_the_limit() -> None:
+    """More than MAX_ALLOCATIONS allocations or MAX_VIEWS views is INVALID_ARGUMENT on "allocations"
+    / "views" naming the limit and its value."""
     allocations = tuple(AllocationSpec(f"a{i}", 10) for i in range(MAX_ALLOCATIONS + 1))
     err = _error(replace(VALID, allocations=allocations))
     assert err.field == "allocations" and "MAX_ALLOCATIONS = 1024" in err.problem
@@ -142,6 +149,8 @@ def test_too_many_allocations_and_views_name_the_limit() -> None:
 
 
 def test_too_many_descriptors_in_total_names_the_limit() -> None:
+    """Views whose block counts add up past MAX_DESCRIPTORS are INVALID_ARGUMENT on "views", giving
+    the total and the limit."""
     count = MAX_DESCRIPTORS // MAX_BLOCKS + 1
     views = [view(f"l{i}", i, 1, count, MAX_BLOCKS) for i in range(count)]
     err = _error(geometry(*views))
@@ -151,6 +160,9 @@ def test_too_many_descriptors_in_total_names_the_limit() -> None:
 
 
 def test_overlapping_views_are_rejected_naming_both() -> None:
+    """Two views that share bytes without being identical are INVALID_ARGUMENT on the later view,
+    naming the earlier one, the allocation and the first shared byte; a differing block count
+    alone counts as overlap."""
     err = _error(geometry(view("a", 0, 100, 200), view("b", 50, 100, 200)))
     assert err.field == "views[1]"
     assert err.problem == (
@@ -161,12 +173,17 @@ def test_overlapping_views_are_rejected_naming_both() -> None:
 
 
 def test_aliased_and_interleaved_views_are_accepted() -> None:
+    """Identical views (aliases in different groups) and views with different strides that
+    interleave without sharing a byte are both valid."""
     validate_geometry(geometry(view("a", 0, 100, 200), view("b", 0, 100, 200, group=1)))
     # Different strides that interleave without sharing a byte: even / odd bytes.
     validate_geometry(geometry(view("even", 0, 1, 4, 8), view("odd", 1, 1, 6, 6)))
 
 
 def test_cross_stride_pairs_are_bounded() -> None:
+    """Interleaved views with many distinct strides are accepted up to a point, and past
+    MAX_CROSS_STRIDE_PAIRS are INVALID_ARGUMENT naming that limit, within 5 s."""
+
     # Odd offsets with even strides never meet even offsets with even strides,
     # but every pair of different strides has to be checked.
     def interleaved(count: int) -> list[ViewSpec]:
@@ -181,6 +198,7 @@ def test_cross_stride_pairs_are_bounded() -> None:
 
 
 def test_many_block_outermost_views_validate_quickly() -> None:
+    """MAX_VIEWS block-outermost views (one shared stride) validate in under 5 seconds."""
     views = [view(f"l{i}", i * 8, 8, 8 * MAX_VIEWS, 32) for i in range(MAX_VIEWS)]
     started = time.monotonic()
     validate_geometry(geometry(*views))
@@ -193,6 +211,7 @@ def test_many_block_outermost_views_validate_quickly() -> None:
 @settings(max_examples=200, deadline=None)
 @given(geometries())
 def test_random_valid_geometries_pass(g: WorkerGeometry) -> None:
+    """Every geometry from the valid-geometry strategy passes validation (no false rejections)."""
     validate_geometry(g)
 
 
@@ -214,6 +233,8 @@ def _small_views(draw: st.DrawFn, name: str) -> ViewSpec:
 @settings(max_examples=400, deadline=None)
 @given(_small_views("a"), _small_views("b"))
 def test_find_shared_byte_is_exact(a: ViewSpec, b: ViewSpec) -> None:
+    """For random small strided views, find_shared_byte returns a byte both views cover exactly when
+    they share one, and None otherwise."""
     shared = _bytes(a) & _bytes(b)
     found = find_shared_byte(a, b)
     assert (found is not None) == bool(shared)
@@ -249,6 +270,8 @@ def _interleaved_views(draw: st.DrawFn) -> list[ViewSpec]:
 @settings(max_examples=400, deadline=None)
 @given(st.one_of(_random_views(), _interleaved_views()))
 def test_overlap_check_matches_brute_force(views: list[ViewSpec]) -> None:
+    """For random and interleaved view sets, validation rejects exactly the sets where two non-
+    identical views share a byte (by brute force), and the two views it names do share one."""
     footprints = [
         (v.offset_bytes, v.block_len_bytes, v.block_stride_bytes, v.num_blocks) for v in views
     ]

@@ -173,38 +173,53 @@ def export_cuda_tensors(
     views: list[SharedView] = []
     segs: list[dict[str, Any]] | None = None
     for i, tensor in enumerate(tensors):
-        if tensor.device.type != "cuda":
-            raise CudaExportError(f"tensors[{i}]: on {tensor.device}, not a CUDA device")
-        storage = tensor.untyped_storage()
-        key = int(storage.data_ptr())
-        if key == 0:
-            raise CudaExportError(f"tensors[{i}]: its storage is empty")
+        storage, key = _cuda_storage(i, tensor)
         if key not in index_of:
             shared = parse_share_cuda(share(storage))
+            # The segment list is a snapshot of the whole allocator: taken
+            # once, and only when some storage needs exporting.
             if segs is None:
                 segs = segments()
-            base = key - shared.offset_bytes
-            block = segment_size(segs, shared.device_index, base)
-            if block is None:
-                # Not from the caching allocator's list: the storage is all we know.
-                block = shared.offset_bytes + shared.storage_size_bytes
-            if shared.offset_bytes + shared.storage_size_bytes > block:
-                raise CudaExportError(
-                    f"tensors[{i}]: storage [{shared.offset_bytes}, "
-                    f"+{shared.storage_size_bytes}) exceeds its {block}-byte IPC block"
-                )
-            index_of[key] = len(storages)
-            storages.append(
-                CudaStorage(
-                    device_index=shared.device_index,
-                    device_uuid=uuid(shared.device_index),
-                    handle=shared.handle,
-                    offset_bytes=shared.offset_bytes,
-                    storage_size_bytes=shared.storage_size_bytes,
-                    block_size_bytes=block,
-                    data_ptr=key,
-                )
-            )
+            storages.append(_exported(i, key, shared, segs, uuid))
+            index_of[key] = len(storages) - 1
         offset = int(tensor.storage_offset()) * int(tensor.element_size())
         views.append(SharedView(index_of[key], offset))
     return storages, views
+
+
+def _cuda_storage(i: int, tensor: Any) -> tuple[Any, int]:
+    """``tensors[i]``'s storage and its address, which identifies it among
+    the tensors (layers may share one storage)."""
+    if tensor.device.type != "cuda":
+        raise CudaExportError(f"tensors[{i}]: on {tensor.device}, not a CUDA device")
+    storage = tensor.untyped_storage()
+    key = int(storage.data_ptr())
+    if key == 0:
+        raise CudaExportError(f"tensors[{i}]: its storage is empty")
+    return storage, key
+
+
+def _exported(
+    i: int, data_ptr: int, shared: SharedCuda, segs: Sequence[Mapping[str, Any]], uuid: UuidFn
+) -> CudaStorage:
+    """The export of ``tensors[i]``'s storage, with the size of the IPC block
+    it lies in so the daemon can map that block whole."""
+    base = data_ptr - shared.offset_bytes
+    block = segment_size(segs, shared.device_index, base)
+    if block is None:
+        # Not from the caching allocator's list: the storage is all we know.
+        block = shared.offset_bytes + shared.storage_size_bytes
+    if shared.offset_bytes + shared.storage_size_bytes > block:
+        raise CudaExportError(
+            f"tensors[{i}]: storage [{shared.offset_bytes}, "
+            f"+{shared.storage_size_bytes}) exceeds its {block}-byte IPC block"
+        )
+    return CudaStorage(
+        device_index=shared.device_index,
+        device_uuid=uuid(shared.device_index),
+        handle=shared.handle,
+        offset_bytes=shared.offset_bytes,
+        storage_size_bytes=shared.storage_size_bytes,
+        block_size_bytes=block,
+        data_ptr=data_ptr,
+    )

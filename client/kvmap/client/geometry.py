@@ -61,39 +61,12 @@ def block_views(
     page_size_bytes: int = 0,
 ) -> list[BlockView]:
     """The block geometry of one layer tensor (see the module docstring)."""
-    if len(shape) != len(strides) or not shape:
-        raise GeometryError(f"shape {tuple(shape)} and strides {tuple(strides)} do not match")
-    if num_blocks <= 0:
-        raise GeometryError(f"num_blocks must be positive, got {num_blocks}")
-    if any(s < 0 for s in strides):
-        raise GeometryError(f"negative strides {tuple(strides)} are not supported")
+    _check_layout(shape, strides, num_blocks)
     base = storage_offset * element_size
     if len(shape) == 1:
-        # A flat byte view (shared between layer types): pages abut.
-        if page_size_bytes <= 0:
-            raise GeometryError("a 1-D KV cache view needs the layer's page size")
-        if strides[0] != 1 or shape[0] * element_size < num_blocks * page_size_bytes:
-            raise GeometryError(
-                f"1-D view of {shape[0] * element_size} bytes cannot hold {num_blocks} pages "
-                f"of {page_size_bytes} bytes"
-            )
-        return [BlockView("", base, page_size_bytes, page_size_bytes, num_blocks)]
-    try:
-        dim = list(shape).index(num_blocks)
-    except ValueError:
-        raise GeometryError(
-            f"no dimension of shape {tuple(shape)} has the {num_blocks} blocks of the cache"
-        ) from None
-    inner = [(shape[d], strides[d]) for d in range(dim + 1, len(shape)) if shape[d] != 1]
-    expected = 1
-    for size, stride in sorted(inner, key=lambda x: x[1]):
-        if stride != expected:
-            raise GeometryError(
-                f"a block of shape {tuple(shape)} with strides {tuple(strides)} is not one "
-                "contiguous page"
-            )
-        expected *= size
-    block_len = expected * element_size
+        return [_flat_view(shape[0] * element_size, strides[0], base, num_blocks, page_size_bytes)]
+    dim = _block_dim(shape, num_blocks)
+    block_len = _page_elements(shape, strides, dim) * element_size
     block_stride = strides[dim] * element_size if num_blocks > 1 else block_len
     if block_stride < block_len:
         raise GeometryError(
@@ -108,6 +81,57 @@ def block_views(
         suffix = f"[{','.join(map(str, index))}]" if index else ""
         views.append(BlockView(suffix, offset, block_len, block_stride, num_blocks))
     return views
+
+
+def _check_layout(shape: Sequence[int], strides: Sequence[int], num_blocks: int) -> None:
+    """Refuse what no block geometry can be read from."""
+    if len(shape) != len(strides) or not shape:
+        raise GeometryError(f"shape {tuple(shape)} and strides {tuple(strides)} do not match")
+    if num_blocks <= 0:
+        raise GeometryError(f"num_blocks must be positive, got {num_blocks}")
+    if any(s < 0 for s in strides):
+        raise GeometryError(f"negative strides {tuple(strides)} are not supported")
+
+
+def _flat_view(
+    size_bytes: int, stride: int, base: int, num_blocks: int, page_size_bytes: int
+) -> BlockView:
+    """A flat byte view (shared between layer types): it has no block
+    dimension, so pages of the spec's size abut from its start."""
+    if page_size_bytes <= 0:
+        raise GeometryError("a 1-D KV cache view needs the layer's page size")
+    if stride != 1 or size_bytes < num_blocks * page_size_bytes:
+        raise GeometryError(
+            f"1-D view of {size_bytes} bytes cannot hold {num_blocks} pages "
+            f"of {page_size_bytes} bytes"
+        )
+    return BlockView("", base, page_size_bytes, page_size_bytes, num_blocks)
+
+
+def _block_dim(shape: Sequence[int], num_blocks: int) -> int:
+    """The block dimension: the first one of ``num_blocks`` entries."""
+    try:
+        return list(shape).index(num_blocks)
+    except ValueError:
+        raise GeometryError(
+            f"no dimension of shape {tuple(shape)} has the {num_blocks} blocks of the cache"
+        ) from None
+
+
+def _page_elements(shape: Sequence[int], strides: Sequence[int], dim: int) -> int:
+    """Elements in one block, checking that the dimensions inside the block
+    dimension tile it without gaps (in any physical order), so a block is one
+    contiguous page the daemon can move as a single run of bytes."""
+    inner = [(shape[d], strides[d]) for d in range(dim + 1, len(shape)) if shape[d] != 1]
+    expected = 1
+    for size, stride in sorted(inner, key=lambda x: x[1]):
+        if stride != expected:
+            raise GeometryError(
+                f"a block of shape {tuple(shape)} with strides {tuple(strides)} is not one "
+                "contiguous page"
+            )
+        expected *= size
+    return expected
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -130,6 +154,30 @@ def build_registration(
     in place and travel as fds; CUDA storages travel as IPC handles. Each
     distinct storage is one allocation, whatever number of layers it backs.
     """
+    names, chosen, device = _chosen_layers(tensors, specs)
+    req = registry_pb2.RegisterWorkerRequest(
+        worker=worker,
+        kv_cache_layout=kv_cache_layout,
+        block_size_tokens=block_size_tokens,
+        tp_size=tp_size,
+    )
+    if device == "cpu":
+        fds, storage_sizes, placed = _add_shm_allocations(req, chosen)
+    else:
+        fds, storage_sizes, placed = _add_cuda_allocations(req, chosen)
+    for name, tensor, where in zip(names, chosen, placed, strict=True):
+        index = where.storage_index
+        _add_layer_views(
+            req, name, tensor, specs[name], storage_index=index, size=storage_sizes[index]
+        )
+    return req, fds
+
+
+def _chosen_layers(
+    tensors: Mapping[str, torch.Tensor], specs: Mapping[str, LayerSpec]
+) -> tuple[list[str], list[torch.Tensor], str]:
+    """The layers to register (those with a spec), their tensors and the one
+    device type they share: one registration is either shm or CUDA IPC."""
     names = [n for n in tensors if n in specs]
     if not names:
         raise GeometryError("no KV cache layer to register")
@@ -137,59 +185,78 @@ def build_registration(
     devices = {t.device.type for t in chosen}
     if len(devices) != 1:
         raise GeometryError(f"KV cache layers on mixed devices {sorted(devices)}")
-    req = registry_pb2.RegisterWorkerRequest(
-        worker=worker,
-        kv_cache_layout=kv_cache_layout,
-        block_size_tokens=block_size_tokens,
-        tp_size=tp_size,
-    )
+    return names, chosen, devices.pop()
+
+
+def _add_shm_allocations(
+    req: registry_pb2.RegisterWorkerRequest, chosen: Sequence[torch.Tensor]
+) -> tuple[list[int], list[int], list[shm_export.SharedView]]:
+    """Move CPU storages into shared memory and add one allocation each; an
+    allocation names its fd by index into the fds sent with the request."""
+    storages, placed = shm_export.export_tensors(chosen)
     fds: list[int] = []
     storage_sizes: list[int] = []
-    if devices == {"cpu"}:
-        storages, placed = shm_export.export_tensors(chosen)
-        for i, s in enumerate(storages):
-            fds.append(s.fd)
-            storage_sizes.append(s.size_bytes)
-            req.allocations.add(
-                id=f"kv{i}",
-                size_bytes=s.size_bytes,
-                device=types_pb2.Device(type=types_pb2.DEVICE_TYPE_CPU),
-                shm_fd=types_pb2.ShmFdHandle(index=i),
+    for i, s in enumerate(storages):
+        fds.append(s.fd)
+        storage_sizes.append(s.size_bytes)
+        req.allocations.add(
+            id=f"kv{i}",
+            size_bytes=s.size_bytes,
+            device=types_pb2.Device(type=types_pb2.DEVICE_TYPE_CPU),
+            shm_fd=types_pb2.ShmFdHandle(index=i),
+        )
+    return fds, storage_sizes, placed
+
+
+def _add_cuda_allocations(
+    req: registry_pb2.RegisterWorkerRequest, chosen: Sequence[torch.Tensor]
+) -> tuple[list[int], list[int], list[shm_export.SharedView]]:
+    """Export CUDA storages as IPC handles and add one allocation each; no
+    fds travel with them."""
+    cuda_storages, placed = cuda_export.export_cuda_tensors(chosen)
+    storage_sizes: list[int] = []
+    for i, c in enumerate(cuda_storages):
+        storage_sizes.append(c.storage_size_bytes)
+        req.allocations.append(c.allocation(f"kv{i}"))
+    return [], storage_sizes, placed
+
+
+def _add_layer_views(
+    req: registry_pb2.RegisterWorkerRequest,
+    name: str,
+    tensor: torch.Tensor,
+    spec: LayerSpec,
+    *,
+    storage_index: int,
+    size: int,
+) -> None:
+    """Add the views of one layer, each checked to end inside its
+    ``size``-byte storage so the daemon never maps past it."""
+    try:
+        views = block_views(
+            tensor.shape,
+            tensor.stride(),
+            element_size=tensor.element_size(),
+            storage_offset=int(tensor.storage_offset()),
+            num_blocks=spec.num_blocks,
+            page_size_bytes=spec.page_size_bytes,
+        )
+    except GeometryError as err:
+        raise GeometryError(f"layer {name}: {err}") from None
+    for v in views:
+        end = v.offset_bytes + (v.num_blocks - 1) * v.block_stride_bytes + v.block_len_bytes
+        if end > size:
+            raise GeometryError(
+                f"layer {name}{v.suffix}: ends at byte {end} of a {size}-byte storage"
             )
-    else:
-        cuda_storages, placed = cuda_export.export_cuda_tensors(chosen)
-        for i, c in enumerate(cuda_storages):
-            storage_sizes.append(c.storage_size_bytes)
-            req.allocations.append(c.allocation(f"kv{i}"))
-    for name, tensor, where in zip(names, chosen, placed, strict=True):
-        spec = specs[name]
-        try:
-            views = block_views(
-                tensor.shape,
-                tensor.stride(),
-                element_size=tensor.element_size(),
-                storage_offset=int(tensor.storage_offset()),
-                num_blocks=spec.num_blocks,
-                page_size_bytes=spec.page_size_bytes,
-            )
-        except GeometryError as err:
-            raise GeometryError(f"layer {name}: {err}") from None
-        size = storage_sizes[where.storage_index]
-        for v in views:
-            end = v.offset_bytes + (v.num_blocks - 1) * v.block_stride_bytes + v.block_len_bytes
-            if end > size:
-                raise GeometryError(
-                    f"layer {name}{v.suffix}: ends at byte {end} of a {size}-byte storage"
-                )
-            req.views.add(
-                layer_name=name + v.suffix,
-                allocation_id=f"kv{where.storage_index}",
-                transfer_group=spec.transfer_group,
-                cache_kind=spec.cache_kind,  # type: ignore[arg-type,unused-ignore]
-                dtype=dtype_name(tensor.dtype),
-                offset_bytes=v.offset_bytes,
-                block_len_bytes=v.block_len_bytes,
-                block_stride_bytes=v.block_stride_bytes,
-                num_blocks=v.num_blocks,
-            )
-    return req, fds
+        req.views.add(
+            layer_name=name + v.suffix,
+            allocation_id=f"kv{storage_index}",
+            transfer_group=spec.transfer_group,
+            cache_kind=spec.cache_kind,  # type: ignore[arg-type,unused-ignore]
+            dtype=dtype_name(tensor.dtype),
+            offset_bytes=v.offset_bytes,
+            block_len_bytes=v.block_len_bytes,
+            block_stride_bytes=v.block_stride_bytes,
+            num_blocks=v.num_blocks,
+        )

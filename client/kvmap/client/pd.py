@@ -69,6 +69,38 @@ def _host_port(value: str, key: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _typed(key: str, value: Any, default: object) -> Any:
+    """``value`` as the type of the option's ``default``; a wrong type (a
+    bool for a number, a fraction for an int) raises ``ValueError`` naming the key."""
+    try:
+        if isinstance(default, str):
+            if not isinstance(value, str):
+                raise TypeError
+            return value
+        if isinstance(value, bool):
+            raise TypeError
+        if isinstance(default, int) and not isinstance(default, bool):
+            if int(value) != value:
+                raise TypeError
+            return int(value)
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"kv_connector_extra_config.{key}: expected {type(default).__name__}, got {value!r}"
+        ) from None
+
+
+_POSITIVE_OPTIONS = (
+    "transfer_timeout_s",
+    "lease_seconds",
+    "register_timeout_s",
+    "call_timeout_s",
+    "reconnect_initial_s",
+    "reconnect_max_s",
+    "max_parallel_pulls",
+)
+
+
 @dataclass(frozen=True)
 class ConnectorOptions:
     """``kv_connector_extra_config`` of the kvmap connector."""
@@ -106,50 +138,27 @@ class ConnectorOptions:
                 f"kv_connector_extra_config: unknown keys {unknown} for the kvmap connector "
                 f"(known: {sorted(known)})"
             )
-        values: dict[str, Any] = {}
-        for key, value in extra.items():
-            default = getattr(cls(), key)
-            try:
-                if isinstance(default, str):
-                    if not isinstance(value, str):
-                        raise TypeError
-                    values[key] = value
-                elif isinstance(default, int) and not isinstance(default, bool):
-                    if isinstance(value, bool) or int(value) != value:
-                        raise TypeError
-                    values[key] = int(value)
-                else:
-                    if isinstance(value, bool):
-                        raise TypeError
-                    values[key] = float(value)
-            except (TypeError, ValueError):
-                raise ValueError(
-                    f"kv_connector_extra_config.{key}: expected {type(default).__name__}, "
-                    f"got {value!r}"
-                ) from None
+        defaults = cls()
+        values = {key: _typed(key, value, getattr(defaults, key)) for key, value in extra.items()}
         opts = cls(**values)
-        for key in (
-            "transfer_timeout_s",
-            "lease_seconds",
-            "register_timeout_s",
-            "call_timeout_s",
-            "reconnect_initial_s",
-            "reconnect_max_s",
-            "max_parallel_pulls",
-        ):
-            if getattr(opts, key) <= 0:
+        opts._check(producer)
+        return opts
+
+    def _check(self, producer: bool) -> None:
+        """Ranges and required keys, once the types are right."""
+        for key in _POSITIVE_OPTIONS:
+            if getattr(self, key) <= 0:
                 raise ValueError(f"kv_connector_extra_config.{key}: must be positive")
-        if not opts.socket:
+        if not self.socket:
             raise ValueError("kv_connector_extra_config.socket: must not be empty")
-        if opts.peer_address:
-            _host_port(opts.peer_address, "peer_address")
+        if self.peer_address:
+            _host_port(self.peer_address, "peer_address")
         elif producer:
             raise ValueError(
                 "kv_connector_extra_config.peer_address: required on engines that produce KV "
                 "(kv_producer, kv_both): this pod's kvmapd TCP address, e.g. $(POD_IP):50051"
             )
-        Backoff(opts.reconnect_initial_s, max(opts.reconnect_max_s, opts.reconnect_initial_s))
-        return opts
+        Backoff(self.reconnect_initial_s, max(self.reconnect_max_s, self.reconnect_initial_s))
 
     @property
     def backoff(self) -> Backoff:
@@ -490,73 +499,94 @@ class WorkerCore:
     def poll(self) -> TransferResults:
         """What finished since the last call (vLLM's ``get_finished``)."""
         now = self.clock()
-        sending: set[str] = set()
+        sending = self._pulled_sends() | self._expired_sends(now)
+        recving: set[str] = set()
+        failed: set[str] = set()
+        for request_id, load in list(self._loading.items()):
+            outcome = self._outcome(load, now)
+            if outcome is None:
+                continue
+            error, nbytes = outcome
+            del self._loading[request_id]
+            recving.add(request_id)
+            if error:
+                failed.add(request_id)
+            self._finish_load(load, error, nbytes, now)
+        return TransferResults(sending, recving, failed)
+
+    def _pulled_sends(self) -> set[str]:
+        """Prefill requests whose blocks a peer finished pulling (daemon events)."""
+        done: set[str] = set()
         while True:
             try:
                 request_id = self._events.get_nowait()
             except queue.Empty:
-                break
+                return done
             if request_id in self._to_process:
                 self._to_process.discard(request_id)
                 self._send_deadline.pop(request_id, None)
-                sending.add(request_id)
+                done.add(request_id)
             else:
                 log.debug("pull of unknown or expired request %s finished", request_id)
+
+    def _expired_sends(self, now: float) -> set[str]:
+        """Prefill requests whose lease ran out before any pull: freed."""
+        expired: set[str] = set()
         for request_id, deadline in list(self._send_deadline.items()):
-            if now >= deadline:
-                log.warning(
-                    "request %s: no pull within the %ss lease; freeing its blocks",
-                    request_id,
-                    self.options.lease_seconds,
-                )
-                del self._send_deadline[request_id]
-                self._to_process.discard(request_id)
-                self.leases_expired += 1
-                sending.add(request_id)
-        recving: set[str] = set()
-        failed: set[str] = set()
-        for request_id, load in list(self._loading.items()):
-            nbytes = 0
-            if load.future is None:
-                error = load.error
-            elif load.future.done():
-                exc = load.future.exception()
-                error = "" if exc is None else _describe(exc)
-                nbytes = load.future.result() if exc is None else 0
-            elif now >= load.deadline:
-                load.future.cancel()
-                error = (
-                    f"no answer from kvmapd within {self.options.transfer_timeout_s}s "
-                    f"+ {WATCHDOG_GRACE_S}s"
-                )
-            else:
+            if now < deadline:
                 continue
-            del self._loading[request_id]
-            recving.add(request_id)
-            local, remote = load.task.local_block_ids, load.task.source.block_ids
-            if error:
-                failed.add(request_id)
-                log.warning(
-                    "request %s: loading its KV from %s failed (%s); reported as a load failure",
-                    request_id,
-                    load.task.source.target,
-                    error,
-                )
-                if len(local) == 1:
-                    self._load_errors.update(local[0])
-            self.loads.append(
-                LoadRecord(
-                    request_id=request_id,
-                    remote_request_id=load.task.source.request_id,
-                    local_block_ids=local,
-                    remote_block_ids=pair_blocks(local, remote)[1] if not error else remote,
-                    ok=not error,
-                    error=error,
-                    seconds=now - load.started,
-                    bytes=nbytes,
-                )
+            log.warning(
+                "request %s: no pull within the %ss lease; freeing its blocks",
+                request_id,
+                self.options.lease_seconds,
             )
-        return TransferResults(sending, recving, failed)
+            del self._send_deadline[request_id]
+            self._to_process.discard(request_id)
+            self.leases_expired += 1
+            expired.add(request_id)
+        return expired
+
+    def _outcome(self, load: _Load, now: float) -> tuple[str, int] | None:
+        """(error or "", bytes) of a load that ended, None while it runs."""
+        if load.future is None:
+            return load.error, 0
+        if load.future.done():
+            exc = load.future.exception()
+            if exc is not None:
+                return _describe(exc), 0
+            return "", load.future.result()
+        if now >= load.deadline:
+            load.future.cancel()
+            return (
+                f"no answer from kvmapd within {self.options.transfer_timeout_s}s "
+                f"+ {WATCHDOG_GRACE_S}s"
+            ), 0
+        return None
+
+    def _finish_load(self, load: _Load, error: str, nbytes: int, now: float) -> None:
+        """Log and keep a record of an ended load; note a failed one's blocks."""
+        local, remote = load.task.local_block_ids, load.task.source.block_ids
+        if error:
+            log.warning(
+                "request %s: loading its KV from %s failed (%s); reported as a load failure",
+                load.task.request_id,
+                load.task.source.target,
+                error,
+            )
+            if len(local) == 1:
+                self._load_errors.update(local[0])
+        self.loads.append(
+            LoadRecord(
+                request_id=load.task.request_id,
+                remote_request_id=load.task.source.request_id,
+                local_block_ids=local,
+                remote_block_ids=pair_blocks(local, remote)[1] if not error else remote,
+                ok=not error,
+                error=error,
+                seconds=now - load.started,
+                bytes=nbytes,
+            )
+        )
 
     def load_error_blocks(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()

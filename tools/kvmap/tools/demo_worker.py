@@ -4,13 +4,16 @@ shared memory, hands it to its kvmapd (fd over SCM_RIGHTS), keeps the Attach
 stream open, and obeys JSON-line commands on stdin (pull, push, verify, ...),
 answering one JSON line each on stdout.
 
-Block contents are a pure function of (group, block id, byte), so a decode
-worker verifies what it pulled without seeing the prefill worker's memory.
+Block contents are a pure function of (group, block id, byte, seed), distinct
+for every 8-byte word of the cache (``kvmap.tools.block_pattern``), so a
+decode worker verifies what it pulled without seeing the prefill worker's
+memory, and a block pulled from any other block, group or offset fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 import threading
@@ -23,7 +26,7 @@ from google.protobuf import json_format
 from kvmap.client.client import KvmapClient
 from kvmap.client.errors import KvmapClientError
 from kvmap.client.session import Backoff, WorkerSession
-from kvmap.tools import json_lines
+from kvmap.tools import block_pattern, json_lines
 from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
 
 # A restarted sidecar is back within a second or two.
@@ -73,10 +76,88 @@ class DemoGeometry:
         return [g.prefix.format(first + i) for i in range(g.layers)]
 
 
+# Bytes of int64 scratch one fill/verify chunk may use.
+CHUNK_SCRATCH_BYTES = 512 << 20
+
+
+def _int64(x: int) -> int:
+    """An unsigned 64-bit value as the int64 with the same bits."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def pattern_rows(view: int, blocks: torch.Tensor, row_bytes: int, seed: int = 0) -> torch.Tensor:
+    """``block_pattern``'s bytes of many blocks at once, on ``blocks.device``:
+    a ``[len(blocks), row_bytes]`` uint8 tensor (view = transfer group here:
+    a row holds all layers of a group)."""
+    words = -(-row_bytes // block_pattern.WORD_BYTES)
+    b = blocks.to(torch.int64)
+    if b.numel():
+        block_pattern.check_bounds(int(b.min().item()), int(b.max().item()), words)
+    w = torch.arange(words, dtype=torch.int64, device=b.device)
+    x = (b[:, None] << block_pattern.WORD_BITS) | w[None, :]
+    x ^= _int64(block_pattern.key_mask(view, seed))
+    tmp = torch.empty_like(x)
+    for shift, mul in block_pattern.ROUNDS:
+        # A logical right shift: torch's >> on int64 is arithmetic.
+        torch.bitwise_right_shift(x, shift, out=tmp)
+        tmp &= (1 << (64 - shift)) - 1
+        x ^= tmp
+        if mul != 1:
+            # int64 multiplication keeps the low 64 bits, as uint64's does.
+            x *= _int64(mul)
+    # Little-endian, as on every platform kvmap runs on (x86-64, arm64, CUDA).
+    return x.view(torch.uint8)[:, :row_bytes]
+
+
 def pattern(group: int, block: int, row_bytes: int, seed: int = 0) -> torch.Tensor:
     """The bytes of block ``block`` of group ``group`` on a prefill worker."""
-    i = torch.arange(row_bytes, dtype=torch.int64)
-    return ((i * 31 + block * 7919 + group * 104729 + seed * 15485863) % 251).to(torch.uint8)
+    return pattern_rows(group, torch.tensor([block]), row_bytes, seed)[0]
+
+
+def chunk_blocks(row_bytes: int, scratch_bytes: int = CHUNK_SCRATCH_BYTES) -> int:
+    """Blocks per chunk so that one chunk's int64 scratch fits the budget."""
+    return max(1, scratch_bytes // (8 * max(row_bytes, 1)))
+
+
+def fill_rows(
+    rows: torch.Tensor, group: int, seed: int = 0, scratch_bytes: int = CHUNK_SCRATCH_BYTES
+) -> None:
+    """Write group ``group``'s pattern into every block (row) of ``rows``,
+    chunk by chunk (never a Python loop per block)."""
+    n, row_bytes = rows.shape
+    step = chunk_blocks(row_bytes, scratch_bytes)
+    for start in range(0, n, step):
+        blocks = torch.arange(start, min(n, start + step), device=rows.device)
+        rows[start : start + len(blocks)] = pattern_rows(group, blocks, row_bytes, seed)
+
+
+def count_bad(
+    rows: torch.Tensor,
+    group: int,
+    *,
+    local: list[int],
+    remote: list[int],
+    slices: list[tuple[int, int]],
+    seed: int = 0,
+    scratch_bytes: int = CHUNK_SCRATCH_BYTES,
+) -> int:
+    """How many ``local[i]`` rows differ from remote block ``remote[i]``'s
+    pattern in any of the byte ``slices`` (offset, length)."""
+    if len(local) != len(remote):
+        raise ValueError(f"{len(local)} local blocks for {len(remote)} remote blocks")
+    row_bytes = rows.shape[1]
+    step = chunk_blocks(row_bytes, scratch_bytes)
+    bad = 0
+    for start in range(0, len(local), step):
+        lb = torch.tensor(local[start : start + step], dtype=torch.int64, device=rows.device)
+        rb = torch.tensor(remote[start : start + step], dtype=torch.int64, device=rows.device)
+        want = pattern_rows(group, rb, row_bytes, seed)
+        got = rows[lb]  # a gather; index_select is far slower on uint8 rows
+        differs = torch.zeros(len(lb), dtype=torch.bool, device=rows.device)
+        for off, n in slices:
+            differs |= (got[:, off : off + n] != want[:, off : off + n]).any(dim=1)
+        bad += int(differs.sum().item())
+    return bad
 
 
 class DemoWorker:
@@ -150,8 +231,7 @@ class DemoWorker:
     def fill(self, seed: int = 0) -> None:
         self.seed = seed
         for gi, rows in enumerate(self.rows):
-            for b in range(self.geo.num_blocks):
-                rows[b].copy_(pattern(gi, b, rows.shape[1], seed))
+            fill_rows(rows, gi, seed)
 
     def _record(self, event: dict[str, Any]) -> None:
         with self._events_lock:
@@ -169,19 +249,16 @@ class DemoWorker:
         """Local block ``local[i]`` holds remote block ``remote[i]``'s bytes
         (written with ``seed``) in the selected layers; returns the number of
         mismatching blocks."""
-        rows = self.rows[group]
-        bad = 0
-        for lb, rb in zip(local, remote, strict=True):
-            want = pattern(group, rb, rows.shape[1], seed)
-            for off, n in self.layer_slices(group, layers):
-                if not torch.equal(rows[lb, off : off + n], want[off : off + n]):
-                    bad += 1
-                    break
-        return bad
+        slices = self.layer_slices(group, layers)
+        return count_bad(
+            self.rows[group], group, local=local, remote=remote, slices=slices, seed=seed
+        )
 
-    def digest(self) -> list[int]:
-        """A cheap fingerprint of every row (to show bytes were untouched)."""
-        return [int(rows.to(torch.int64).sum().item()) for rows in self.rows]
+    def digest(self) -> list[str]:
+        """sha256 of every group's whole memory (to show bytes were untouched:
+        any change, a reordering of bytes included, changes it)."""
+        host = (rows.cpu().contiguous().numpy() for rows in self.rows)
+        return [hashlib.sha256(h.data).hexdigest() for h in host]
 
 
 def _spec(cmd: dict[str, Any], worker: types_pb2.WorkerId) -> transfers_pb2.TransferSpec:
@@ -203,7 +280,7 @@ def _spec(cmd: dict[str, Any], worker: types_pb2.WorkerId) -> transfers_pb2.Tran
     return spec
 
 
-def handle(w: DemoWorker, cmd: dict[str, Any]) -> dict[str, Any]:
+def handle(w: DemoWorker, cmd: dict[str, Any]) -> dict[str, Any]:  # noqa: PLR0911  (one answer per command)
     op = cmd["cmd"]
     if op in ("pull", "push"):
         spec = _spec(cmd, w.worker)

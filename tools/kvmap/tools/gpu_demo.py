@@ -253,24 +253,12 @@ def _check_release(pw: WorkerProc, decode: DaemonProc, uuid: str) -> bool | None
 
 def run_phase(args: argparse.Namespace, planner: str, check_release: bool) -> Phase:
     phase = Phase(planner)
-    geo = [
-        "--blocks", str(args.blocks), "--block-tokens", str(args.block_tokens),
-        "--mla-layers", str(args.mla_layers), "--indexer-layers", str(args.indexer_layers),
-        "--device", args.device,
-    ]  # fmt: skip
     with ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvmap-gpu-demo-")))
         if args.logs:
             stack.callback(_keep_logs, tmp, Path(args.logs) / planner)
         t0 = time.perf_counter()
-        prefill = start_daemon(tmp / "prefill", "--planner", planner, name="prefill")
-        stack.callback(prefill.stop)
-        decode = start_daemon(tmp / "decode", "--planner", planner, name="decode")
-        stack.callback(decode.stop)
-        pw = start_gpu_worker(prefill, "prefill-engine", *geo, "--fill")
-        stack.callback(pw.stop)
-        dw = start_gpu_worker(decode, "decode-engine", *geo)
-        stack.callback(dw.stop)
+        prefill, decode, pw, dw = _start_pair(stack, tmp, planner, _geometry_flags(args))
         pm, dm = pw.region_map, dw.region_map
         phase.prefill_descriptors = int(pm.get("descriptor_count", 0))
         phase.decode_descriptors = int(dm.get("descriptor_count", 0))
@@ -280,41 +268,9 @@ def run_phase(args: argparse.Namespace, planner: str, check_release: bool) -> Ph
             f"\n== planner {planner}: two daemons and two GPU workers up in"
             f" {time.perf_counter() - t0:.1f}s ({uuid}, 2 x {kv_mib:,.0f} MiB of KV cache)"
         )
-        for name, m in (("prefill", pm), ("decode", dm)):
-            print(
-                f"  {name:<8} {len(m.get('regions', []))} regions,"
-                f" {int(m.get('descriptor_count', 0)):,} registered descriptors"
-                f" (baseline {int(m.get('baseline_descriptor_count', 0)):,})"
-            )
-        _, per_pid = gpu_memory_mib(uuid)
-        if per_pid:
-            print(
-                "  kvmapd GPU memory (nvidia-smi): "
-                + ", ".join(
-                    f"{d_name} {per_pid.get(d.proc.pid, 0):,} MiB"
-                    for d_name, d in (("prefill", prefill), ("decode", decode))
-                )
-            )
-
-        rng = random.Random(args.seed)
-        per_request = args.request_blocks or max(1, args.blocks // 8)
-        remote_worker = pm["worker"]
-        print(
-            f"\n  {'request':<10}{'blocks':>7}{'descs':>9}{'post ms':>9}{'done ms':>9}"
-            f"{'MB':>9}{'GB/s':>8}  verified"
-        )
-        requests = [
-            (f"req-{r}", scattered(rng, args.blocks, per_request),
-             scattered(rng, args.blocks, per_request))
-            for r in range(args.requests)
-        ]  # fmt: skip
-        # Warm-up: handshake, UCX connection and IPC opens happen on first use.
-        warm = _pull(dw, prefill, remote_worker, "warm-up", requests[0][1:])
-        print(pull_line(warm) + "   (not counted)")
-        phase.warm_up_ok = warm.ok
-        for name, local, remote in requests:
-            phase.pulls.append(_pull(dw, prefill, remote_worker, name, (local, remote)))
-            print(pull_line(phase.pulls[-1]))
+        _print_maps(pm, dm)
+        _print_daemon_memory(uuid, prefill, decode)
+        _pull_requests(phase, args, dw, prefill, pm["worker"])
         phase.finished = _finished(pw, {p.request for p in phase.pulls})
         print(
             f"  prefill worker told the pull finished for {phase.finished}/{len(phase.pulls)}"
@@ -323,6 +279,76 @@ def run_phase(args: argparse.Namespace, planner: str, check_release: bool) -> Ph
         if check_release:
             phase.released = _check_release(pw, decode, uuid)
     return phase
+
+
+def _geometry_flags(args: argparse.Namespace) -> list[str]:
+    """The GPU workers' geometry and device flags."""
+    return [
+        "--blocks", str(args.blocks), "--block-tokens", str(args.block_tokens),
+        "--mla-layers", str(args.mla_layers), "--indexer-layers", str(args.indexer_layers),
+        "--device", args.device,
+    ]  # fmt: skip
+
+
+def _start_pair(
+    stack: ExitStack, tmp: Path, planner: str, geo: list[str]
+) -> tuple[DaemonProc, DaemonProc, WorkerProc, WorkerProc]:
+    """(prefill daemon, decode daemon, prefill worker, decode worker), each
+    stopped when ``stack`` closes; the prefill worker's cache is filled."""
+    prefill = start_daemon(tmp / "prefill", "--planner", planner, name="prefill")
+    stack.callback(prefill.stop)
+    decode = start_daemon(tmp / "decode", "--planner", planner, name="decode")
+    stack.callback(decode.stop)
+    pw = start_gpu_worker(prefill, "prefill-engine", *geo, "--fill")
+    stack.callback(pw.stop)
+    dw = start_gpu_worker(decode, "decode-engine", *geo)
+    stack.callback(dw.stop)
+    return prefill, decode, pw, dw
+
+
+def _print_maps(pm: dict[str, Any], dm: dict[str, Any]) -> None:
+    for name, m in (("prefill", pm), ("decode", dm)):
+        print(
+            f"  {name:<8} {len(m.get('regions', []))} regions,"
+            f" {int(m.get('descriptor_count', 0)):,} registered descriptors"
+            f" (baseline {int(m.get('baseline_descriptor_count', 0)):,})"
+        )
+
+
+def _print_daemon_memory(uuid: str, prefill: DaemonProc, decode: DaemonProc) -> None:
+    _, per_pid = gpu_memory_mib(uuid)
+    if per_pid:
+        print(
+            "  kvmapd GPU memory (nvidia-smi): "
+            + ", ".join(
+                f"{d_name} {per_pid.get(d.proc.pid, 0):,} MiB"
+                for d_name, d in (("prefill", prefill), ("decode", decode))
+            )
+        )
+
+
+def _pull_requests(
+    phase: Phase, args: argparse.Namespace, dw: WorkerProc, prefill: DaemonProc, remote: Any
+) -> None:
+    """A warm-up pull, then ``args.requests`` scattered ones into ``phase``."""
+    rng = random.Random(args.seed)
+    per_request = args.request_blocks or max(1, args.blocks // 8)
+    print(
+        f"\n  {'request':<10}{'blocks':>7}{'descs':>9}{'post ms':>9}{'done ms':>9}"
+        f"{'MB':>9}{'GB/s':>8}  verified"
+    )
+    requests = [
+        (f"req-{r}", scattered(rng, args.blocks, per_request),
+         scattered(rng, args.blocks, per_request))
+        for r in range(args.requests)
+    ]  # fmt: skip
+    # Warm-up: handshake, UCX connection and IPC opens happen on first use.
+    warm = _pull(dw, prefill, remote, "warm-up", requests[0][1:])
+    print(pull_line(warm) + "   (not counted)")
+    phase.warm_up_ok = warm.ok
+    for name, local, remote_ids in requests:
+        phase.pulls.append(_pull(dw, prefill, remote, name, (local, remote_ids)))
+        print(pull_line(phase.pulls[-1]))
 
 
 def _keep_logs(tmp: Path, dest: Path) -> None:

@@ -6,8 +6,9 @@ block sizes from the caching allocator) instead of shared-memory fds.
 
 Filling and verifying run on the GPU in chunks (one pass per chunk of
 blocks, never a Python loop per block), so a worker of several GiB fills and
-checks in well under a second. Block contents are ``demo_worker.pattern``:
-a decode worker verifies what it pulled without seeing prefill's memory.
+checks in well under a second. Block contents are ``demo_worker.pattern``
+(``kvmap.tools.block_pattern``): a decode worker verifies what it pulled
+without seeing prefill's memory.
 Run by ``kvmap.tools.gpu_demo`` and tests/gpu.
 """
 
@@ -18,39 +19,32 @@ import sys
 import torch
 
 from kvmap.client.cuda_export import export_cuda_tensors
+from kvmap.tools import demo_worker
 from kvmap.tools.demo_worker import (
     DemoGeometry,
     DemoWorker,
     geometry,
+    pattern_rows,
     serve_worker,
     worker_arguments,
     worker_id,
 )
 from kvmap.v1 import registry_pb2, types_pb2
 
+__all__ = ["GpuDemoWorker", "chunk_blocks", "count_bad", "fill_rows", "main", "pattern_rows"]
+
 # Bytes of int64 scratch one fill/verify chunk may use on the GPU.
 CHUNK_SCRATCH_BYTES = 512 << 20
 
 
-def pattern_rows(group: int, blocks: torch.Tensor, row_bytes: int, seed: int = 0) -> torch.Tensor:
-    """``demo_worker.pattern`` for many blocks at once, on ``blocks.device``:
-    a ``[len(blocks), row_bytes]`` uint8 tensor."""
-    i = torch.arange(row_bytes, dtype=torch.int64, device=blocks.device)
-    b = blocks.to(torch.int64)[:, None]
-    return ((i[None, :] * 31 + b * 7919 + group * 104729 + seed * 15485863) % 251).to(torch.uint8)
-
-
 def chunk_blocks(row_bytes: int) -> int:
     """Blocks per chunk so that one chunk's int64 scratch fits the budget."""
-    return max(1, CHUNK_SCRATCH_BYTES // (8 * row_bytes))
+    return demo_worker.chunk_blocks(row_bytes, CHUNK_SCRATCH_BYTES)
 
 
 def fill_rows(rows: torch.Tensor, group: int, seed: int) -> None:
-    n, row_bytes = rows.shape
-    step = chunk_blocks(row_bytes)
-    for start in range(0, n, step):
-        blocks = torch.arange(start, min(n, start + step), device=rows.device)
-        rows[start : start + len(blocks)] = pattern_rows(group, blocks, row_bytes, seed)
+    """``demo_worker.fill_rows`` within this module's scratch budget."""
+    demo_worker.fill_rows(rows, group, seed, scratch_bytes=CHUNK_SCRATCH_BYTES)
 
 
 def count_bad(
@@ -62,23 +56,16 @@ def count_bad(
     slices: list[tuple[int, int]],
     seed: int = 0,
 ) -> int:
-    """How many ``local[i]`` rows differ from remote block ``remote[i]``'s
-    pattern in any of the byte ``slices`` (offset, length)."""
-    if len(local) != len(remote):
-        raise ValueError(f"{len(local)} local blocks for {len(remote)} remote blocks")
-    row_bytes = rows.shape[1]
-    step = chunk_blocks(row_bytes)
-    bad = 0
-    for start in range(0, len(local), step):
-        lb = torch.tensor(local[start : start + step], device=rows.device)
-        rb = torch.tensor(remote[start : start + step], device=rows.device)
-        want = pattern_rows(group, rb, row_bytes, seed)
-        got = rows.index_select(0, lb)
-        differs = torch.zeros(len(lb), dtype=torch.bool, device=rows.device)
-        for off, n in slices:
-            differs |= (got[:, off : off + n] != want[:, off : off + n]).any(dim=1)
-        bad += int(differs.sum().item())
-    return bad
+    """``demo_worker.count_bad`` within this module's scratch budget."""
+    return demo_worker.count_bad(
+        rows,
+        group,
+        local=local,
+        remote=remote,
+        slices=slices,
+        seed=seed,
+        scratch_bytes=CHUNK_SCRATCH_BYTES,
+    )
 
 
 class GpuDemoWorker(DemoWorker):
@@ -133,10 +120,6 @@ class GpuDemoWorker(DemoWorker):
         return count_bad(
             self.rows[group], group, local=local, remote=remote, slices=slices, seed=seed
         )
-
-    def digest(self) -> list[int]:
-        # dtype= sums in int64 without an int64 copy of the whole cache.
-        return [int(rows.sum(dtype=torch.int64).item()) for rows in self.rows]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,9 @@ CALL_TIMEOUT_S = 120.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m kvmap.tools.load", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m kvmap.tools.load", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--clients", type=int, default=4, help="concurrent decode workers (N)")
     p.add_argument("--pulls", type=int, default=50, help="pulls per client (M)")
     p.add_argument("--decode-daemons", type=int, default=0, help="K; default min(N, 2)")
@@ -267,74 +270,128 @@ def _served(daemon: DaemonProc, expected: int, wait_s: float = 5.0) -> int:
             time.sleep(0.05)
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """What one load run saw, before it is summed up."""
+
+    clients: list[Client]
+    warmup: list[transfers_pb2.TransferStats]  # each client's first pull
+    bad: list[int]  # bad blocks per counted successful pull
+    served: int  # transfers the prefill daemon saw finish
+    bytes_per_block: int
+    setup_s: float
+    warmup_s: float
+    wall_s: float
+    verify_s: float
+
+
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     daemons: list[DaemonProc] = []
     workers: list[Worker] = []
     try:
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(args.decode_daemons + 1) as pool:
-            futures = [pool.submit(start_daemon, work / "prefill", name="prefill")] + [
-                pool.submit(
-                    start_daemon,
-                    work / f"decode{k}",
-                    "--planner",
-                    args.decode_planner,
-                    name=f"decode{k}",
-                )
-                for k in range(args.decode_daemons)
-            ]
-            daemons.extend(f.result() for f in futures)
-        prefill_daemon, decodes = daemons[0], daemons[1:]
-        prefill = Worker(prefill_daemon, "prefill", args.prefill_blocks, args)
-        workers.append(prefill)
-        prefill.fill(args.seed)
-        prefill.register()
-        local_blocks = (args.pulls + 1) * args.blocks_per_pull
-        clients = []
-        for i in range(args.clients):
-            w = Worker(decodes[i % len(decodes)], f"decode-{i}", local_blocks, args)
-            workers.append(w)
-            w.register()
-            clients.append(Client(i, w, args))
+        daemons.extend(_start_daemons(args, work))
+        prefill, clients = _register_workers(args, daemons, workers)
         setup_s = time.perf_counter() - t0
-
-        target = prefill_daemon.tcp_target
+        target = daemons[0].tcp_target
         t0 = time.perf_counter()
         with ThreadPoolExecutor(args.clients) as pool:
-            first = list(pool.map(lambda c: c.pull(target, 0), clients))
+            warmup = list(pool.map(lambda c: c.pull(target, 0), clients))
         warmup_s = time.perf_counter() - t0
-
-        start = threading.Barrier(args.clients + 1)
-        threads = [threading.Thread(target=c.run, args=(target, start)) for c in clients]
-        for t in threads:
-            t.start()
-        start.wait()
-        t0 = time.perf_counter()
-        for t in threads:
-            t.join()
-        wall_s = time.perf_counter() - t0
-
+        wall_s = _pull_together(clients, target)
         t0 = time.perf_counter()
         bad = [n for c in clients for n in c.verify(prefill)]
         verify_s = time.perf_counter() - t0
         done_pulls = sum(len(c.stats) for c in clients) + len(clients)
-        served = _served(prefill_daemon, done_pulls)
+        served = _served(daemons[0], done_pulls)
     finally:
-        for w in workers:
-            w.close()
-        with ThreadPoolExecutor(max(1, len(daemons))) as pool:
-            for d, rc in zip(daemons, pool.map(DaemonProc.terminate, daemons), strict=True):
-                if rc != 0:
-                    print(f"warning: {d.log_path} exited {rc}", file=sys.stderr)
+        _stop(workers, daemons)
+    outcome = Outcome(
+        clients=clients,
+        warmup=warmup,
+        bad=bad,
+        served=served,
+        bytes_per_block=sum(layers * page for _, layers, page in prefill.pages),
+        setup_s=setup_s,
+        warmup_s=warmup_s,
+        wall_s=wall_s,
+        verify_s=verify_s,
+    )
+    return figures(args, outcome)
 
-    lat = sorted(x for c in clients for x in c.latencies)
-    stats = [s for c in clients for s in c.stats]
-    errors = [e for c in clients for e in c.errors]
+
+def _start_daemons(args: argparse.Namespace, work: Path) -> list[DaemonProc]:
+    """The prefill daemon, then the decode ones, started in parallel."""
+    with ThreadPoolExecutor(args.decode_daemons + 1) as pool:
+        futures = [pool.submit(start_daemon, work / "prefill", name="prefill")] + [
+            pool.submit(
+                start_daemon,
+                work / f"decode{k}",
+                "--planner",
+                args.decode_planner,
+                name=f"decode{k}",
+            )
+            for k in range(args.decode_daemons)
+        ]
+        return [f.result() for f in futures]
+
+
+def _register_workers(
+    args: argparse.Namespace, daemons: list[DaemonProc], workers: list[Worker]
+) -> tuple[Worker, list[Client]]:
+    """The filled prefill worker and one client per decode worker (worker i on
+    decode daemon i mod K), all registered; each joins ``workers`` as soon as
+    it exists so that the caller closes it whatever happens next."""
+    prefill_daemon, decodes = daemons[0], daemons[1:]
+    prefill = Worker(prefill_daemon, "prefill", args.prefill_blocks, args)
+    workers.append(prefill)
+    prefill.fill(args.seed)
+    prefill.register()
+    local_blocks = (args.pulls + 1) * args.blocks_per_pull
+    clients = []
+    for i in range(args.clients):
+        w = Worker(decodes[i % len(decodes)], f"decode-{i}", local_blocks, args)
+        workers.append(w)
+        w.register()
+        clients.append(Client(i, w, args))
+    return prefill, clients
+
+
+def _pull_together(clients: list[Client], target: str) -> float:
+    """Start every client's pulls at once; seconds until the last is done."""
+    start = threading.Barrier(len(clients) + 1)
+    threads = [threading.Thread(target=c.run, args=(target, start)) for c in clients]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def _stop(workers: list[Worker], daemons: list[DaemonProc]) -> None:
+    for w in workers:
+        w.close()
+    with ThreadPoolExecutor(max(1, len(daemons))) as pool:
+        for d, rc in zip(daemons, pool.map(DaemonProc.terminate, daemons), strict=True):
+            if rc != 0:
+                print(f"warning: {d.log_path} exited {rc}", file=sys.stderr)
+
+
+def _ms(seconds: float, digits: int) -> float:
+    return round(seconds * 1e3, digits)
+
+
+def figures(args: argparse.Namespace, o: Outcome) -> dict[str, Any]:
+    """The figures ``report`` prints and ``--json`` writes."""
+    lat = sorted(x for c in o.clients for x in c.latencies)
+    stats = [s for c in o.clients for s in c.stats]
+    errors = [e for c in o.clients for e in c.errors]
     post = sorted(s.post_seconds for s in stats)
     done = sorted(s.completion_seconds for s in stats)
     total_bytes = sum(s.bytes for s in stats)
     pulls = len(stats)
-    row_bytes = sum(layers * page for _, layers, page in prefill.pages)
     return {
         "machine": machine(),
         "clients": args.clients,
@@ -342,29 +399,29 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "decode_daemons": args.decode_daemons,
         "decode_planner": args.decode_planner,
         "blocks_per_pull": args.blocks_per_pull,
-        "bytes_per_block": row_bytes,
-        "bytes_per_pull": row_bytes * args.blocks_per_pull,
+        "bytes_per_block": o.bytes_per_block,
+        "bytes_per_pull": o.bytes_per_block * args.blocks_per_pull,
         "descriptors_per_pull": int(stats[0].descriptors) if stats else 0,
-        "setup_s": round(setup_s, 2),
-        "warmup_s": round(warmup_s, 3),
-        "warmup_handshaked": sum(1 for s in first if s.handshaked),
-        "verify_s": round(verify_s, 2),
+        "setup_s": round(o.setup_s, 2),
+        "warmup_s": round(o.warmup_s, 3),
+        "warmup_handshaked": sum(1 for s in o.warmup if s.handshaked),
+        "verify_s": round(o.verify_s, 2),
         "pulls": pulls + len(errors),
         "failed_pulls": len(errors),
         "first_error": errors[0] if errors else None,
-        "verified_pulls": sum(1 for n in bad if n == 0),
-        "bad_blocks": sum(bad),
-        "prefill_served": served,
-        "wall_s": round(wall_s, 3),
-        "pulls_per_s": round(pulls / wall_s, 1),
-        "gb_per_s": round(total_bytes / wall_s / 1e9, 3),
-        "p50_ms": round(percentile(lat, 50) * 1e3, 2),
-        "p99_ms": round(percentile(lat, 99) * 1e3, 2),
-        "max_ms": round(lat[-1] * 1e3, 2) if lat else float("nan"),
-        "post_p50_ms": round(percentile(post, 50) * 1e3, 3),
-        "post_p99_ms": round(percentile(post, 99) * 1e3, 3),
-        "completion_p50_ms": round(percentile(done, 50) * 1e3, 3),
-        "completion_p99_ms": round(percentile(done, 99) * 1e3, 3),
+        "verified_pulls": sum(1 for n in o.bad if n == 0),
+        "bad_blocks": sum(o.bad),
+        "prefill_served": o.served,
+        "wall_s": round(o.wall_s, 3),
+        "pulls_per_s": round(pulls / o.wall_s, 1),
+        "gb_per_s": round(total_bytes / o.wall_s / 1e9, 3),
+        "p50_ms": _ms(percentile(lat, 50), 2),
+        "p99_ms": _ms(percentile(lat, 99), 2),
+        "max_ms": _ms(lat[-1], 2) if lat else float("nan"),
+        "post_p50_ms": _ms(percentile(post, 50), 3),
+        "post_p99_ms": _ms(percentile(post, 99), 3),
+        "completion_p50_ms": _ms(percentile(done, 50), 3),
+        "completion_p99_ms": _ms(percentile(done, 99), 3),
     }
 
 

@@ -44,6 +44,47 @@ class _Uuid(ctypes.Structure):
     _fields_ = [("bytes", ctypes.c_ubyte * UUID_SIZE)]
 
 
+# The driver calls LibCuda binds; every one returns a CUresult.
+_SIGNATURES: dict[str, tuple[tuple[str, ...], list[Any]]] = {
+    # name: (symbols to try, newest first; argtypes)
+    "cuGetErrorName": (("cuGetErrorName",), [_CUresult, ctypes.POINTER(ctypes.c_char_p)]),
+    "cuGetErrorString": (
+        ("cuGetErrorString",),
+        [_CUresult, ctypes.POINTER(ctypes.c_char_p)],
+    ),
+    "cuInit": (("cuInit",), [ctypes.c_uint]),
+    "cuDeviceGetCount": (("cuDeviceGetCount",), [ctypes.POINTER(ctypes.c_int)]),
+    "cuDeviceGet": (("cuDeviceGet",), [ctypes.POINTER(_CUdevice), ctypes.c_int]),
+    # _v2 reports a MIG instance's own UUID, as nvidia-smi -L does.
+    "cuDeviceGetUuid": (
+        ("cuDeviceGetUuid_v2", "cuDeviceGetUuid"),
+        [ctypes.POINTER(_Uuid), _CUdevice],
+    ),
+    "cuDevicePrimaryCtxRetain": (
+        ("cuDevicePrimaryCtxRetain",),
+        [ctypes.POINTER(_CUcontext), _CUdevice],
+    ),
+    "cuDevicePrimaryCtxRelease": (
+        ("cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease"),
+        [_CUdevice],
+    ),
+    "cuCtxPushCurrent": (("cuCtxPushCurrent_v2", "cuCtxPushCurrent"), [_CUcontext]),
+    "cuCtxPopCurrent": (
+        ("cuCtxPopCurrent_v2", "cuCtxPopCurrent"),
+        [ctypes.POINTER(_CUcontext)],
+    ),
+    "cuIpcOpenMemHandle": (
+        ("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"),
+        [ctypes.POINTER(_CUdeviceptr), _IpcMemHandle, ctypes.c_uint],
+    ),
+    "cuIpcCloseMemHandle": (("cuIpcCloseMemHandle",), [_CUdeviceptr]),
+    "cuMemGetAddressRange": (
+        ("cuMemGetAddressRange_v2", "cuMemGetAddressRange"),
+        [ctypes.POINTER(_CUdeviceptr), ctypes.POINTER(ctypes.c_size_t), _CUdeviceptr],
+    ),
+}
+
+
 class CudaUnavailable(Exception):
     """libcuda cannot be loaded or initialised in this process."""
 
@@ -69,45 +110,7 @@ class LibCuda:
         except OSError as e:
             raise CudaUnavailable(f"cannot load {path}: {e}") from e
         self._f: dict[str, Any] = {}
-        sig = {
-            # name: (symbols to try, newest first; argtypes)
-            "cuGetErrorName": (("cuGetErrorName",), [_CUresult, ctypes.POINTER(ctypes.c_char_p)]),
-            "cuGetErrorString": (
-                ("cuGetErrorString",),
-                [_CUresult, ctypes.POINTER(ctypes.c_char_p)],
-            ),
-            "cuInit": (("cuInit",), [ctypes.c_uint]),
-            "cuDeviceGetCount": (("cuDeviceGetCount",), [ctypes.POINTER(ctypes.c_int)]),
-            "cuDeviceGet": (("cuDeviceGet",), [ctypes.POINTER(_CUdevice), ctypes.c_int]),
-            # _v2 reports a MIG instance's own UUID, as nvidia-smi -L does.
-            "cuDeviceGetUuid": (
-                ("cuDeviceGetUuid_v2", "cuDeviceGetUuid"),
-                [ctypes.POINTER(_Uuid), _CUdevice],
-            ),
-            "cuDevicePrimaryCtxRetain": (
-                ("cuDevicePrimaryCtxRetain",),
-                [ctypes.POINTER(_CUcontext), _CUdevice],
-            ),
-            "cuDevicePrimaryCtxRelease": (
-                ("cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease"),
-                [_CUdevice],
-            ),
-            "cuCtxPushCurrent": (("cuCtxPushCurrent_v2", "cuCtxPushCurrent"), [_CUcontext]),
-            "cuCtxPopCurrent": (
-                ("cuCtxPopCurrent_v2", "cuCtxPopCurrent"),
-                [ctypes.POINTER(_CUcontext)],
-            ),
-            "cuIpcOpenMemHandle": (
-                ("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"),
-                [ctypes.POINTER(_CUdeviceptr), _IpcMemHandle, ctypes.c_uint],
-            ),
-            "cuIpcCloseMemHandle": (("cuIpcCloseMemHandle",), [_CUdeviceptr]),
-            "cuMemGetAddressRange": (
-                ("cuMemGetAddressRange_v2", "cuMemGetAddressRange"),
-                [ctypes.POINTER(_CUdeviceptr), ctypes.POINTER(ctypes.c_size_t), _CUdeviceptr],
-            ),
-        }
-        for name, (symbols, argtypes) in sig.items():
+        for name, (symbols, argtypes) in _SIGNATURES.items():
             fn = next((getattr(self._lib, s) for s in symbols if hasattr(self._lib, s)), None)
             if fn is None:
                 raise CudaUnavailable(f"{path} has no {symbols[0]} (driver too old)")

@@ -57,7 +57,7 @@ from kvmap.daemon.adapters.cuda_driver import (
     CudaUnavailable,
     LibCuda,
 )
-from kvmap.daemon.adapters.nixl_agent import MemoryType
+from kvmap.daemon.adapters.nixl_port import MemoryType
 from kvmap.daemon.core.errors import (
     FailedPrecondition,
     InternalError,
@@ -274,7 +274,8 @@ def load_driver() -> CudaDriver:
 
 class CudaIpcImporter:
     """Opens IPC handles once per process, shares blocks, closes them when
-    their last allocation goes. Thread-safe. One per daemon process."""
+    their last allocation goes. Thread-safe. One per daemon process (the
+    daemon's ``DaemonApp`` makes it; a handle opens only once per process)."""
 
     def __init__(self, load: Callable[[], CudaDriver] = load_driver) -> None:
         self._load = load
@@ -413,28 +414,13 @@ class CudaIpcImporter:
             self._mappings = 0
 
 
-# The daemon's importer ------------------------------------------------------------
-
-_default: CudaIpcImporter | None = None
-_default_lock = threading.Lock()
-
-
-def default_importer() -> CudaIpcImporter:
-    """The process's importer (created on first use; loads no driver until then)."""
-    global _default  # noqa: PLW0603  (one importer per process, like the handles)
-    with _default_lock:
-        if _default is None:
-            _default = CudaIpcImporter()
-        return _default
-
-
 def import_allocation(
-    alloc: types_pb2.Allocation, *, field: str, importer: CudaIpcImporter | None = None
+    alloc: types_pb2.Allocation, *, field: str, importer: CudaIpcImporter
 ) -> CudaMapping:
     """Map an ``Allocation`` with a ``cuda_ipc`` handle. ``field`` is its path
     in the request (``allocations[3]``); errors name its sub-fields."""
     ipc = alloc.cuda_ipc
-    return (importer or default_importer()).import_handle(
+    return importer.import_handle(
         handle=ipc.handle,
         offset=ipc.offset_bytes,
         size=alloc.size_bytes,
@@ -444,32 +430,14 @@ def import_allocation(
     )
 
 
-def live_handles() -> int:
-    """IPC handles open in this process (0 if no CUDA memory was ever imported)."""
-    return _default.live_handles() if _default is not None else 0
-
-
-def live_mappings() -> int:
-    return _default.live_mappings() if _default is not None else 0
-
-
-def shutdown() -> None:
-    if _default is not None:
-        _default.shutdown()
-
-
 __all__ = [
     "CudaDriver",
     "CudaIpcImporter",
     "CudaMapping",
     "check_handle",
     "check_span",
-    "default_importer",
     "format_uuid",
     "import_allocation",
-    "live_handles",
-    "live_mappings",
     "parse_uuid",
     "pick_device",
-    "shutdown",
 ]

@@ -10,34 +10,38 @@ and writes land in the worker's own pages, and registers the mapping.
 (``offset`` bytes into the object); ``mmap`` needs a page-aligned file offset,
 so the mapping starts at the page boundary below ``offset``.
 
-Every mapping this module makes is counted until it is closed, so tests (and
-the daemon's own health checks) can assert that nothing leaks.
+The daemon maps through its ``ShmImporter``, which counts the mappings it made
+until they are closed, so tests (and the daemon's own stats) can assert that
+nothing leaks.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import itertools
 import mmap
 import os
 import stat
 import threading
+from collections.abc import Callable
 from types import TracebackType
 
 from kvmap.daemon.core.errors import InvalidArgument
 
 _PAGE = mmap.ALLOCATIONGRANULARITY
 
-_live_lock = threading.Lock()
-_live: set[int] = set()  # serial of every open MappedMemory (not id(): ids are reused)
-_serials = itertools.count()
-
 
 class MappedMemory:
     """One allocation mapped into the daemon. Owns the fd and the mapping."""
 
-    def __init__(self, fd: int, offset: int, size: int, source: str) -> None:
+    def __init__(
+        self,
+        fd: int,
+        offset: int,
+        size: int,
+        source: str,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
         map_offset = offset - offset % _PAGE
         self._head = offset - map_offset  # bytes between the mapping start and byte 0
         self._mmap: mmap.mmap | None = mmap.mmap(
@@ -54,9 +58,7 @@ class MappedMemory:
         self.map_address = _buffer_address(self._mmap)
         self.address = self.map_address + self._head
         self.map_length = self._head + size
-        self._serial = next(_serials)
-        with _live_lock:
-            _live.add(self._serial)
+        self._on_close = on_close
 
     @property
     def closed(self) -> bool:
@@ -67,8 +69,8 @@ class MappedMemory:
         mm, self._mmap = self._mmap, None
         if mm is None:
             return
-        with _live_lock:
-            _live.discard(self._serial)
+        if self._on_close is not None:
+            self._on_close()
         try:
             mm.close()
         finally:
@@ -101,13 +103,21 @@ def _buffer_address(mm: mmap.mmap) -> int:
         del probe
 
 
-def import_shm_fd(fd: int, offset: int, size: int, *, field: str = "") -> MappedMemory:
+def import_shm_fd(
+    fd: int,
+    offset: int,
+    size: int,
+    *,
+    field: str = "",
+    on_close: Callable[[], None] | None = None,
+) -> MappedMemory:
     """Map ``size`` bytes at ``offset`` of the shared-memory object behind ``fd``.
 
     Always consumes ``fd``: the returned mapping owns it (``close()`` closes
     it), and on failure it is closed here, so a caller that got it from
     ``FdHandoffServer.claim`` never has to. ``field`` prefixes error
-    messages, e.g. ``allocations[0].shm_fd``.
+    messages, e.g. ``allocations[0].shm_fd``; ``on_close`` runs when the
+    mapping is closed.
     """
     try:
         _check_range(offset, size, field)
@@ -116,14 +126,21 @@ def import_shm_fd(fd: int, offset: int, size: int, *, field: str = "") -> Mapped
         except OSError as e:
             raise InvalidArgument(field, f"not an open file descriptor ({e.strerror})") from e
         _check_object(st, offset, size, field)
-        return _map(fd, offset, size, f"fd {fd}", field)
+        return _map(fd, offset, size, f"fd {fd}", field, on_close=on_close)
     except BaseException:
         with contextlib.suppress(OSError):
             os.close(fd)
         raise
 
 
-def import_shm_path(path: str, offset: int, size: int, *, field: str = "") -> MappedMemory:
+def import_shm_path(
+    path: str,
+    offset: int,
+    size: int,
+    *,
+    field: str = "",
+    on_close: Callable[[], None] | None = None,
+) -> MappedMemory:
     """Open ``path`` read/write and map ``size`` bytes at ``offset`` of it."""
     _check_range(offset, size, field)
     if not os.path.isabs(path):
@@ -138,7 +155,7 @@ def import_shm_path(path: str, offset: int, size: int, *, field: str = "") -> Ma
         raise InvalidArgument(field, f"path {path[:256]!r} is not a valid path: {e}") from e
     try:
         _check_object(os.fstat(fd), offset, size, field)
-        return _map(fd, offset, size, path, field)
+        return _map(fd, offset, size, path, field, on_close=on_close)
     except BaseException:
         os.close(fd)
         raise
@@ -164,19 +181,63 @@ def _check_object(st: os.stat_result, offset: int, size: int, field: str) -> Non
         )
 
 
-def _map(fd: int, offset: int, size: int, source: str, field: str) -> MappedMemory:
+def _map(
+    fd: int,
+    offset: int,
+    size: int,
+    source: str,
+    field: str,
+    *,
+    on_close: Callable[[], None] | None,
+) -> MappedMemory:
     try:
-        return MappedMemory(fd, offset, size, source)
+        return MappedMemory(fd, offset, size, source, on_close)
     except (OSError, ValueError) as e:
         # EACCES: the fd was opened read-only; ENODEV: the file system cannot mmap.
         problem = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise InvalidArgument(field, f"cannot map read/write: {problem}") from e
 
 
-def live_mappings() -> int:
-    """How many ``MappedMemory`` objects are open in this process."""
-    with _live_lock:
-        return len(_live)
+class ShmImporter:
+    """Maps workers' shared-memory objects and counts the mappings it made
+    that are still open. One per daemon (``DaemonApp``); thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open = 0
+
+    def import_fd(self, fd: int, offset: int, size: int, *, field: str = "") -> MappedMemory:
+        """``import_shm_fd``, counted."""
+        self._opened()
+        try:
+            return import_shm_fd(fd, offset, size, field=field, on_close=self._closed)
+        except BaseException:
+            self._closed()
+            raise
+
+    def import_path(self, path: str, offset: int, size: int, *, field: str = "") -> MappedMemory:
+        """``import_shm_path``, counted."""
+        self._opened()
+        try:
+            return import_shm_path(path, offset, size, field=field, on_close=self._closed)
+        except BaseException:
+            self._closed()
+            raise
+
+    def live_mappings(self) -> int:
+        """How many mappings made here are open."""
+        with self._lock:
+            return self._open
+
+    def _opened(self) -> None:
+        # Counted before mapping: close() may run (and count down) as soon
+        # as the mapping exists.
+        with self._lock:
+            self._open += 1
+
+    def _closed(self) -> None:
+        with self._lock:
+            self._open -= 1
 
 
 def is_mapped(address: int) -> bool:

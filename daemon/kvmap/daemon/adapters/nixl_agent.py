@@ -62,17 +62,27 @@ registering memory that overlaps a registration raises ``AlreadyExists``
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+# The value types live with the engine's port (which imports no NIXL); they
+# are re-exported here so ``from nixl_agent import XferOp`` keeps working.
+from kvmap.daemon.adapters.nixl_port import (
+    Backend,
+    DlistHandle,
+    IndexArray,
+    MemoryType,
+    Registration,
+    Xfer,
+    XferOp,
+    XferState,
+)
 from kvmap.daemon.core.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -85,73 +95,7 @@ from kvmap.daemon.core.errors import (
     Unimplemented,
 )
 
-IndexArray = Sequence[int] | npt.NDArray[np.integer[Any]]
-
 _CLOSE_PROGRESS_ROUNDS = 8
-
-
-class MemoryType(enum.Enum):
-    DRAM = "DRAM"
-    VRAM = "VRAM"
-
-
-class Backend(enum.Enum):
-    UCX = "UCX"
-
-
-class XferOp(enum.Enum):
-    READ = "READ"  # remote -> local
-    WRITE = "WRITE"  # local -> remote
-
-
-class XferState(enum.Enum):
-    PROC = "PROC"
-    DONE = "DONE"
-    ERR = "ERR"
-
-
-@dataclass(eq=False)
-class Registration:
-    """One registered allocation. Keep it to deregister."""
-
-    address: int
-    size: int
-    dev_id: int
-    mem_type: MemoryType
-    _dlist: Any = field(repr=False)
-    active: bool = True
-    # Registrations of the very same span (a CUDA IPC block a worker
-    # registered again maps at the same address) share one NIXL registration.
-    refs: int = 1
-
-
-@dataclass(eq=False)
-class DlistHandle:
-    """A prepared descriptor list. ``agent`` is ``""`` for a local list."""
-
-    agent: str
-    mem_type: MemoryType
-    num_descs: int
-    _handle: Any = field(repr=False)
-    released: bool = False
-
-    @property
-    def local(self) -> bool:
-        return self.agent == ""
-
-
-@dataclass(eq=False)
-class Xfer:
-    """One posted transfer. ``state`` is the last polled state."""
-
-    op: XferOp
-    remote_agent: str
-    num_descs: int
-    posted_at: float
-    _handle: Any = field(repr=False)
-    state: XferState = XferState.PROC
-    error: TransferError | Unavailable | None = None
-    released: bool = False
 
 
 # (our error class, NIXL status name) per NIXL exception class name. Looked up
@@ -210,7 +154,8 @@ def translate(exc: BaseException, what: str, arg: str = "") -> KvmapError:
 
 
 class NixlAgent:
-    """A NIXL agent with the UCX backend, typed and mapped into kvmap errors."""
+    """A NIXL agent with the UCX backend, typed and mapped into kvmap errors
+    (the engine's ``nixl_port.NixlPort``)."""
 
     def __init__(self, name: str, agent: Any, progress_thread: bool) -> None:
         self.name = name
@@ -622,6 +567,7 @@ def _indices(idx: IndexArray, bound: int, arg: str) -> npt.NDArray[np.int32]:
 __all__ = [
     "Backend",
     "DlistHandle",
+    "IndexArray",
     "MemoryType",
     "NixlAgent",
     "Registration",

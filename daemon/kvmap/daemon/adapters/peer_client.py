@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import types
+from collections.abc import Callable, Mapping
+from functools import partial
 
 import grpc
 from grpc import aio
 
 from kvmap.daemon.adapters.config_files import read_pem
+from kvmap.daemon.adapters.grpc_codes import error_code
 from kvmap.daemon.core import convert
 from kvmap.daemon.core.config import DaemonConfig
 from kvmap.daemon.core.errors import (
     DeadlineExceeded,
+    ErrorCode,
     FailedPrecondition,
     InvalidArgument,
     KvmapError,
@@ -24,19 +29,22 @@ from kvmap.daemon.core.errors import (
 from kvmap.daemon.core.geometry import RegionMapModel, WorkerKey
 from kvmap.v1 import peer_pb2, peer_pb2_grpc
 
+# What a remote daemon's status becomes here. These four are about the request
+# and pass through; anything else (a peer that is down, broken or overloaded)
+# means the peer is unavailable to this transfer.
+_PASSED_THROUGH: Mapping[ErrorCode, Callable[[str], KvmapError]] = types.MappingProxyType(
+    {
+        ErrorCode.NOT_FOUND: NotFound,
+        ErrorCode.FAILED_PRECONDITION: FailedPrecondition,
+        ErrorCode.INVALID_ARGUMENT: partial(InvalidArgument, "remote_worker"),
+        ErrorCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    }
+)
+
 
 def _peer_error(target: str, err: aio.AioRpcError) -> KvmapError:
-    code = err.code()
-    what = f"remote daemon {target}: {code.name}: {err.details()}"
-    if code == grpc.StatusCode.NOT_FOUND:
-        return NotFound(what)
-    if code == grpc.StatusCode.FAILED_PRECONDITION:
-        return FailedPrecondition(what)
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidArgument("remote_worker", what)
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return DeadlineExceeded(what)
-    return Unavailable(what)
+    what = f"remote daemon {target}: {err.code().name}: {err.details()}"
+    return _PASSED_THROUGH.get(error_code(err.code()), Unavailable)(what)
 
 
 # Remote daemons this daemon keeps a channel open to at once.
@@ -105,7 +113,7 @@ class PeerClient:
         try:
             resp = await self._stub(target).BeginTransfer(req, timeout=self._timeout)
         except aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+            if error_code(err.code()) is ErrorCode.FAILED_PRECONDITION:
                 raise StaleGeneration(str(req.worker), req.generation, 0) from None
             raise _peer_error(target, err) from None
         return resp.transfer_token

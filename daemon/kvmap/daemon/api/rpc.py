@@ -1,5 +1,6 @@
-"""The one place RPC errors become gRPC statuses, plus per-RPC logging
-context (a request id) and RPC metrics, as an aio server interceptor."""
+"""Where RPC errors become gRPC statuses (through ``api.status``), plus
+per-RPC logging context (a request id) and RPC metrics, as an aio server
+interceptor."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from google.protobuf.message import DecodeError
 from grpc import aio
 
 from kvmap.daemon.adapters.metrics import Metrics
-from kvmap.daemon.core.errors import InvalidArgument, KvmapError, grpc_status
+from kvmap.daemon.api.status import grpc_status
+from kvmap.daemon.core.errors import InvalidArgument, KvmapError
 
 log = structlog.get_logger("kvmapd.rpc")
 

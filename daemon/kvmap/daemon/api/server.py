@@ -18,7 +18,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from kvmap.daemon.adapters import cuda_ipc
 from kvmap.daemon.adapters.config_files import read_pem
 from kvmap.daemon.adapters.metrics import Metrics
 from kvmap.daemon.api.rpc import ErrorsAndContext
@@ -120,7 +119,6 @@ class Daemon:
             if server is not None:
                 await server.stop(grace=1.0)
         await self.app.close()
-        cuda_ipc.shutdown()  # after every registration of imported VRAM is gone
         for path in (self.config.socket_path, self.config.fd_socket_path):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)

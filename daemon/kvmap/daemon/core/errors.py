@@ -1,6 +1,6 @@
-"""The project's error tree. Every error knows its gRPC status.
+"""The project's error tree. Every error carries one of our own ``ErrorCode``s.
 
-    KvmapError
+    KvmapError               UNKNOWN
     ├── InvalidArgument      INVALID_ARGUMENT   (names the offending field)
     ├── NotFound             NOT_FOUND
     ├── AlreadyExists        ALREADY_EXISTS
@@ -13,19 +13,41 @@
     └── InternalError        INTERNAL
         └── TransferError    (NIXL reported a failed transfer or call)
 
-Only ``grpc_status`` turns these into statuses on the wire (see
-``kvmap.daemon.api.rpc``); the NIXL adapter maps NIXL's exceptions into this tree.
+The codes are named like gRPC's status codes but are ours, so the core imports
+no grpc; PERMISSION_DENIED has no class yet (reserved for caller checks).
+``status_of`` says what any exception reports to a caller (code and bounded
+message); ``kvmap.daemon.api.status.grpc_status`` is the one place that turns
+that into a status on the wire, through the table in
+``kvmap.daemon.adapters.grpc_codes``. The NIXL adapter maps NIXL's exceptions
+into this tree and the peer client maps remote daemons' statuses into it.
 """
 
 from __future__ import annotations
 
-import grpc
+import enum
+
+
+@enum.unique
+class ErrorCode(enum.Enum):
+    """What kind of failure an error is; each name is the gRPC status it becomes."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    NOT_FOUND = "NOT_FOUND"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    UNAVAILABLE = "UNAVAILABLE"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    UNIMPLEMENTED = "UNIMPLEMENTED"
+    INTERNAL = "INTERNAL"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    UNKNOWN = "UNKNOWN"
 
 
 class KvmapError(Exception):
     """Base of every error the daemon reports to a caller."""
 
-    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    code: ErrorCode = ErrorCode.UNKNOWN
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -38,7 +60,7 @@ class KvmapError(Exception):
 class InvalidArgument(KvmapError):
     """The request is malformed. ``field`` is a path like ``views[17].num_blocks``."""
 
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    code = ErrorCode.INVALID_ARGUMENT
 
     def __init__(self, field: str, problem: str) -> None:
         super().__init__(f"{field}: {problem}" if field else problem)
@@ -47,15 +69,15 @@ class InvalidArgument(KvmapError):
 
 
 class NotFound(KvmapError):
-    code = grpc.StatusCode.NOT_FOUND
+    code = ErrorCode.NOT_FOUND
 
 
 class AlreadyExists(KvmapError):
-    code = grpc.StatusCode.ALREADY_EXISTS
+    code = ErrorCode.ALREADY_EXISTS
 
 
 class FailedPrecondition(KvmapError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    code = ErrorCode.FAILED_PRECONDITION
 
 
 class StaleGeneration(FailedPrecondition):
@@ -70,23 +92,23 @@ class StaleGeneration(FailedPrecondition):
 
 
 class ResourceExhausted(KvmapError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    code = ErrorCode.RESOURCE_EXHAUSTED
 
 
 class Unavailable(KvmapError):
-    code = grpc.StatusCode.UNAVAILABLE
+    code = ErrorCode.UNAVAILABLE
 
 
 class DeadlineExceeded(KvmapError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    code = ErrorCode.DEADLINE_EXCEEDED
 
 
 class Unimplemented(KvmapError):
-    code = grpc.StatusCode.UNIMPLEMENTED
+    code = ErrorCode.UNIMPLEMENTED
 
 
 class InternalError(KvmapError):
-    code = grpc.StatusCode.INTERNAL
+    code = ErrorCode.INTERNAL
 
 
 class TransferError(InternalError):
@@ -102,11 +124,12 @@ class TransferError(InternalError):
 MAX_STATUS_MESSAGE = 1024
 
 
-def grpc_status(err: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The one place that turns an exception into a gRPC status and message."""
+def status_of(err: BaseException) -> tuple[ErrorCode, str]:
+    """What an exception reports to a caller: its code and a bounded message.
+    Anything outside the tree is a bug and reports only its type, not its text."""
     if isinstance(err, KvmapError):
         message = err.message
         if len(message) > MAX_STATUS_MESSAGE:
             message = message[:MAX_STATUS_MESSAGE] + f"... ({len(err.message)} characters)"
         return err.code, message
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}"
+    return ErrorCode.INTERNAL, f"internal error: {type(err).__name__}"

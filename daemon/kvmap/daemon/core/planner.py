@@ -7,7 +7,7 @@ planner's version is how a behaviour change becomes visible to peers.
 
 - ``baseline`` is what vLLM does today: one region per layer view, except
   that views describing exactly the same bytes (aliased layers) share one.
-- ``coalesce`` applies the coalescing rules of DESIGN.md: adjacent views of
+- ``coalesce`` applies the coalescing rules (docs/architecture.md): adjacent views of
   replicated cache kinds that agree on group, allocation, device, stride and
   block count become one wider region, so one descriptor per block covers
   many layers.
@@ -159,7 +159,7 @@ class BaselinePlanner:
 
 @dataclass(frozen=True)
 class CoalescePlanner:
-    """DESIGN.md's coalescing rules: maximal runs of adjacent eligible views."""
+    """The coalescing rules: maximal runs of adjacent eligible views."""
 
     info: PlannerInfo = COALESCE_INFO
 

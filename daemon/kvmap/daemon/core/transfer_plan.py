@@ -172,6 +172,35 @@ def _check_destination(
                 )
 
 
+def _group_descriptors(
+    table: PieceTable, pieces: Int64Array, lids: Int64Array, rids: Int64Array, merge_runs: bool
+) -> tuple[list[Int64Array], list[Int64Array], list[Int64Array]]:
+    """(local indices, remote indices, runs) moving one request group's
+    ``pieces`` (a span of ``table``) for every block pair ``(lids[k], rids[k])``."""
+    loc, rem = table.local, table.remote
+    whole = pieces[table.whole_row[pieces]] if merge_runs else pieces[:0]
+    split = np.setdiff1d(pieces, whole, assume_unique=True)
+    # Pieces that are not whole rows: one descriptor per piece per block.
+    li = [np.add.outer(loc.first_index[split], lids).ravel()]
+    ri = [np.add.outer(rem.first_index[split], rids).ravel()]
+    if not whole.size:
+        return li, ri, []
+    # Whole-row pieces: a run of pairs (lb, rb), (lb+1, rb+1), ... is
+    # contiguous on both sides, so k >= 2 blocks become one descriptor.
+    brk = np.flatnonzero((np.diff(lids) != 1) | (np.diff(rids) != 1)) + 1
+    first = np.concatenate(([0], brk))
+    length = np.diff(np.append(first, len(lids)))
+    single, multi = first[length == 1], first[length > 1]
+    li.append(np.add.outer(loc.first_index[whole], lids[single]).ravel())
+    ri.append(np.add.outer(rem.first_index[whole], rids[single]).ravel())
+    if not multi.size:
+        return li, ri, []
+    la = loc.addr[whole, None] + loc.stride[whole, None] * lids[multi]
+    ra = rem.addr[whole, None] + rem.stride[whole, None] * rids[multi]
+    ln = table.len_bytes[whole, None] * length[length > 1]
+    return li, ri, [np.stack([la.ravel(), ra.ravel(), ln.ravel()], axis=1)]
+
+
 def plan_transfer(
     table: PieceTable,
     groups: Sequence[GroupPairs],
@@ -188,38 +217,19 @@ def plan_transfer(
     off every descriptor is an index pair, so one prepped request suffices.
     """
     pairs = _validate(table, groups, destination)
-    loc, rem = table.local, table.remote
     li: list[Int64Array] = []
     ri: list[Int64Array] = []
     runs: list[Int64Array] = []
     blocks = nbytes = 0
     for (start, stop), (lids, rids) in zip(table.spans, pairs, strict=True):
         n = len(lids)
-        pieces = np.arange(start, stop)
         blocks += n
         nbytes += n * int(table.len_bytes[start:stop].sum())
-        if not n:
-            continue
-        whole = pieces[table.whole_row[start:stop]] if merge_runs else pieces[:0]
-        split = np.setdiff1d(pieces, whole, assume_unique=True)
-        # Pieces that are not whole rows: one descriptor per piece per block.
-        li.append(np.add.outer(loc.first_index[split], lids).ravel())
-        ri.append(np.add.outer(rem.first_index[split], rids).ravel())
-        if not whole.size:
-            continue
-        # Whole-row pieces: a run of pairs (lb, rb), (lb+1, rb+1), ... is
-        # contiguous on both sides, so k >= 2 blocks become one descriptor.
-        brk = np.flatnonzero((np.diff(lids) != 1) | (np.diff(rids) != 1)) + 1
-        first = np.concatenate(([0], brk))
-        length = np.diff(np.append(first, n))
-        single, multi = first[length == 1], first[length > 1]
-        li.append(np.add.outer(loc.first_index[whole], lids[single]).ravel())
-        ri.append(np.add.outer(rem.first_index[whole], rids[single]).ravel())
-        if multi.size:
-            la = loc.addr[whole, None] + loc.stride[whole, None] * lids[multi]
-            ra = rem.addr[whole, None] + rem.stride[whole, None] * rids[multi]
-            ln = table.len_bytes[whole, None] * length[length > 1]
-            runs.append(np.stack([la.ravel(), ra.ravel(), ln.ravel()], axis=1))
+        if n:
+            parts = _group_descriptors(table, np.arange(start, stop), lids, rids, merge_runs)
+            li += parts[0]
+            ri += parts[1]
+            runs += parts[2]
     empty = np.zeros(0, dtype=np.int64)
     return TransferPlan(
         local_indices=np.concatenate([empty, *li]).astype(np.int32),

@@ -1,24 +1,31 @@
 """The daemon's state and its long-lived resources, shared by the gRPC
 services: the worker table, the NIXL agent (driven from one thread and
 progressed by our own loop), the fd hand-off socket, the registrar, the
-transfer engine and the owner's leases."""
+transfer engine and the owner's leases.
+
+The adapters that hold process-wide state (the NIXL agent, the peer channels,
+the memory importers) are made once per daemon (``Adapters.for_config``) and
+handed down; the engine's tests hand in fakes."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Coroutine
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
 
-from kvmap.daemon.adapters import cuda_ipc, memory
 from kvmap.daemon.adapters.config_files import load_config
+from kvmap.daemon.adapters.cuda_ipc import CudaIpcImporter
 from kvmap.daemon.adapters.fd_handoff import FdHandoffServer
+from kvmap.daemon.adapters.memory import ShmImporter
 from kvmap.daemon.adapters.metrics import Metrics
 from kvmap.daemon.adapters.nixl_agent import NixlAgent
+from kvmap.daemon.adapters.nixl_port import AgentFactory, NixlPort
 from kvmap.daemon.adapters.nixl_thread import NixlThread
+from kvmap.daemon.adapters.peer_client import PeerClient, peer_credentials
 from kvmap.daemon.adapters.state_store import StateStore
 from kvmap.daemon.core import convert
 from kvmap.daemon.core import planner as planners
@@ -28,16 +35,45 @@ from kvmap.daemon.core.geometry import WorkerKey
 from kvmap.daemon.engine.leases import LeaseTable, token_of
 from kvmap.daemon.engine.progress import Progress
 from kvmap.daemon.engine.registration import Registrar
-from kvmap.daemon.engine.transfers import TransferEngine
+from kvmap.daemon.engine.transfers import Peers, TransferEngine
 from kvmap.daemon.engine.workers import WorkerRecord, WorkerTable
 from kvmap.v1 import admin_pb2, registry_pb2
 
 log = structlog.get_logger("kvmapd")
 
 
+@dataclass(frozen=True)
+class Adapters:
+    """The daemon's adapters that hold process-wide state."""
+
+    create_agent: AgentFactory
+    peers: Peers
+    # One importer of each kind per daemon: each counts (and the CUDA one
+    # shares) what it has open in the process.
+    shm: ShmImporter
+    cuda: CudaIpcImporter
+
+    @classmethod
+    def for_config(cls, config: DaemonConfig) -> Adapters:
+        """The real ones: NIXL, gRPC to peers (mTLS when configured)."""
+        return cls(
+            create_agent=NixlAgent.create,
+            peers=PeerClient(config.connect_timeout_s, peer_credentials(config)),
+            shm=ShmImporter(),
+            cuda=CudaIpcImporter(),
+        )
+
+
 class DaemonApp:
-    def __init__(self, config: DaemonConfig, metrics: Metrics, instance: str) -> None:
+    def __init__(
+        self,
+        config: DaemonConfig,
+        metrics: Metrics,
+        instance: str,
+        adapters: Adapters | None = None,
+    ) -> None:
         self.config = config
+        self.adapters = adapters or Adapters.for_config(config)
         self.metrics = metrics
         self.instance = instance
         self.agent_name = f"kvmapd-{instance}"
@@ -45,7 +81,7 @@ class DaemonApp:
         self.planner = planners.get_planner(config.planner)
         self.draining = False
         self.nixl = NixlThread()
-        self._agent: NixlAgent | None = None
+        self._agent: NixlPort | None = None
         self.fds = FdHandoffServer(config.fd_socket_path)
         self._registrar: Registrar | None = None
         self._engine: TransferEngine | None = None
@@ -71,7 +107,7 @@ class DaemonApp:
         return self._engine
 
     @property
-    def agent(self) -> NixlAgent:
+    def agent(self) -> NixlPort:
         assert self._agent is not None, "DaemonApp.start() not called"
         return self._agent
 
@@ -79,7 +115,8 @@ class DaemonApp:
         return await self.nixl(self.agent.metadata)
 
     async def start(self) -> None:
-        self._agent = agent = await self.nixl(lambda: NixlAgent.create(self.agent_name))
+        create_agent = self.adapters.create_agent
+        self._agent = agent = await self.nixl(lambda: create_agent(self.agent_name))
         await self.fds.start()
         self._progress = Progress(
             agent, self.nixl, self._on_notifs, busy=lambda: len(self.leases) > 0
@@ -92,6 +129,7 @@ class DaemonApp:
             agent_name=self.agent_name,
             nixl=self.nixl,
             progress=self._progress,
+            peers=self.adapters.peers,
             metrics=self.metrics,
             counters=self.counters,
         )
@@ -99,6 +137,8 @@ class DaemonApp:
             table=self.table,
             agent=agent,
             fds=self.fds,
+            shm=self.adapters.shm,
+            cuda=self.adapters.cuda,
             nixl=self.nixl,
             retire_timeout_s=self.config.transfer_timeout_s,
             on_retire=self._engine.forget_local,
@@ -204,6 +244,7 @@ class DaemonApp:
         if self._agent is not None:
             await self.nixl(self._agent.close)
         self.nixl.shutdown()
+        self.adapters.cuda.shutdown()  # after every registration of imported VRAM is gone
         self.store.close()
 
     def worker_for_peer(self, key: WorkerKey) -> WorkerRecord:
@@ -237,7 +278,9 @@ class DaemonApp:
             remote_agents=self.engine.remote_agent_count,
             daemon_instance=self.instance,
             planner=convert.planner_info_to_proto(self.planner.info),
-            mapped_allocations=memory.live_mappings() + cuda_ipc.live_mappings(),
+            mapped_allocations=(
+                self.adapters.shm.live_mappings() + self.adapters.cuda.live_mappings()
+            ),
             mapped_bytes=sum(r.memory.size_bytes for r in self.table.records()),
             nixl_registrations=len(self.agent.registrations),
             fd_handoff_pending=self.fds.pending_fds,

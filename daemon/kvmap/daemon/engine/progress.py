@@ -8,15 +8,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import Any, TypeVar
 
 import structlog
 
-from kvmap.daemon.adapters.nixl_agent import NixlAgent, XferState
+from kvmap.daemon.adapters.nixl_port import NixlPort, Xfer, XferState
 from kvmap.daemon.adapters.nixl_thread import NixlRunner
 
 log = structlog.get_logger("kvmapd.progress")
-T = TypeVar("T")
 
 BUSY_INTERVAL_S = 0.0002
 IDLE_INTERVAL_S = 0.01
@@ -25,7 +23,7 @@ IDLE_INTERVAL_S = 0.01
 class Progress:
     def __init__(
         self,
-        agent: NixlAgent,
+        agent: NixlPort,
         nixl: NixlRunner,
         on_notifs: Callable[[dict[str, list[bytes]]], None],
         busy: Callable[[], bool],
@@ -34,7 +32,7 @@ class Progress:
         self._nixl = nixl
         self._on_notifs = on_notifs
         self._busy = busy
-        self._watched: dict[int, tuple[Any, asyncio.Future[XferState]]] = {}
+        self._watched: dict[int, tuple[Xfer, asyncio.Future[XferState]]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -51,13 +49,13 @@ class Progress:
                 fut.cancel()
         self._watched.clear()
 
-    def watch(self, xfer: Any) -> asyncio.Future[XferState]:
+    def watch(self, xfer: Xfer) -> asyncio.Future[XferState]:
         fut: asyncio.Future[XferState] = asyncio.get_running_loop().create_future()
         self._watched[id(xfer)] = (xfer, fut)
         self._wake.set()
         return fut
 
-    def forget(self, xfer: Any) -> None:
+    def forget(self, xfer: Xfer) -> None:
         self._watched.pop(id(xfer), None)
 
     def _tick(self) -> tuple[dict[int, XferState], dict[str, list[bytes]]]:

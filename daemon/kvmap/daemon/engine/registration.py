@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 import structlog
 
-from kvmap.daemon.adapters import cuda_ipc, memory
+from kvmap.daemon.adapters.cuda_ipc import CudaIpcImporter, CudaMapping, import_allocation
 from kvmap.daemon.adapters.fd_handoff import FdHandoffServer
-from kvmap.daemon.adapters.nixl_agent import MemoryType, NixlAgent
+from kvmap.daemon.adapters.memory import MappedMemory, ShmImporter
+from kvmap.daemon.adapters.nixl_port import MemoryType, NixlPort, Registration
 from kvmap.daemon.adapters.nixl_thread import NixlRunner
 from kvmap.daemon.adapters.state_store import Reopen, StateStore, StoredWorker
 from kvmap.daemon.core import convert
@@ -33,6 +34,9 @@ from kvmap.daemon.engine.workers import AttachedMemory, WorkerRecord, WorkerTabl
 from kvmap.v1 import registry_pb2, types_pb2
 
 log = structlog.get_logger("kvmapd.registration")
+
+# One allocation of a worker, mapped into the daemon.
+Mapping = MappedMemory | CudaMapping
 
 
 def region_rows(model: RegionMapModel) -> np.ndarray[Any, np.dtype[np.int64]]:
@@ -56,8 +60,10 @@ class Registrar:
         self,
         *,
         table: WorkerTable,
-        agent: NixlAgent,
+        agent: NixlPort,
         fds: FdHandoffServer,
+        shm: ShmImporter,
+        cuda: CudaIpcImporter,
         nixl: NixlRunner,
         retire_timeout_s: float,
         on_retire: Callable[[WorkerKey, int], Awaitable[None]],
@@ -66,6 +72,8 @@ class Registrar:
         self._table = table
         self._agent = agent
         self._fds = fds
+        self._shm = shm
+        self._cuda = cuda
         self._nixl = nixl
         self._retire_timeout_s = retire_timeout_s
         # Drops what the transfer engine prepared over the retired record.
@@ -79,56 +87,16 @@ class Registrar:
         req: registry_pb2.RegisterWorkerRequest,
         preopened: dict[str, int],
         restored_from: dict[str, Reopen],
-    ) -> tuple[dict[str, Any], dict[str, Reopen]]:
+    ) -> tuple[dict[str, Mapping], dict[str, Reopen]]:
         """Map every allocation, noting how to re-open it after a restart; on
-        any failure unmap what was mapped."""
-        mapped: dict[str, Any] = {}
+        any failure unmap what was mapped (and close the fds not used)."""
+        mapped: dict[str, Mapping] = {}
         reopen: dict[str, Reopen] = {}
         try:
             for i, alloc in enumerate(req.allocations):
-                field = f"allocations[{i}]"
-                which = alloc.WhichOneof("handle")
-                if which == "cuda_ipc":
-                    mapped[alloc.id] = cuda_ipc.import_allocation(alloc, field=field)
-                    # The handle opens again while the worker lives.
-                    reopen[alloc.id] = Reopen(cuda_ipc=alloc.cuda_ipc.handle)
-                elif alloc.device.type == types_pb2.DEVICE_TYPE_CUDA:
-                    raise InvalidArgument(
-                        f"{field}.handle", "a CUDA allocation needs a cuda_ipc handle"
-                    )
-                elif alloc.id in preopened:  # restored by the daemon itself
-                    fd = preopened.pop(alloc.id)
-                    reopen[alloc.id] = restored_from[alloc.id]
-                    mapped[alloc.id] = memory.import_shm_fd(
-                        fd, _handle_offset(alloc), alloc.size_bytes, field=field
-                    )
-                elif which == "shm_fd":
-                    fd = self._fds.claim(alloc.shm_fd.token, alloc.shm_fd.index, f"{field}.shm_fd")
-                    st = os.fstat(fd)
-                    # The worker holds the same object open: after a restart
-                    # the daemon finds it again in /proc/<pid>/fd by identity.
-                    pid = self._fds.peer(alloc.shm_fd.token).pid
-                    reopen[alloc.id] = Reopen(pid=pid, dev=st.st_dev, ino=st.st_ino)
-                    mapped[alloc.id] = memory.import_shm_fd(
-                        fd, alloc.shm_fd.offset_bytes, alloc.size_bytes, field=f"{field}.shm_fd"
-                    )
-                elif which == "shm_path":
-                    mapped[alloc.id] = memory.import_shm_path(
-                        alloc.shm_path.path,
-                        alloc.shm_path.offset_bytes,
-                        alloc.size_bytes,
-                        field=f"{field}.shm_path",
-                    )
-                    st = os.stat(alloc.shm_path.path)
-                    reopen[alloc.id] = Reopen(
-                        path=alloc.shm_path.path, dev=st.st_dev, ino=st.st_ino
-                    )
-                else:
-                    raise InvalidArgument(
-                        f"{field}.handle",
-                        "registration needs memory: set shm_fd, shm_path or cuda_ipc "
-                        "(a handle of 'none' is for PlanPreview and kvmapd plan only)",
-                    )
+                mapped[alloc.id], reopen[alloc.id] = self._import_one(
+                    alloc, f"allocations[{i}]", preopened, restored_from
+                )
         except BaseException:
             for m in mapped.values():
                 m.close()
@@ -137,8 +105,54 @@ class Registrar:
             raise
         return mapped, reopen
 
-    async def _attach(self, geometry: WorkerGeometry, mapped: dict[str, Any]) -> AttachedMemory:
-        regs: list[Any] = []
+    def _import_one(
+        self,
+        alloc: types_pb2.Allocation,
+        field: str,
+        preopened: dict[str, int],
+        restored_from: dict[str, Reopen],
+    ) -> tuple[Mapping, Reopen]:
+        which = alloc.WhichOneof("handle")
+        if which == "cuda_ipc":
+            # The handle opens again while the worker lives.
+            mapping = import_allocation(alloc, field=field, importer=self._cuda)
+            return mapping, Reopen(cuda_ipc=alloc.cuda_ipc.handle)
+        if alloc.device.type == types_pb2.DEVICE_TYPE_CUDA:
+            raise InvalidArgument(f"{field}.handle", "a CUDA allocation needs a cuda_ipc handle")
+        if alloc.id in preopened:  # restored by the daemon itself
+            fd = preopened.pop(alloc.id)
+            offset = _handle_offset(alloc)
+            mapped = self._shm.import_fd(fd, offset, alloc.size_bytes, field=field)
+            return mapped, restored_from[alloc.id]
+        if which == "shm_fd":
+            return self._import_shm_fd(alloc, f"{field}.shm_fd")
+        if which == "shm_path":
+            return self._import_shm_path(alloc, f"{field}.shm_path")
+        raise InvalidArgument(
+            f"{field}.handle",
+            "registration needs memory: set shm_fd, shm_path or cuda_ipc "
+            "(a handle of 'none' is for PlanPreview and kvmapd plan only)",
+        )
+
+    def _import_shm_fd(self, alloc: types_pb2.Allocation, field: str) -> tuple[Mapping, Reopen]:
+        handle = alloc.shm_fd
+        fd = self._fds.claim(handle.token, handle.index, field)
+        st = os.fstat(fd)
+        # The worker holds the same object open: after a restart the daemon
+        # finds it again in /proc/<pid>/fd by identity.
+        reopen = Reopen(pid=self._fds.peer(handle.token).pid, dev=st.st_dev, ino=st.st_ino)
+        return self._shm.import_fd(fd, handle.offset_bytes, alloc.size_bytes, field=field), reopen
+
+    def _import_shm_path(self, alloc: types_pb2.Allocation, field: str) -> tuple[Mapping, Reopen]:
+        handle = alloc.shm_path
+        mapping = self._shm.import_path(
+            handle.path, handle.offset_bytes, alloc.size_bytes, field=field
+        )
+        st = os.stat(handle.path)
+        return mapping, Reopen(path=handle.path, dev=st.st_dev, ino=st.st_ino)
+
+    async def _attach(self, mapped: dict[str, Mapping]) -> AttachedMemory:
+        regs: list[Registration] = []
         try:
             for m in mapped.values():
                 dev_id, mem_type = nixl_target(m)
@@ -225,7 +239,7 @@ class Registrar:
             mapped, reopen = self._import(
                 req, preopened, {k: r for k, (_, r) in (restored or {}).items()}
             )
-            mem = await self._attach(geometry, mapped)
+            mem = await self._attach(mapped)
             try:
                 record = await self._make_record(geometry, plan, mem)
                 self._store.save_worker(
@@ -297,9 +311,9 @@ class Registrar:
             return None
 
 
-def nixl_target(m: Any) -> tuple[int, MemoryType]:
+def nixl_target(m: Mapping) -> tuple[int, MemoryType]:
     """(dev_id, memory type) to register a mapping under with NIXL."""
-    if isinstance(m, cuda_ipc.CudaMapping):
+    if isinstance(m, CudaMapping):
         return m.dev_id, MemoryType.VRAM
     return 0, MemoryType.DRAM
 

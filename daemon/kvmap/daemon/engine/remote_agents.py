@@ -17,7 +17,7 @@ from functools import partial
 
 import structlog
 
-from kvmap.daemon.adapters.nixl_agent import NixlAgent
+from kvmap.daemon.adapters.nixl_port import NixlPort
 from kvmap.daemon.adapters.nixl_thread import NixlRunner
 from kvmap.daemon.core.errors import FailedPrecondition
 
@@ -38,7 +38,7 @@ class RemoteAgent:
 class RemoteAgents:
     def __init__(
         self,
-        agent: NixlAgent,
+        agent: NixlPort,
         nixl: NixlRunner,
         on_agent_changed: Callable[[str], Awaitable[None]],
     ) -> None:

@@ -16,14 +16,21 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
 from kvmap.daemon.adapters.metrics import Metrics
-from kvmap.daemon.adapters.nixl_agent import MemoryType, NixlAgent, XferOp, XferState
+from kvmap.daemon.adapters.nixl_port import (
+    DlistHandle,
+    MemoryType,
+    NixlPort,
+    Xfer,
+    XferOp,
+    XferState,
+)
 from kvmap.daemon.adapters.nixl_thread import NixlRunner
-from kvmap.daemon.adapters.peer_client import PeerClient, PeerHandshake, peer_credentials
+from kvmap.daemon.adapters.peer_client import PeerHandshake
 from kvmap.daemon.core.config import DaemonConfig
 from kvmap.daemon.core.convert import requested_worker, worker_id_to_proto
 from kvmap.daemon.core.errors import (
@@ -52,6 +59,15 @@ from kvmap.v1 import admin_pb2, peer_pb2, transfers_pb2
 log = structlog.get_logger("kvmapd.transfers")
 
 
+class Peers(Protocol):
+    """The calls made to remote daemons' Peer service (``peer_client.PeerClient``)."""
+
+    async def handshake(self, target: str, worker: WorkerKey) -> PeerHandshake: ...
+    async def begin(self, target: str, req: peer_pb2.BeginTransferRequest) -> str: ...
+    async def end(self, target: str, token: str, completed: bool) -> None: ...
+    async def close(self) -> None: ...
+
+
 def side_memory(model: RegionMapModel, who: str) -> tuple[int, MemoryType]:
     """The one (device ordinal, memory type) a worker's allocations share, as
     its owning daemon registered them."""
@@ -70,8 +86,8 @@ class Prepared:
     """Piece table and NIXL lists for one (local gen, remote gen, selection)."""
 
     table: PieceTable
-    local_dlist: Any
-    remote_dlist: Any
+    local_dlist: DlistHandle
+    remote_dlist: DlistHandle
     # (NIXL dev_id, memory type) of each side.
     local_mem: tuple[int, MemoryType]
     remote_mem: tuple[int, MemoryType]
@@ -133,10 +149,11 @@ class TransferEngine:
         *,
         config: DaemonConfig,
         table: WorkerTable,
-        agent: NixlAgent,
+        agent: NixlPort,
         agent_name: str,
         nixl: NixlRunner,
         progress: Progress,
+        peers: Peers,
         metrics: Metrics,
         counters: admin_pb2.TransferCounters,
     ) -> None:
@@ -148,7 +165,7 @@ class TransferEngine:
         self._progress = progress
         self._metrics = metrics
         self._counters = counters
-        self.peers = PeerClient(config.connect_timeout_s, peer_credentials(config))
+        self.peers = peers
         self._agents = RemoteAgents(agent, nixl, self._agent_changed)
         self._handshakes: dict[tuple[str, WorkerKey], PeerHandshake] = {}
         self._prepared: dict[tuple[Any, ...], Prepared] = {}
@@ -288,57 +305,14 @@ class TransferEngine:
                     f"handshake with {req.target}",
                     remote_generation=hs.generation,
                 )
-            if req.expected_generation and req.expected_generation != hs.generation:
-                raise StaleGeneration(str(req.remote), req.expected_generation, hs.generation)
-            prepared = await self._prepare(record, hs, req)
-            try:
-                plan = plan_transfer(
-                    prepared.table, req.pairs, destination=Side.REMOTE if write else Side.LOCAL
-                )
-            except BaseException:
-                await self._done_with(prepared)
-                raise
-            try:
-                token = await self.peers.begin(
-                    req.target,
-                    peer_pb2.BeginTransferRequest(
-                        request_id=req.request_id,
-                        worker=worker_id_to_proto(req.remote),
-                        generation=hs.generation,
-                        agent_name=hs.agent_name,
-                        peer_agent=self._agent_name,
-                        write=write,
-                        lease_ms=int(req.timeout_s * 1000) + 1000,
-                        blocks=plan.blocks,
-                        bytes=plan.bytes,
-                    ),
-                )
-            except BaseException as err:
-                await self._done_with(prepared)
-                if not isinstance(err, StaleGeneration) or attempt > 0:
-                    raise
-                log.info("stale_remote_generation", target=req.target, worker=str(req.remote))
-                continue  # re-handshake once, then plan again
-            break
+            begun = await self._begin(req, record, hs, write, retry=attempt == 0)
+            if begun is not None:
+                break
         else:  # pragma: no cover - the loop always breaks or raises
             raise Unavailable("transfer could not be planned")
-
-        completed = False
-        try:
-            post_s, done_s = await self._post_and_wait(prepared, plan, hs, write)
-            await self._nixl(partial(self._agent.send_notif, hs.agent_name, notification(token)))
-            completed = True
-        finally:
-            await self._done_with(prepared)
-            if not completed:
-                await self.peers.end(req.target, token, completed=False)
-        self._metrics.transfer_bytes.inc(plan.bytes)
-        self._metrics.transfer_descriptors.inc(plan.descriptors)
-        self._metrics.post_seconds.observe(post_s)
-        self._metrics.completion_seconds.observe(done_s)
-        self._counters.bytes += plan.bytes
-        self._counters.descriptors += plan.descriptors
-        self._counters.blocks += plan.blocks
+        prepared, plan, token = begun
+        post_s, done_s = await self._carry_out(req, hs, prepared, plan, token=token, write=write)
+        self._account(plan, post_s, done_s)
         yield status(
             transfers_pb2.TRANSFER_STATE_DONE,
             "done",
@@ -350,12 +324,81 @@ class TransferEngine:
             handshaked=handshaked,
         )
 
+    async def _begin(
+        self, req: Request, record: WorkerRecord, hs: PeerHandshake, write: bool, *, retry: bool
+    ) -> tuple[Prepared, TransferPlan, str] | None:
+        """Plan the transfer and announce it to the owner: the lists, the
+        plan and the owner's lease token; None when the owner reports a stale
+        generation and ``retry`` allows one more handshake."""
+        if req.expected_generation and req.expected_generation != hs.generation:
+            raise StaleGeneration(str(req.remote), req.expected_generation, hs.generation)
+        prepared = await self._prepare(record, hs, req)
+        try:
+            plan = plan_transfer(
+                prepared.table, req.pairs, destination=Side.REMOTE if write else Side.LOCAL
+            )
+            token = await self.peers.begin(req.target, self._announcement(req, hs, plan, write))
+        except BaseException as err:
+            await self._done_with(prepared)
+            if not isinstance(err, StaleGeneration) or not retry:
+                raise
+            log.info("stale_remote_generation", target=req.target, worker=str(req.remote))
+            return None  # re-handshake once, then plan again
+        return prepared, plan, token
+
+    def _announcement(
+        self, req: Request, hs: PeerHandshake, plan: TransferPlan, write: bool
+    ) -> peer_pb2.BeginTransferRequest:
+        return peer_pb2.BeginTransferRequest(
+            request_id=req.request_id,
+            worker=worker_id_to_proto(req.remote),
+            generation=hs.generation,
+            agent_name=hs.agent_name,
+            peer_agent=self._agent_name,
+            write=write,
+            lease_ms=int(req.timeout_s * 1000) + 1000,
+            blocks=plan.blocks,
+            bytes=plan.bytes,
+        )
+
+    async def _carry_out(
+        self,
+        req: Request,
+        hs: PeerHandshake,
+        prepared: Prepared,
+        plan: TransferPlan,
+        *,
+        token: str,
+        write: bool,
+    ) -> tuple[float, float]:
+        """Post, wait, and tell the owner: by NIXL notification when done,
+        by EndTransfer when not."""
+        completed = False
+        try:
+            post_s, done_s = await self._post_and_wait(prepared, plan, hs, write)
+            await self._nixl(partial(self._agent.send_notif, hs.agent_name, notification(token)))
+            completed = True
+        finally:
+            await self._done_with(prepared)
+            if not completed:
+                await self.peers.end(req.target, token, completed=False)
+        return post_s, done_s
+
+    def _account(self, plan: TransferPlan, post_s: float, done_s: float) -> None:
+        self._metrics.transfer_bytes.inc(plan.bytes)
+        self._metrics.transfer_descriptors.inc(plan.descriptors)
+        self._metrics.post_seconds.observe(post_s)
+        self._metrics.completion_seconds.observe(done_s)
+        self._counters.bytes += plan.bytes
+        self._counters.descriptors += plan.descriptors
+        self._counters.blocks += plan.blocks
+
     async def _post_and_wait(
         self, prepared: Prepared, plan: TransferPlan, hs: PeerHandshake, write: bool
     ) -> tuple[float, float]:
         op = XferOp.WRITE if write else XferOp.READ
 
-        def post() -> tuple[list[Any], float]:
+        def post() -> tuple[list[Xfer], float]:
             start = time.perf_counter()
             xfers = []
             if len(plan.local_indices):

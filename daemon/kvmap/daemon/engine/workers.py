@@ -11,6 +11,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmap.daemon.adapters.nixl_port import DlistHandle, Registration
 from kvmap.daemon.core.errors import NotFound
 from kvmap.daemon.core.geometry import RegionMapModel, WorkerGeometry, WorkerKey
 from kvmap.v1 import registry_pb2
@@ -30,8 +31,9 @@ class AttachedMemory:
     the records of successive generations when only the plan changes (replan),
     released when the last of them is retired."""
 
+    # Allocation id -> its mapping (``registration.Mapping``).
     mapped: dict[str, Any]
-    registrations: list[Any]
+    registrations: list[Registration]
     refs: int = 0
 
     @property
@@ -50,7 +52,7 @@ class WorkerRecord:
     model: RegionMapModel
     memory: AttachedMemory
     # Local prepped descriptor list: one entry per region per block.
-    local_dlist: Any = None
+    local_dlist: DlistHandle
     # Transfers in flight against this record (pins keep it from being torn
     # down under a posted NIXL transfer).
     pins: int = 0

@@ -7,7 +7,8 @@ daemons and real NIXL agents on this machine.
 Modules: ``profiles`` (the geometries, with their sources), ``blockpool``
 (request block ids and the fragmentation model), ``worker`` (the stand-in
 vLLM worker process), ``contact`` (first-contact steps, timed one by one),
-``runner`` (the measurement), ``report`` (tables) and ``plot`` (matplotlib).
+``runner`` (the measurement), ``results`` (the figures, typed, and their
+``--json`` form), ``report`` (tables) and ``plot`` (matplotlib).
 See docs/benchmarks.md.
 """
 
@@ -114,10 +115,9 @@ def run(args: argparse.Namespace) -> int:
 
         plot.plot(result, args.plot)
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps(result.to_json(), indent=2))
     else:
         print(report.render(result), end="")
         if args.plot:
             print(f"plot: {args.plot}")
-    ok = all(r["verified"] for rs in result["profiles"].values() for r in rs.values())
-    return 0 if ok else 1
+    return 0 if result.verified else 1

@@ -4,11 +4,12 @@ its gain over baseline (> 1 is better)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
-from kvmap.tools.bench.runner import RATIO_KEYS, ratio
+from kvmap.tools.bench.results import BenchResult
 
-_HIGHER_IS_BETTER = dict(RATIO_KEYS)
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 # (result key, panel title, log scale, scale factor for display)
 PANELS: tuple[tuple[str, str, bool, float], ...] = (
@@ -26,58 +27,66 @@ PANELS: tuple[tuple[str, str, bool, float], ...] = (
 )
 
 
-def plot(result: dict[str, Any], path: str) -> None:
+def plot(result: BenchResult, path: str) -> None:
     import matplotlib  # noqa: PLC0415  (only for --plot)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    profiles = list(result["profiles"])
-    planners = list(result["profiles"][profiles[0]]) if profiles else []
-    width = 0.8 / max(1, len(planners))
     fig, axes = plt.subplots(3, 2, figsize=(13, 12))
     for ax, (key, title, log, factor) in zip(axes.flat, PANELS, strict=True):
-        for j, planner in enumerate(planners):
-            xs = [i + (j - (len(planners) - 1) / 2) * width for i in range(len(profiles))]
-            values = [result["profiles"][p][planner][key] * factor for p in profiles]
-            bars = ax.bar(xs, values, width, label=planner)
-            if planner == "baseline":
-                continue
-            for bar, p in zip(bars, profiles, strict=True):
-                base = result["profiles"][p]["baseline"][key]
-                g = ratio(float(base), float(result["profiles"][p][planner][key]),
-                          _HIGHER_IS_BETTER.get(key, False))  # fmt: skip
-                if g is not None:
-                    ax.annotate(
-                        f"{g:.3g}x",
-                        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center",
-                        va="bottom",
-                        fontsize=8,
-                    )
+        _bars(ax, result, key, factor)
         if key == "pull_gbps":
-            ax.axhline(result["memcpy_gbps"], color="grey", linestyle="--", linewidth=1)
-            ax.annotate(
-                f"memcpy {result['memcpy_gbps']:.1f} GB/s",
-                (len(profiles) - 0.5, result["memcpy_gbps"]),
-                ha="right",
-                va="bottom",
-                fontsize=8,
-                color="grey",
-            )
+            _memcpy_line(ax, result)
         ax.set_title(title, fontsize=10)
-        ax.set_xticks(range(len(profiles)))
-        ax.set_xticklabels(profiles)
+        ax.set_xticks(range(len(result.profiles)))
+        ax.set_xticklabels(list(result.profiles))
         if log:
             ax.set_yscale("log")
         ax.margins(y=0.15)
     axes.flat[0].legend()
-    m = result["machine"]
+    m = result.machine
     fig.suptitle(
-        f"kvmapd bench: {m['cpu']}, {m['cpus']} CPUs; loopback UCX; "
+        f"kvmapd bench: {m.cpu}, {m.cpus} CPUs; loopback UCX; "
         "gains over baseline on the bars (>1 is better)",
         fontsize=11,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _bars(ax: Axes, result: BenchResult, key: str, factor: float) -> None:
+    """One bar per planner per profile, the non-baseline ones labelled with
+    their gain over baseline."""
+    profiles = list(result.profiles.values())
+    planners = list(profiles[0]) if profiles else []
+    width = 0.8 / max(1, len(planners))
+    for j, planner in enumerate(planners):
+        xs = [i + (j - (len(planners) - 1) / 2) * width for i in range(len(profiles))]
+        values = [p[planner].figure(key) * factor for p in profiles]
+        bars = ax.bar(xs, values, width, label=planner)
+        if planner == "baseline":
+            continue
+        for bar, p in zip(bars, profiles, strict=True):
+            g = (p[planner].vs_baseline or {}).get(key)
+            if g is not None:
+                ax.annotate(
+                    f"{g:.3g}x",
+                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                )
+
+
+def _memcpy_line(ax: Axes, result: BenchResult) -> None:
+    ax.axhline(result.memcpy_gbps, color="grey", linestyle="--", linewidth=1)
+    ax.annotate(
+        f"memcpy {result.memcpy_gbps:.1f} GB/s",
+        (len(result.profiles) - 0.5, result.memcpy_gbps),
+        ha="right",
+        va="bottom",
+        fontsize=8,
+        color="grey",
+    )

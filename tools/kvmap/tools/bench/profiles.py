@@ -151,7 +151,7 @@ def _kv_views(
 
 # --- glm53 -----------------------------------------------------------------
 # The upstream figure's shape (vLLM PR 60851, GLM-5.3 on GB200, BLHNC layout;
-# ../shared/reference/vllm-pr-60851.txt and docs/examples/glm53-rank.json):
+# the same rank as kvmap.daemon.examples' glm53-rank.json):
 # 32,022 blocks of 64 tokens; transfer group 0 is 78 MLA layers, 64 tokens x
 # 656 B (512 latent + 64 rope values, fp8 with scales) = 41,984 B per page;
 # transfer group 1 is 23 sparse-attention indexer layers, 64 x 132 B = 8,448 B.

@@ -1,6 +1,7 @@
-"""Plain-text tables of a ``kvmapd bench`` result (the dict ``runner.run_bench``
-returns): one table per profile, planners side by side, and each planner's
-gain over ``baseline`` (> 1 is better, whatever the direction of the figure)."""
+"""Plain-text tables of a ``kvmapd bench`` result (the ``results.BenchResult``
+that ``runner.run_bench`` returns): one table per profile, planners side by
+side, and each planner's gain over ``baseline`` (> 1 is better, whatever the
+direction of the figure)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvmap.tools.bench.runner import RATIO_KEYS, ratio
-
-_HIGHER_IS_BETTER = dict(RATIO_KEYS)
+from kvmap.tools.bench.results import BenchResult, PlannerResult, ProfileInfo
 
 
 def _int(v: Any) -> str:
@@ -56,10 +55,10 @@ ROWS = (
 )
 
 
-def _gain(base: dict[str, Any], r: dict[str, Any], key: str) -> str:
-    if key not in _HIGHER_IS_BETTER:
+def _gain(r: PlannerResult, key: str) -> str:
+    if r.vs_baseline is None or key not in r.vs_baseline:
         return ""
-    g = ratio(float(base[key]), float(r[key]), _HIGHER_IS_BETTER[key])
+    g = r.vs_baseline[key]
     return "-" if g is None else f"{g:,.2f}x"
 
 
@@ -74,70 +73,73 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
     return out
 
 
-def render_profile(name: str, results: dict[str, Any], info: dict[str, Any]) -> str:
-    planners = list(results)
-    base = results.get("baseline")
-    others = [p for p in planners if p != "baseline"] if base else []
-    ts, bw, frag = info["timing_scale"], info["bandwidth_request"], info["fragmentation"]
-    blocks = "+".join(f"{n:,}" for n in info["request_blocks"])
-    lines = [
-        f"{name}: {info['title']}",
-        f"  source: {info['source']}",
-        f"  full scale: {info['views']} views in {info['allocations']} allocations, "
-        f"{info['blocks']:,} blocks of {info['block_tokens']} tokens "
-        f"({_mb(info['allocated_bytes'])} mapped sparse)",
-        f"  {info['request_tokens']:,}-token requests: {blocks} blocks, "
-        f"{_mb(info['request_bytes_full_scale'])} at full scale; timed at 1/{ts['page_divisor']} "
-        f"page bytes ({', '.join(f'{p:,}' for p in ts['page_bytes'])} B pages, "
-        f"{_mb(ts['request_bytes'])}); descriptor counts as at full scale",
-        f"  scattered ids: consecutive neighbours {frag['ascending_pairs_local']:.1%} decode, "
-        f"{frag['ascending_pairs_remote']:.1%} prefill, {frag['ascending_pairs_both']:.1%} both",
-        f"  bandwidth: {'+'.join(str(n) for n in bw['blocks'])} scattered blocks at full page "
-        f"size ({_mb(bw['bytes'])}); memcpy {info['memcpy_gbps']:.2f} GB/s; times are medians "
-        f"of {results[planners[0]]['repeats']}",
+def _header(name: str, info: ProfileInfo, repeats: int) -> list[str]:
+    ts, bw, frag = info.timing_scale, info.bandwidth_request, info.fragmentation
+    blocks = "+".join(f"{n:,}" for n in info.request_blocks)
+    return [
+        f"{name}: {info.title}",
+        f"  source: {info.source}",
+        f"  full scale: {info.views} views in {info.allocations} allocations, "
+        f"{info.blocks:,} blocks of {info.block_tokens} tokens "
+        f"({_mb(info.allocated_bytes)} mapped sparse)",
+        f"  {info.request_tokens:,}-token requests: {blocks} blocks, "
+        f"{_mb(info.request_bytes_full_scale)} at full scale; timed at 1/{ts.page_divisor} "
+        f"page bytes ({', '.join(f'{p:,}' for p in ts.page_bytes)} B pages, "
+        f"{_mb(ts.request_bytes)}); descriptor counts as at full scale",
+        f"  scattered ids: consecutive neighbours {frag.ascending_pairs_local:.1%} decode, "
+        f"{frag.ascending_pairs_remote:.1%} prefill, {frag.ascending_pairs_both:.1%} both",
+        f"  bandwidth: {'+'.join(str(n) for n in bw.blocks)} scattered blocks at full page "
+        f"size ({_mb(bw.bytes)}); memcpy {info.memcpy_gbps:.2f} GB/s; times are medians "
+        f"of {repeats}",
         "",
     ]
-    headers = ["", *planners, *(f"{p} vs baseline" for p in others)]
-    rows: list[list[str]] = []
-    for row in ROWS:
-        cells = [row.label, *(row.fmt(results[p][row.key]) for p in planners)]
-        cells += [_gain(results["baseline"], results[p], row.key) for p in others]
-        rows.append(cells)
+
+
+def _rows(results: dict[str, PlannerResult], others: list[str]) -> list[list[str]]:
+    """The figures, one row each: planners side by side, then gains."""
+    rows = [
+        [row.label, *(row.fmt(r.figure(row.key)) for r in results.values())]
+        + [_gain(results[p], row.key) for p in others]
+        for row in ROWS
+    ]
     rss = [
-        "{prefill:,.0f} / {decode:,.0f}".format(
-            **{side: n / 1e6 for side, n in r["daemon_rss_bytes"].items()}
-        )
+        f"{r.daemon_rss_bytes.prefill / 1e6:,.0f} / {r.daemon_rss_bytes.decode / 1e6:,.0f}"
         for r in results.values()
     ]
     rows.append(["daemon RSS MB (prefill / decode)", *rss, *([""] * len(others))])
     checks = [
-        ("yes" if r["verified"] else f"NO ({r['bad_blocks']} blocks)")
-        + f", {_mb(r['bytes_verified'])}"
+        ("yes" if r.verified else f"NO ({r.bad_blocks} blocks)") + f", {_mb(r.bytes_verified)}"
         for r in results.values()
     ]
     rows.append(["bytes verified", *checks, *([""] * len(others))])
-    lines += _table(headers, rows)
+    return rows
+
+
+def render_profile(name: str, results: dict[str, PlannerResult], info: ProfileInfo) -> str:
+    planners = list(results)
+    others = [p for p in planners if p != "baseline"] if "baseline" in results else []
+    lines = _header(name, info, results[planners[0]].repeats)
+    headers = ["", *planners, *(f"{p} vs baseline" for p in others)]
+    lines += _table(headers, _rows(results, others))
     mismatch = [
         p
         for p, r in results.items()
-        if r["descriptors_per_transfer_scattered"]
-        != r["descriptors_per_transfer_scattered_full_scale"]
+        if r.descriptors_per_transfer_scattered != r.descriptors_per_transfer_scattered_full_scale
     ]
     if mismatch:
         lines.append(f"  WARNING: scaled descriptor counts differ from full scale for {mismatch}")
     return "\n".join(lines) + "\n"
 
 
-def render(result: dict[str, Any]) -> str:
-    m = result["machine"]
+def render(result: BenchResult) -> str:
+    m = result.machine
     out = [
-        f"kvmapd bench: {m['cpu']}, {m['cpus']} CPUs, {m['memory_bytes'] / 2**30:.0f} GiB; "
-        f"{m['transport']}",
-        f"memcpy {result['memcpy_gbps']:.2f} GB/s (single thread, {_mb(result['memcpy_bytes'])}, "
+        f"kvmapd bench: {m.cpu}, {m.cpus} CPUs, {m.memory_bytes / 2**30:.0f} GiB; {m.transport}",
+        f"memcpy {result.memcpy_gbps:.2f} GB/s (single thread, {_mb(result.memcpy_bytes)}, "
         "median over the run): the physical limit of a pull on this machine",
         "",
     ]
-    for name, results in result["profiles"].items():
-        out.append(render_profile(name, results, result["profile_info"][name]))
-    out.append(f"run took {result['seconds']:.0f}s")
+    for name, results in result.profiles.items():
+        out.append(render_profile(name, results, result.profile_info[name]))
+    out.append(f"run took {result.seconds:.0f}s")
     return "\n".join(out) + "\n"

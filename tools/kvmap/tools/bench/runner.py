@@ -1,7 +1,7 @@
 """The benchmark run: for each profile and planner, two real daemons (prefill
 and decode, separate processes, real NIXL agents over loopback UCX) and one
 bench worker process next to each; register, handshake, pull, verify, and
-collect the figures as one JSON-able dict.
+collect the figures as a ``results.BenchResult``.
 
 What is measured where (``docs/benchmarks.md`` has the long version):
 
@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,21 +45,25 @@ from kvmap.daemon.core.transfer_pieces import LayerSelection, build_piece_table
 from kvmap.daemon.core.transfer_plan import GroupPairs, plan_transfer
 from kvmap.tools.bench import blockpool
 from kvmap.tools.bench.profiles import Profile, get_profile
+from kvmap.tools.bench.results import (
+    RATIO_KEYS,
+    SCHEMA,
+    BandwidthRequest,
+    BenchResult,
+    Fragmentation,
+    Machine,
+    PlannerResult,
+    ProfileInfo,
+    Rss,
+    Samples,
+    SeriesSamples,
+    TimingScale,
+    ratio,
+)
 from kvmap.tools.launch import DaemonProc, WorkerProc, spawn_worker, start_daemon
 from kvmap.v1 import peer_pb2, peer_pb2_grpc, types_pb2
 
 MIB = 1024 * 1024
-SCHEMA = "kvmap-bench/1"
-# Figures every planner object has (the issue's minimum, and the test's).
-REQUIRED_KEYS = (
-    "regions",
-    "descriptors",
-    "ready_seconds",
-    "first_contact_seconds",
-    "descriptors_per_transfer_scattered",
-    "post_seconds_scattered",
-    "pull_gbps",
-)
 WORKER_TIMEOUT_S = 180.0
 PREFILL_SEED, DECODE_SEED = 1, 2
 
@@ -306,11 +310,10 @@ class Pair:
             },
         )
 
-    def rss(self) -> dict[str, int]:
-        return {
-            "prefill": daemon_rss(self.prefill.proc.pid),
-            "decode": daemon_rss(self.decode.proc.pid),
-        }
+    def rss(self) -> Rss:
+        return Rss(
+            prefill=daemon_rss(self.prefill.proc.pid), decode=daemon_rss(self.decode.proc.pid)
+        )
 
     def notified(self) -> int:
         """Transfers the prefill worker was told of (TransferFinished events)."""
@@ -338,14 +341,14 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def _order(pairs: list[Pair], i: int) -> list[Pair]:
-    """The pairs in round ``i``: reversed every other round (ABBA), so that a
-    change in machine load while the bench runs hits every planner alike."""
-    return pairs if i % 2 == 0 else pairs[::-1]
+def _order(runs: list[PlannerRun], i: int) -> list[PlannerRun]:
+    """The planners in round ``i``: reversed every other round (ABBA), so that
+    a change in machine load while the bench runs hits every planner alike."""
+    return runs if i % 2 == 0 else runs[::-1]
 
 
-def _rounds(pairs: list[Pair], n: int) -> list[Pair]:
-    return [pair for i in range(n) for pair in _order(pairs, i)]
+def _rounds(runs: list[PlannerRun], n: int) -> list[PlannerRun]:
+    return [run for i in range(n) for run in _order(runs, i)]
 
 
 @dataclass
@@ -372,8 +375,13 @@ class PullSeries:
     def transfer(self) -> list[float]:
         return [p + c for p, c in zip(self.post, self.completion, strict=True)]
 
-    def samples(self) -> dict[str, list[float]]:
-        return {"post_seconds": self.post, "completion_seconds": self.completion, "wall": self.wall}
+    def samples(self) -> SeriesSamples:
+        return SeriesSamples(
+            post_seconds=self.post, completion_seconds=self.completion, wall=self.wall
+        )
+
+
+NO_RSS = Rss(prefill=0, decode=0)  # not measured yet
 
 
 @dataclass
@@ -389,8 +397,8 @@ class PlannerRun:
     contact_steps: dict[str, Any] = field(default_factory=dict)
     handshaked: bool = False
     series: dict[str, PullSeries] = field(default_factory=dict)
-    rss_ready: dict[str, int] = field(default_factory=dict)
-    rss: dict[str, int] = field(default_factory=dict)
+    rss_ready: Rss = NO_RSS
+    rss: Rss = NO_RSS
     notified: int = 0
 
 
@@ -408,7 +416,7 @@ def full_scale_descriptors(local: RegionMapModel, remote: RegionMapModel, req: R
     return plan_transfer(table, pairs).descriptors
 
 
-@dataclass
+@dataclass(frozen=True)
 class ProfilePlan:
     """Everything about a profile that does not depend on the planner."""
 
@@ -418,52 +426,36 @@ class ProfilePlan:
     bandwidth: Request
     first_contact: Request
     divisor: int
-    info: dict[str, Any]
+    info: ProfileInfo
 
 
-def plan_profile(profile: Profile, opts: Options) -> ProfilePlan:
+def plan_profile(profile: Profile, opts: Options, memcpy: float = 0.0) -> ProfilePlan:
+    """The requests of ``profile`` and their scale; ``memcpy`` (GB/s, measured
+    next to the profile's pulls) goes into its info."""
     full = profile.geometry()
     scattered, contiguous = requests(profile)
     divisor = timing_divisor(profile, scattered, opts.request_budget)
-    timed = profile.geometry(divisor)
-    k = bandwidth_blocks(full, scattered, opts.bandwidth_budget)
-    bandwidth = scattered.head(k)
-    pages = sorted({v.block_len_bytes for v in full.views}, reverse=True)
-    timed_pages = sorted({v.block_len_bytes for v in timed.views}, reverse=True)
-    info = {
-        "title": profile.title,
-        "source": profile.source,
-        "kv_cache_layout": profile.kv_cache_layout,
-        "views": len(full.views),
-        "allocations": len(full.allocations),
-        "blocks": profile.num_blocks,
-        "block_tokens": profile.block_tokens,
-        "page_bytes": pages,
-        "allocated_bytes": sum(a.size_bytes for a in full.allocations),
-        "request_tokens": profile.request_tokens,
-        "request_blocks": [len(ids) for ids in scattered.local],
-        "request_bytes_full_scale": request_bytes(full, scattered),
-        "timing_scale": {
-            "page_divisor": divisor,
-            "page_bytes": timed_pages,
-            "request_bytes": request_bytes(timed, scattered),
-            "note": "128K-token requests timed with every page divided by page_divisor; "
-            "layers, blocks and block ids (so descriptors) as at full scale",
-        },
-        "bandwidth_request": {
-            "blocks": [len(ids) for ids in bandwidth.local],
-            "bytes": request_bytes(full, bandwidth),
-            "note": "full page size; the first blocks of the scattered request",
-        },
-        "fragmentation": {
-            "model": blockpool.MODEL,
-            "ascending_pairs_local": blockpool.ascending_pairs(scattered.local[0]),
-            "ascending_pairs_remote": blockpool.ascending_pairs(scattered.remote[0]),
-            "ascending_pairs_both": blockpool.joint_ascending_pairs(
-                scattered.local[0], scattered.remote[0]
-            ),
-        },
-    }
+    bandwidth = scattered.head(bandwidth_blocks(full, scattered, opts.bandwidth_budget))
+    info = ProfileInfo(
+        title=profile.title,
+        source=profile.source,
+        kv_cache_layout=profile.kv_cache_layout,
+        views=len(full.views),
+        allocations=len(full.allocations),
+        blocks=profile.num_blocks,
+        block_tokens=profile.block_tokens,
+        page_bytes=_page_bytes(full),
+        allocated_bytes=sum(a.size_bytes for a in full.allocations),
+        request_tokens=profile.request_tokens,
+        request_blocks=[len(ids) for ids in scattered.local],
+        request_bytes_full_scale=request_bytes(full, scattered),
+        timing_scale=_timing_scale(profile, scattered, divisor),
+        bandwidth_request=BandwidthRequest(
+            blocks=[len(ids) for ids in bandwidth.local], bytes=request_bytes(full, bandwidth)
+        ),
+        fragmentation=_fragmentation(scattered),
+        memcpy_gbps=memcpy,
+    )
     return ProfilePlan(
         profile=profile,
         scattered=scattered,
@@ -475,7 +467,30 @@ def plan_profile(profile: Profile, opts: Options) -> ProfilePlan:
     )
 
 
-def measure_profile(pp: ProfilePlan, opts: Options) -> dict[str, dict[str, Any]]:
+def _page_bytes(geometry: WorkerGeometry) -> list[int]:
+    return sorted({v.block_len_bytes for v in geometry.views}, reverse=True)
+
+
+def _timing_scale(profile: Profile, scattered: Request, divisor: int) -> TimingScale:
+    timed = profile.geometry(divisor)
+    return TimingScale(
+        page_divisor=divisor,
+        page_bytes=_page_bytes(timed),
+        request_bytes=request_bytes(timed, scattered),
+    )
+
+
+def _fragmentation(scattered: Request) -> Fragmentation:
+    local, remote = scattered.local[0], scattered.remote[0]
+    return Fragmentation(
+        model=blockpool.MODEL,
+        ascending_pairs_local=blockpool.ascending_pairs(local),
+        ascending_pairs_remote=blockpool.ascending_pairs(remote),
+        ascending_pairs_both=blockpool.joint_ascending_pairs(local, remote),
+    )
+
+
+def measure_profile(pp: ProfilePlan, opts: Options) -> dict[str, PlannerResult]:
     """One profile under every planner, on fresh daemons."""
     with tempfile.TemporaryDirectory(prefix="kvmap-bench-") as tmp:
         try:
@@ -493,79 +508,99 @@ def _log_tails(workdir: Path, n: int = 1500) -> str:
     return "".join(out)
 
 
-def _measure(pp: ProfilePlan, opts: Options, workdir: Path) -> dict[str, dict[str, Any]]:
-    profile, say = pp.profile, opts.progress
+# Timed pulls, planners interleaved ABBA: (series, worker name, request).
+def _series(pp: ProfilePlan) -> tuple[tuple[str, str, Request], ...]:
+    return (
+        ("bandwidth", "full", pp.bandwidth),
+        ("scattered", "req", pp.scattered),
+        ("contiguous", "req", pp.contiguous),
+    )
+
+
+def _measure(pp: ProfilePlan, opts: Options, workdir: Path) -> dict[str, PlannerResult]:
     # Extra full-scale prefill workers whose registrations are the timed
     # "ready" samples; the first is also the remote of the cold first contact.
     fresh = [f"ready{i}" for i in range(opts.repeats)]
     with contextlib.ExitStack() as stack:
-        t0 = time.perf_counter()
-        daemons = _start_daemons(workdir, opts.planners)
-        pairs = [Pair(stack, p, daemons[p]) for p in opts.planners]
-        say(f"{profile.name}: {2 * len(pairs)} daemons and workers up in "
-            f"{time.perf_counter() - t0:.1f}s")  # fmt: skip
-        runs = {pair.planner: PlannerRun(pair) for pair in pairs}
-
-        # Registration. Prefill: the full-scale worker alone first (so the
-        # agent metadata is one worker's), then the request worker.
-        for run in runs.values():
-            run.full_prefill = run.pair.register("prefill", "full", profile.name, 1)
-            run.metadata = agent_metadata(run.pair.prefill.tcp_target, "prefill-full")
-            run.pair.register("prefill", "req", profile.name, pp.divisor)
-            run.full_decode = run.pair.register("decode", "full", profile.name, 1)
-            run.pair.register("decode", "req", profile.name, pp.divisor)
-        for i, name in enumerate(fresh):
-            for pair in _order(pairs, i):
-                out = pair.register("prefill", name, profile.name, 1)
-                runs[pair.planner].ready.append(float(out["ready_seconds"]))
-        for pair in pairs:
-            pair.fill(fresh[0], pp.first_contact)
-        for run in runs.values():
-            run.rss_ready = run.pair.rss()
-
-        # First contact, end to end: the decode daemon's very first pull
-        # (handshake, load the remote agent, connect UCX, build the piece
-        # table, prepare both lists) minus the next identical one. Then the
-        # same steps one by one, repeated, from the decode worker's process.
-        for pair in pairs:
-            first = pair.pull("full", pp.first_contact, remote=fresh[0])
-            again = pair.pull("full", pp.first_contact, remote=fresh[0])
-            run = runs[pair.planner]
-            run.cold_contact = first["wall_seconds"] - again["wall_seconds"]
-            run.handshaked = bool(first["stats"]["handshaked"])
-        for pair in pairs:
-            runs[pair.planner].contact_steps = pair.contact(profile.name, opts.contact_repeats)
-        say(f"{profile.name}: first contact " + ", ".join(
-            f"{p} {r.cold_contact * 1e3:.1f} ms cold, "
-            f"{r.contact_steps['total_seconds'] * 1e3:.2f} ms in steps" for p, r in runs.items()
-        ))  # fmt: skip
-
-        # Timed pulls, planners interleaved ABBA. Each series: write the
-        # source, warm up once, clear the destination, pull, verify every
-        # byte (only the timed pulls can have written it).
-        for kind, name, req in (
-            ("bandwidth", "full", pp.bandwidth),
-            ("scattered", "req", pp.scattered),
-            ("contiguous", "req", pp.contiguous),
-        ):
-            for pair in pairs:
-                pair.fill(name, req)
-                pair.pull(name, req)
-                pair.zero(name, req)
-                runs[pair.planner].series[kind] = PullSeries()
-            for pair in _rounds(pairs, opts.repeats):
-                runs[pair.planner].series[kind].add(pair.pull(name, req))
-            for pair in pairs:
-                s = runs[pair.planner].series[kind]
-                s.verified_bytes, s.bad_blocks = pair.verify(name, req)
-            say(f"{profile.name}: {kind} " + ", ".join(
-                f"{p} {r.series[kind].descriptors:,} descriptors post "
-                f"{_median(r.series[kind].post) * 1e3:.1f} ms" for p, r in runs.items()
+        runs = _start_pairs(stack, pp, opts, workdir)
+        _register(runs, pp, fresh)
+        _first_contact(runs, pp, opts, fresh[0])
+        for kind, name, req in _series(pp):
+            _timed_pulls(runs, kind, name, req, opts.repeats)
+            opts.progress(f"{pp.profile.name}: {kind} " + ", ".join(
+                f"{r.pair.planner} {r.series[kind].descriptors:,} descriptors post "
+                f"{_median(r.series[kind].post) * 1e3:.1f} ms" for r in runs
             ))  # fmt: skip
-        for run in runs.values():
+        for run in runs:
             run.rss = run.pair.rss()
             run.notified = _notified(run.pair)
-    return {planner: _result(pp, run, opts) for planner, run in runs.items()}
+    return {run.pair.planner: _result(pp, run, opts) for run in runs}
+
+
+def _start_pairs(
+    stack: contextlib.ExitStack, pp: ProfilePlan, opts: Options, workdir: Path
+) -> list[PlannerRun]:
+    """Every planner's daemons and bench workers, in ``opts.planners`` order."""
+    t0 = time.perf_counter()
+    daemons = _start_daemons(workdir, opts.planners)
+    runs = [PlannerRun(Pair(stack, p, daemons[p])) for p in opts.planners]
+    opts.progress(f"{pp.profile.name}: {2 * len(runs)} daemons and workers up in "
+                  f"{time.perf_counter() - t0:.1f}s")  # fmt: skip
+    return runs
+
+
+def _register(runs: list[PlannerRun], pp: ProfilePlan, fresh: list[str]) -> None:
+    """Register every worker. Prefill: the full-scale worker alone first (so
+    the agent metadata is one worker's), then the request worker; then the
+    ``fresh`` ones, timed, planners interleaved."""
+    profile = pp.profile.name
+    for run in runs:
+        run.full_prefill = run.pair.register("prefill", "full", profile, 1)
+        run.metadata = agent_metadata(run.pair.prefill.tcp_target, "prefill-full")
+        run.pair.register("prefill", "req", profile, pp.divisor)
+        run.full_decode = run.pair.register("decode", "full", profile, 1)
+        run.pair.register("decode", "req", profile, pp.divisor)
+    for i, name in enumerate(fresh):
+        for run in _order(runs, i):
+            out = run.pair.register("prefill", name, profile, 1)
+            run.ready.append(float(out["ready_seconds"]))
+    for run in runs:
+        run.pair.fill(fresh[0], pp.first_contact)
+    for run in runs:
+        run.rss_ready = run.pair.rss()
+
+
+def _first_contact(runs: list[PlannerRun], pp: ProfilePlan, opts: Options, remote: str) -> None:
+    """First contact, end to end: the decode daemon's very first pull
+    (handshake, load the remote agent, connect UCX, build the piece table,
+    prepare both lists) minus the next identical one. Then the same steps one
+    by one, repeated, from the decode worker's process."""
+    for run in runs:
+        first = run.pair.pull("full", pp.first_contact, remote=remote)
+        again = run.pair.pull("full", pp.first_contact, remote=remote)
+        run.cold_contact = first["wall_seconds"] - again["wall_seconds"]
+        run.handshaked = bool(first["stats"]["handshaked"])
+    for run in runs:
+        run.contact_steps = run.pair.contact(pp.profile.name, opts.contact_repeats)
+    opts.progress(f"{pp.profile.name}: first contact " + ", ".join(
+        f"{r.pair.planner} {r.cold_contact * 1e3:.1f} ms cold, "
+        f"{r.contact_steps['total_seconds'] * 1e3:.2f} ms in steps" for r in runs
+    ))  # fmt: skip
+
+
+def _timed_pulls(runs: list[PlannerRun], kind: str, name: str, req: Request, repeats: int) -> None:
+    """One series: write the source, warm up once, clear the destination,
+    pull, verify every byte (only the timed pulls can have written it)."""
+    for run in runs:
+        run.pair.fill(name, req)
+        run.pair.pull(name, req)
+        run.pair.zero(name, req)
+        run.series[kind] = PullSeries()
+    for run in _rounds(runs, repeats):
+        run.series[kind].add(run.pair.pull(name, req))
+    for run in runs:
+        s = run.series[kind]
+        s.verified_bytes, s.bad_blocks = run.pair.verify(name, req)
 
 
 def _notified(pair: Pair, timeout_s: float = 10.0) -> int:
@@ -578,126 +613,133 @@ def _notified(pair: Pair, timeout_s: float = 10.0) -> int:
         time.sleep(0.05)
 
 
-def _result(pp: ProfilePlan, run: PlannerRun, opts: Options) -> dict[str, Any]:
-    planner = planners.get_planner(run.pair.planner)
-    geometry = pp.profile.geometry()
+@dataclass(frozen=True)
+class FullScale:
+    """The full-scale workers' maps, and what pure planning says of them."""
+
+    plan_seconds: float  # the planner alone, on the profile's geometry
+    remote_map: RegionMapModel  # the prefill worker's, as its daemon registered it
+    scattered_descriptors: int  # per transfer, between the two full-scale maps
+    contiguous_descriptors: int
+
+
+def _full_scale(pp: ProfilePlan, run: PlannerRun, planner: planners.Planner) -> FullScale:
+    """The daemon must have registered what the planner alone plans."""
     start = time.perf_counter()
-    plan = planner.plan(geometry)
+    plan = planner.plan(pp.profile.geometry())
     plan_s = time.perf_counter() - start
     remote_map = _model(run.full_prefill["region_map"])
-    local_map = _model(run.full_decode["region_map"])
     if remote_map.descriptor_count != plan.descriptor_count:
         raise RuntimeError(
             f"{pp.profile.name}/{planner.info.name}: the daemon registered "
             f"{remote_map.descriptor_count} descriptors, the planner alone plans "
             f"{plan.descriptor_count}"
         )
+    local_map = _model(run.full_decode["region_map"])
+    return FullScale(
+        plan_seconds=plan_s,
+        remote_map=remote_map,
+        scattered_descriptors=full_scale_descriptors(local_map, remote_map, pp.scattered),
+        contiguous_descriptors=full_scale_descriptors(local_map, remote_map, pp.contiguous),
+    )
+
+
+def _contact_steps(steps: dict[str, Any]) -> dict[str, float]:
+    """The medians (and piece count) of ``bench.contact``'s answer."""
+    return {k: v for k, v in steps.items() if k.endswith("_seconds") or k == "pieces"}
+
+
+def _samples(run: PlannerRun) -> Samples:
+    return Samples(
+        ready_seconds=run.ready,
+        first_contact_steps=run.contact_steps["samples"],
+        bandwidth=run.series["bandwidth"].samples(),
+        scattered=run.series["scattered"].samples(),
+        contiguous=run.series["contiguous"].samples(),
+    )
+
+
+def _gbps(nbytes: int, seconds: list[float]) -> float:
+    return nbytes / _median(seconds) / 1e9 if seconds else 0.0
+
+
+def _result(pp: ProfilePlan, run: PlannerRun, opts: Options) -> PlannerResult:
+    planner = planners.get_planner(run.pair.planner)
+    full = _full_scale(pp, run, planner)
+    remote_map = full.remote_map
     assert run.metadata is not None
     bw, sc, co = (run.series[k] for k in ("bandwidth", "scattered", "contiguous"))
     bad = sum(s.bad_blocks for s in run.series.values())
-    return {
-        "planner": {"name": planner.info.name, "version": planner.info.version},
-        "regions": len(remote_map.regions),
-        "descriptors": remote_map.descriptor_count,
-        "baseline_descriptors": remote_map.baseline_descriptor_count,
+    return PlannerResult(
+        planner=planner.info,
+        regions=len(remote_map.regions),
+        descriptors=remote_map.descriptor_count,
+        baseline_descriptors=remote_map.baseline_descriptor_count,
         # The daemon registers each allocation with NIXL exactly once
         # (registration.py), whatever the planner.
-        "nixl_registrations": len(remote_map.allocations),
-        "agent_metadata_bytes": len(run.metadata.agent_metadata),
-        "region_map_bytes": run.metadata.region_map.ByteSize(),
-        "registration_request_bytes": int(run.full_prefill["request_bytes"]),
-        "plan_seconds": plan_s,
-        "ready_seconds": _median(run.ready),
-        "first_contact_seconds": max(0.0, run.cold_contact),
-        "first_contact_steps_seconds": run.contact_steps["total_seconds"],
-        "first_contact_steps": {
-            k: v for k, v in run.contact_steps.items() if k.endswith("_seconds") or k == "pieces"
-        },
-        "first_contact_handshaked": run.handshaked,
-        "descriptors_per_transfer_scattered": sc.descriptors,
-        "descriptors_per_transfer_scattered_full_scale": full_scale_descriptors(
-            local_map, remote_map, pp.scattered
-        ),
-        "post_seconds_scattered": _median(sc.post),
-        "completion_seconds_scattered": _median(sc.completion),
-        "transfer_seconds_scattered": _median(sc.transfer),
-        "bytes_scattered": sc.bytes,
-        "descriptors_per_transfer_contiguous": co.descriptors,
-        "descriptors_per_transfer_contiguous_full_scale": full_scale_descriptors(
-            local_map, remote_map, pp.contiguous
-        ),
-        "post_seconds_contiguous": _median(co.post),
-        "completion_seconds_contiguous": _median(co.completion),
-        "transfer_seconds_contiguous": _median(co.transfer),
-        "bytes_contiguous": co.bytes,
-        "pull_gbps": bw.bytes / _median(bw.transfer) / 1e9 if bw.transfer else 0.0,
-        "pull_gbps_wall": bw.bytes / _median(bw.wall) / 1e9 if bw.wall else 0.0,
-        "pull_bytes": bw.bytes,
-        "pull_descriptors": bw.descriptors,
-        "daemon_rss_bytes": run.rss,
-        "daemon_rss_ready_bytes": run.rss_ready,
-        "bytes_verified": sum(s.verified_bytes for s in run.series.values()),
-        "bad_blocks": bad,
-        "verified": bad == 0,
-        "pulls": run.pair.pulls,
-        "owner_notified": run.notified,
-        "repeats": opts.repeats,
-        "samples": {
-            "ready_seconds": run.ready,
-            "first_contact_steps": run.contact_steps["samples"],
-            **{kind: s.samples() for kind, s in run.series.items()},
-        },
-    }
+        nixl_registrations=len(remote_map.allocations),
+        agent_metadata_bytes=len(run.metadata.agent_metadata),
+        region_map_bytes=run.metadata.region_map.ByteSize(),
+        registration_request_bytes=int(run.full_prefill["request_bytes"]),
+        plan_seconds=full.plan_seconds,
+        ready_seconds=_median(run.ready),
+        first_contact_seconds=max(0.0, run.cold_contact),
+        first_contact_steps_seconds=run.contact_steps["total_seconds"],
+        first_contact_steps=_contact_steps(run.contact_steps),
+        first_contact_handshaked=run.handshaked,
+        descriptors_per_transfer_scattered=sc.descriptors,
+        descriptors_per_transfer_scattered_full_scale=full.scattered_descriptors,
+        post_seconds_scattered=_median(sc.post),
+        completion_seconds_scattered=_median(sc.completion),
+        transfer_seconds_scattered=_median(sc.transfer),
+        bytes_scattered=sc.bytes,
+        descriptors_per_transfer_contiguous=co.descriptors,
+        descriptors_per_transfer_contiguous_full_scale=full.contiguous_descriptors,
+        post_seconds_contiguous=_median(co.post),
+        completion_seconds_contiguous=_median(co.completion),
+        transfer_seconds_contiguous=_median(co.transfer),
+        bytes_contiguous=co.bytes,
+        pull_gbps=_gbps(bw.bytes, bw.transfer),
+        pull_gbps_wall=_gbps(bw.bytes, bw.wall),
+        pull_bytes=bw.bytes,
+        pull_descriptors=bw.descriptors,
+        daemon_rss_bytes=run.rss,
+        daemon_rss_ready_bytes=run.rss_ready,
+        bytes_verified=sum(s.verified_bytes for s in run.series.values()),
+        bad_blocks=bad,
+        verified=bad == 0,
+        pulls=run.pair.pulls,
+        owner_notified=run.notified,
+        repeats=opts.repeats,
+        samples=_samples(run),
+    )
 
 
 # Ratios ----------------------------------------------------------------------
 
-# (key, higher is better): a ratio > 1 always means "better than baseline".
-RATIO_KEYS: tuple[tuple[str, bool], ...] = (
-    ("regions", False),
-    ("descriptors", False),
-    ("nixl_registrations", False),
-    ("agent_metadata_bytes", False),
-    ("region_map_bytes", False),
-    ("ready_seconds", False),
-    ("first_contact_seconds", False),
-    ("first_contact_steps_seconds", False),
-    ("descriptors_per_transfer_scattered", False),
-    ("post_seconds_scattered", False),
-    ("completion_seconds_scattered", False),
-    ("transfer_seconds_scattered", False),
-    ("descriptors_per_transfer_contiguous", False),
-    ("post_seconds_contiguous", False),
-    ("completion_seconds_contiguous", False),
-    ("transfer_seconds_contiguous", False),
-    ("pull_gbps", True),
-)
 
-
-def ratio(base: float, value: float, higher_is_better: bool) -> float | None:
-    """How many times better than baseline ``value`` is (None if undefined)."""
-    num, den = (value, base) if higher_is_better else (base, value)
-    if den <= 0:
-        return None
-    return float(num / den)
-
-
-def add_ratios(results: dict[str, dict[str, Any]]) -> None:
+def add_ratios(results: dict[str, PlannerResult]) -> dict[str, PlannerResult]:
+    """``results`` with every planner's gains over ``baseline`` (if it ran)."""
     base = results.get("baseline")
     if base is None:
-        return
-    for name, r in results.items():
-        if name == "baseline":
-            continue
-        r["vs_baseline"] = {
-            key: ratio(float(base[key]), float(r[key]), higher) for key, higher in RATIO_KEYS
-        }
+        return results
+    return {
+        name: r
+        if name == "baseline"
+        else replace(
+            r,
+            vs_baseline={
+                key: ratio(base.figure(key), r.figure(key), higher) for key, higher in RATIO_KEYS
+            },
+        )
+        for name, r in results.items()
+    }
 
 
 # The run -----------------------------------------------------------------------
 
 
-def machine() -> dict[str, Any]:
+def machine() -> Machine:
     mem = 0
     with contextlib.suppress(OSError), open("/proc/meminfo", encoding="ascii") as f:
         for line in f:
@@ -709,14 +751,14 @@ def machine() -> dict[str, Any]:
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-    return {
-        "cpu": cpu,
-        "cpus": os.cpu_count(),
-        "memory_bytes": mem,
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "transport": "NIXL UCX backend over loopback (UCX_NET_DEVICES=lo)",
-    }
+    return Machine(
+        cpu=cpu,
+        cpus=os.cpu_count(),
+        memory_bytes=mem,
+        kernel=platform.release(),
+        python=platform.python_version(),
+        transport="NIXL UCX backend over loopback (UCX_NET_DEVICES=lo)",
+    )
 
 
 def default_planners() -> list[str]:
@@ -725,32 +767,29 @@ def default_planners() -> list[str]:
     return ["baseline", *[n for n in names if n != "baseline"]] if "baseline" in names else names
 
 
-def run_bench(opts: Options) -> dict[str, Any]:
+def run_bench(opts: Options) -> BenchResult:
     started = time.perf_counter()
     profiles = [get_profile(name) for name in opts.profiles]
     for name in opts.planners:
         planners.get_planner(name)  # fail before starting anything
-    out: dict[str, Any] = {
-        "schema": SCHEMA,
-        "machine": machine(),
-        "memcpy_gbps": 0.0,
-        "memcpy_bytes": opts.memcpy_bytes,
-        "repeats": opts.repeats,
-        "profiles": {},
-        "profile_info": {},
-    }
+    results: dict[str, dict[str, PlannerResult]] = {}
+    infos: dict[str, ProfileInfo] = {}
     # memcpy is measured next to every profile's pulls, so that a busy
     # neighbour slows both alike; the headline figure is their median.
     memcpy: list[float] = []
     for profile in profiles:
         memcpy.append(memcpy_gbps(opts.memcpy_bytes))
         opts.progress(f"{profile.name}: memcpy {memcpy[-1]:.2f} GB/s")
-        pp = plan_profile(profile, opts)
-        pp.info["memcpy_gbps"] = memcpy[-1]
-        results = measure_profile(pp, opts)
-        add_ratios(results)
-        out["profiles"][profile.name] = results
-        out["profile_info"][profile.name] = pp.info
-    out["memcpy_gbps"] = _median(memcpy)
-    out["seconds"] = time.perf_counter() - started
-    return out
+        pp = plan_profile(profile, opts, memcpy[-1])
+        results[profile.name] = add_ratios(measure_profile(pp, opts))
+        infos[profile.name] = pp.info
+    return BenchResult(
+        schema=SCHEMA,
+        machine=machine(),
+        memcpy_gbps=_median(memcpy),
+        memcpy_bytes=opts.memcpy_bytes,
+        repeats=opts.repeats,
+        profiles=results,
+        profile_info=infos,
+        seconds=time.perf_counter() - started,
+    )

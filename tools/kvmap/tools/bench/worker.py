@@ -5,8 +5,10 @@ the client library (fds over SCM_RIGHTS), keeps an Attach stream open per
 registered worker, and obeys JSON-line commands on stdin, answering one JSON
 line each on stdout.
 
-Block contents are a pure function of (view index, block id, word), so the
-decode side verifies what it pulled without seeing the prefill side's memory.
+Block contents are a pure function of (view index, block id, word), distinct
+for every 8-byte word of the cache (``kvmap.tools.block_pattern``), so the
+decode side verifies what it pulled without seeing the prefill side's memory,
+and a block pulled from any other block, view or offset fails.
 Memory is filled and checked as 32-bit words through strided numpy views,
 one view per layer, so a full 128K-token request checks in well under a
 second.
@@ -32,25 +34,18 @@ from numpy.lib.stride_tricks import as_strided
 from kvmap.client.client import KvmapClient
 from kvmap.client.errors import KvmapClientError, Unavailable
 from kvmap.daemon.core.geometry import ViewSpec, WorkerGeometry
-from kvmap.tools import json_lines
+from kvmap.tools import block_pattern, json_lines
 from kvmap.tools.bench.profiles import WORD, get_profile
 from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
 
 Words = npt.NDArray[np.uint32]
 
-# Spreads view indices over the word space so two layers never share a pattern.
-_VIEW_SALT = 2654435761
-_BLOCK_SALT = 65537
 REGISTER_ATTEMPTS = 3
 
 
 def pattern(view_index: int, blocks: npt.NDArray[np.int64], words: int) -> Words:
     """The words of blocks ``blocks`` of view ``view_index`` on a prefill worker."""
-    per_block = (blocks.astype(np.uint64) * _BLOCK_SALT).astype(np.uint32)
-    salt = np.uint32((view_index * _VIEW_SALT) % 2**32)
-    base = np.arange(words, dtype=np.uint32) + salt
-    out: Words = per_block[:, None] + base[None, :]
-    return out
+    return block_pattern.words32_numpy(view_index, blocks, words)
 
 
 @dataclass
@@ -89,6 +84,39 @@ def _ids(values: list[int]) -> npt.NDArray[np.int64]:
     return np.asarray(values, dtype=np.int64)
 
 
+def _register_request(
+    worker: types_pb2.WorkerId, geometry: WorkerGeometry
+) -> registry_pb2.RegisterWorkerRequest:
+    """``geometry`` as a RegisterWorker request, allocation ``i`` handed over
+    as the ``i``-th fd."""
+    req = registry_pb2.RegisterWorkerRequest(
+        worker=worker,
+        kv_cache_layout=geometry.kv_cache_layout,
+        block_size_tokens=geometry.block_size_tokens,
+        tp_size=geometry.tp_size,
+    )
+    for i, alloc in enumerate(geometry.allocations):
+        req.allocations.add(
+            id=alloc.id,
+            size_bytes=alloc.size_bytes,
+            device=types_pb2.Device(type=types_pb2.DEVICE_TYPE_CPU),
+            shm_fd=types_pb2.ShmFdHandle(index=i),
+        )
+    for v in geometry.views:
+        req.views.add(
+            layer_name=v.layer_name,
+            allocation_id=v.allocation_id,
+            transfer_group=v.transfer_group,
+            cache_kind=int(v.cache_kind),
+            dtype=v.dtype,
+            offset_bytes=v.offset_bytes,
+            block_len_bytes=v.block_len_bytes,
+            block_stride_bytes=v.block_stride_bytes,
+            num_blocks=v.num_blocks,
+        )
+    return req
+
+
 class BenchWorker:
     def __init__(self, socket: str) -> None:
         self.client = KvmapClient.connect(socket, timeout_s=120.0)
@@ -99,40 +127,17 @@ class BenchWorker:
         engine_id = cmd["engine_id"]
         geometry = profile.geometry(int(cmd.get("divisor", 1)), engine_id)
         worker = types_pb2.WorkerId(engine_id=engine_id)
-        req = registry_pb2.RegisterWorkerRequest(
-            worker=worker,
-            kv_cache_layout=geometry.kv_cache_layout,
-            block_size_tokens=geometry.block_size_tokens,
-            tp_size=geometry.tp_size,
-        )
+        req = _register_request(worker, geometry)
         fds: list[int] = []
         maps: dict[str, mmap.mmap] = {}
         try:
-            for i, alloc in enumerate(geometry.allocations):
+            for alloc in geometry.allocations:
                 # Sparse: ftruncate allocates nothing; pages appear only where
                 # a fill or a pull writes.
                 fd = os.memfd_create(f"kvmap-bench-{alloc.id}", os.MFD_CLOEXEC)
                 fds.append(fd)
                 os.ftruncate(fd, alloc.size_bytes)
                 maps[alloc.id] = mmap.mmap(fd, alloc.size_bytes, flags=mmap.MAP_SHARED)
-                req.allocations.add(
-                    id=alloc.id,
-                    size_bytes=alloc.size_bytes,
-                    device=types_pb2.Device(type=types_pb2.DEVICE_TYPE_CPU),
-                    shm_fd=types_pb2.ShmFdHandle(index=i),
-                )
-            for v in geometry.views:
-                req.views.add(
-                    layer_name=v.layer_name,
-                    allocation_id=v.allocation_id,
-                    transfer_group=v.transfer_group,
-                    cache_kind=int(v.cache_kind),
-                    dtype=v.dtype,
-                    offset_bytes=v.offset_bytes,
-                    block_len_bytes=v.block_len_bytes,
-                    block_stride_bytes=v.block_stride_bytes,
-                    num_blocks=v.num_blocks,
-                )
             region_map, ready_s = self._register(req, fds)
         finally:
             for fd in fds:

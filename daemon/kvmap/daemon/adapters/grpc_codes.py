@@ -1,0 +1,44 @@
+"""The table between our ``ErrorCode``s and gRPC's status codes, both ways.
+
+It lives here, not in the api layer, because two layers need it: the api turns
+our errors into statuses on the wire (``kvmap.daemon.api.status``) and the peer
+client, an adapter, turns remote daemons' statuses back into our errors.
+Adapters may not import the api (core < adapters < engine < api), and the core
+may not import grpc, so the adapters are the lowest layer that can hold it.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+
+import grpc
+
+from kvmap.daemon.core.errors import ErrorCode
+
+# Every ErrorCode, to the gRPC status of the same name (a unit test holds both).
+GRPC_STATUS: Mapping[ErrorCode, grpc.StatusCode] = types.MappingProxyType(
+    {
+        ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+        ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+        ErrorCode.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+        ErrorCode.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+        ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+        ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+        ErrorCode.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+        ErrorCode.UNIMPLEMENTED: grpc.StatusCode.UNIMPLEMENTED,
+        ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
+        ErrorCode.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
+        ErrorCode.UNKNOWN: grpc.StatusCode.UNKNOWN,
+    }
+)
+
+_ERROR_CODE: Mapping[grpc.StatusCode, ErrorCode] = types.MappingProxyType(
+    {status: code for code, status in GRPC_STATUS.items()}
+)
+
+
+def error_code(status: grpc.StatusCode) -> ErrorCode:
+    """The inverse of ``GRPC_STATUS``; statuses we never send (OK, CANCELLED,
+    ABORTED, ...) are UNKNOWN to us."""
+    return _ERROR_CODE.get(status, ErrorCode.UNKNOWN)

@@ -1,0 +1,302 @@
+"""Daemons in one process for the engine's tests: real ``DaemonApp``s (real
+worker table, registrar, transfer engine, leases, progress loop, state store
+in memory, fd hand-off socket) over the fake NIXL network, with the gRPC hop
+between daemons replaced by ``FakePeers`` and worker memory in real memfds."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Coroutine
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fake_nixl import FakeAgent, FakeNetwork
+
+from kvmap.client.fd_handoff import send_fds
+from kvmap.daemon.adapters.cuda_driver import CudaUnavailable
+from kvmap.daemon.adapters.cuda_ipc import CudaDriver, CudaIpcImporter
+from kvmap.daemon.adapters.memory import ShmImporter
+from kvmap.daemon.adapters.metrics import Metrics
+from kvmap.daemon.adapters.peer_client import PeerHandshake
+from kvmap.daemon.core import convert
+from kvmap.daemon.core.config import DaemonConfig
+from kvmap.daemon.core.errors import FailedPrecondition, StaleGeneration, Unavailable
+from kvmap.daemon.core.geometry import WorkerKey
+from kvmap.daemon.engine.app import Adapters, DaemonApp
+from kvmap.daemon.engine.workers import EventQueue, WorkerRecord
+from kvmap.v1 import peer_pb2, registry_pb2, transfers_pb2, types_pb2
+
+PAGE = 256  # bytes of one layer's page of one block
+LAYERS = 2
+BLOCKS = 8
+ROW = LAYERS * PAGE  # block-outermost: a block's layers are adjacent
+SIZE = BLOCKS * ROW
+
+
+def no_cuda() -> CudaDriver:
+    raise CudaUnavailable("no CUDA driver in the engine's unit tests")
+
+
+class FakePeers:
+    """The Peer service calls between daemons of one process: what
+    ``PeerClient`` sends and ``PeerService`` answers, without gRPC
+    (``PeerClient`` reports the owner's FAILED_PRECONDITION as a stale
+    generation, and so does this)."""
+
+    def __init__(self, directory: dict[str, DaemonApp]) -> None:
+        self._directory = directory
+        self.ended: list[tuple[str, bool]] = []
+
+    def _app(self, target: str) -> DaemonApp:
+        app = self._directory.get(target)
+        if app is None:
+            raise Unavailable(f"remote daemon {target}: nothing listens")
+        return app
+
+    async def handshake(self, target: str, worker: WorkerKey) -> PeerHandshake:
+        app = self._app(target)
+        record = app.worker_for_peer(worker)
+        return PeerHandshake(
+            peer_pb2.GetAgentMetadataResponse(
+                agent_name=app.agent_name,
+                agent_metadata=await app.agent_metadata(),
+                region_map=convert.region_map_to_proto(record.model),
+                generation=record.generation,
+                daemon_instance=app.instance,
+            )
+        )
+
+    async def begin(self, target: str, req: peer_pb2.BeginTransferRequest) -> str:
+        app = self._app(target)
+        try:
+            if req.agent_name != app.agent_name:
+                raise FailedPrecondition("planned against another agent")
+            record = app.worker_for_peer(convert.requested_worker(req.worker, "worker"))
+            lease = app.leases.begin(
+                record,
+                generation=req.generation,
+                request_id=req.request_id,
+                peer_agent=req.peer_agent,
+                write=req.write,
+                blocks=req.blocks,
+                nbytes=req.bytes,
+                lease_s=req.lease_ms / 1000,
+            )
+        except FailedPrecondition:
+            raise StaleGeneration(str(req.worker), req.generation, 0) from None
+        return lease.token
+
+    async def end(self, target: str, token: str, completed: bool) -> None:
+        self.ended.append((token, completed))
+        self._app(target).leases.finish(token)
+
+    async def close(self) -> None:
+        pass
+
+
+@dataclass
+class Worker:
+    """A CPU worker's KV cache: one memfd, ``BLOCKS`` rows of ``LAYERS`` pages."""
+
+    engine_id: str
+    fd: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.fd = os.memfd_create(f"kv-{self.engine_id}")
+        os.ftruncate(self.fd, SIZE)
+
+    @property
+    def id(self) -> types_pb2.WorkerId:
+        return types_pb2.WorkerId(engine_id=self.engine_id)
+
+    @property
+    def key(self) -> WorkerKey:
+        return convert.requested_worker(self.id, "worker")
+
+    def fill(self, seed: int) -> None:
+        """Every byte distinct per (worker seed, block, offset)."""
+        os.pwrite(self.fd, bytes((seed * 37 + i * 7 + i // 251) % 256 for i in range(SIZE)), 0)
+
+    def block(self, b: int) -> bytes:
+        return os.pread(self.fd, ROW, b * ROW)
+
+    def page(self, b: int, layer: int) -> bytes:
+        return os.pread(self.fd, PAGE, b * ROW + layer * PAGE)
+
+    def request(self, token: str) -> registry_pb2.RegisterWorkerRequest:
+        req = registry_pb2.RegisterWorkerRequest(
+            worker=self.id, kv_cache_layout="BLHNC", block_size_tokens=16
+        )
+        req.allocations.add(
+            id="kv",
+            size_bytes=SIZE,
+            device=types_pb2.Device(type=types_pb2.DEVICE_TYPE_CPU),
+            shm_fd=types_pb2.ShmFdHandle(token=token, index=0),
+        )
+        for layer in range(LAYERS):
+            req.views.add(
+                layer_name=f"layer.{layer}",
+                allocation_id="kv",
+                transfer_group=0,
+                cache_kind=types_pb2.CACHE_KIND_MLA,
+                dtype="uint8",
+                offset_bytes=layer * PAGE,
+                block_len_bytes=PAGE,
+                block_stride_bytes=ROW,
+                num_blocks=BLOCKS,
+            )
+        return req
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class Node:
+    """One daemon of the cluster, reachable by peers as ``target``."""
+
+    def __init__(self, app: DaemonApp, target: str, peers: FakePeers) -> None:
+        self.app = app
+        self.target = target
+        self.peers = peers
+
+    @property
+    def agent(self) -> FakeAgent:
+        agent = self.app.agent
+        assert isinstance(agent, FakeAgent)
+        return agent
+
+    async def hand_over(self, worker: Worker) -> str:
+        """Send the worker's memfd over the real fd hand-off socket: its token."""
+        path = self.app.config.fd_socket_path
+        return await asyncio.to_thread(send_fds, path, [worker.fd], 5.0)
+
+    async def register(self, worker: Worker) -> WorkerRecord:
+        """Hand the worker's memfd over and register it, as RegisterWorker does."""
+        token = await self.hand_over(worker)
+        record = await self.app.registrar.register(worker.request(token), self.app.planner)
+        self.app.registered(record)
+        return record
+
+    async def transfer(
+        self, spec: transfers_pb2.TransferSpec, *, write: bool = False
+    ) -> list[transfers_pb2.TransferStatus]:
+        """Run a pull (push with ``write``); once it is done, wait until the
+        owner has had the completion notification (its lease ended), as the
+        owner's worker would hear it."""
+        owner = self.peers._directory[spec.remote_target]
+        key = convert.requested_worker(spec.remote_worker, "worker")
+        events = owner.table.subscribe(key)
+        try:
+            statuses = [s async for s in self.app.engine.run(spec, write=write)]
+            while (await next_event(events)).transfer_finished.request_id != spec.request_id:
+                pass
+        finally:
+            owner.table.unsubscribe(key, events)
+        return statuses
+
+
+def spec(
+    local: Worker,
+    remote_node: Node,
+    remote: Worker,
+    pairs: list[tuple[int, int]],
+    *,
+    request_id: str = "req-1",
+    layers: tuple[str, ...] = (),
+    remote_generation: int = 0,
+    timeout_ms: int = 0,
+) -> transfers_pb2.TransferSpec:
+    """A pull/push of ``pairs`` (local block, remote block) of transfer group 0."""
+    s = transfers_pb2.TransferSpec(
+        request_id=request_id,
+        local_worker=local.id,
+        remote_target=remote_node.target,
+        remote_worker=remote.id,
+        remote_generation=remote_generation,
+        timeout_ms=timeout_ms,
+    )
+    s.groups.add(
+        transfer_group=0,
+        local_block_ids=[p[0] for p in pairs],
+        remote_block_ids=[p[1] for p in pairs],
+        layer_names=list(layers),
+    )
+    return s
+
+
+@dataclass
+class Cluster:
+    network: FakeNetwork = field(default_factory=FakeNetwork)
+    directory: dict[str, DaemonApp] = field(default_factory=dict)
+    nodes: list[Node] = field(default_factory=list)
+    workers: list[Worker] = field(default_factory=list)
+    dirs: list[str] = field(default_factory=list)
+
+    async def node(self, name: str, instance: str = "", **config: float) -> Node:
+        """Start a daemon reachable as ``<name>:1``; its agent is
+        ``kvmapd-<instance>`` (``instance`` defaults to the name: a restarted
+        daemon has a new one)."""
+        # Short: a Unix socket path has a 108-byte limit.
+        tmp = tempfile.mkdtemp(prefix="kvm-")
+        self.dirs.append(tmp)
+        peers = FakePeers(self.directory)
+        adapters = Adapters(
+            create_agent=self.network.agent,
+            peers=peers,
+            shm=ShmImporter(),
+            cuda=CudaIpcImporter(no_cuda),
+        )
+        # A failed test must not wait the default 30 s for a pinned record.
+        config.setdefault("transfer_timeout_s", 5.0)
+        cfg = DaemonConfig(socket=f"{tmp}/kvmapd.sock", **config)  # type: ignore[arg-type]
+        app = DaemonApp(cfg, Metrics(), instance or name, adapters)
+        await app.start()
+        target = f"{name}:1"
+        self.directory[target] = app
+        node = Node(app, target, peers)
+        self.nodes.append(node)
+        return node
+
+    def worker(self, engine_id: str, seed: int = 0) -> Worker:
+        w = Worker(engine_id)
+        if seed:
+            w.fill(seed)
+        self.workers.append(w)
+        return w
+
+    async def stop(self, node: Node) -> None:
+        self.directory.pop(node.target, None)
+        if node in self.nodes:
+            self.nodes.remove(node)
+            await node.app.close()
+
+    async def close(self) -> None:
+        for node in list(self.nodes):
+            await self.stop(node)
+        for w in self.workers:
+            w.close()
+        for d in self.dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+@asynccontextmanager
+async def cluster() -> AsyncIterator[Cluster]:
+    c = Cluster()
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+async def next_event(queue: EventQueue) -> registry_pb2.AttachResponse:
+    """The next event an Attach stream of the worker would send."""
+    _, event = await asyncio.wait_for(queue.get(), 5.0)
+    return event
+
+
+def run(coro: Coroutine[Any, Any, None]) -> None:
+    asyncio.run(coro)

@@ -1,0 +1,300 @@
+"""The figures of a ``kvmapd bench`` run, typed: what ``runner`` measures and
+``report`` and ``plot`` read.
+
+``BenchResult.to_json`` is the ``--json`` output (schema ``kvmap-bench/1``)
+and ``BenchResult.from_json`` reads it back. Field names and their order are
+the JSON keys and their order, so renaming or reordering a field changes the
+schema; nothing else converts to or from the dict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from kvmap.daemon.core.geometry import PlannerInfo
+
+SCHEMA = "kvmap-bench/1"
+# Figures every planner object has (the issue's minimum, and the test's).
+REQUIRED_KEYS = (
+    "regions",
+    "descriptors",
+    "ready_seconds",
+    "first_contact_seconds",
+    "descriptors_per_transfer_scattered",
+    "post_seconds_scattered",
+    "pull_gbps",
+)
+
+# (figure, higher is better): a ratio > 1 always means "better than baseline".
+RATIO_KEYS: tuple[tuple[str, bool], ...] = (
+    ("regions", False),
+    ("descriptors", False),
+    ("nixl_registrations", False),
+    ("agent_metadata_bytes", False),
+    ("region_map_bytes", False),
+    ("ready_seconds", False),
+    ("first_contact_seconds", False),
+    ("first_contact_steps_seconds", False),
+    ("descriptors_per_transfer_scattered", False),
+    ("post_seconds_scattered", False),
+    ("completion_seconds_scattered", False),
+    ("transfer_seconds_scattered", False),
+    ("descriptors_per_transfer_contiguous", False),
+    ("post_seconds_contiguous", False),
+    ("completion_seconds_contiguous", False),
+    ("transfer_seconds_contiguous", False),
+    ("pull_gbps", True),
+)
+HIGHER_IS_BETTER = dict(RATIO_KEYS)
+
+TIMING_NOTE = (
+    "128K-token requests timed with every page divided by page_divisor; "
+    "layers, blocks and block ids (so descriptors) as at full scale"
+)
+BANDWIDTH_NOTE = "full page size; the first blocks of the scattered request"
+
+
+def ratio(base: float, value: float, higher_is_better: bool) -> float | None:
+    """How many times better than baseline ``value`` is (None if undefined)."""
+    num, den = (value, base) if higher_is_better else (base, value)
+    if den <= 0:
+        return None
+    return float(num / den)
+
+
+# One planner in one profile ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rss:
+    """A daemon pair's own resident memory, bytes."""
+
+    prefill: int
+    decode: int
+
+
+@dataclass(frozen=True)
+class SeriesSamples:
+    """Every timed pull of one request, as the daemon reported it."""
+
+    post_seconds: list[float]
+    completion_seconds: list[float]
+    wall: list[float]
+
+
+@dataclass(frozen=True)
+class Samples:
+    """The raw samples behind the medians."""
+
+    ready_seconds: list[float]
+    first_contact_steps: dict[str, list[float]]
+    bandwidth: SeriesSamples
+    scattered: SeriesSamples
+    contiguous: SeriesSamples
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Samples:
+        return cls(
+            ready_seconds=d["ready_seconds"],
+            first_contact_steps=d["first_contact_steps"],
+            bandwidth=SeriesSamples(**d["bandwidth"]),
+            scattered=SeriesSamples(**d["scattered"]),
+            contiguous=SeriesSamples(**d["contiguous"]),
+        )
+
+
+@dataclass(frozen=True)
+class PlannerResult:
+    """What one planner's daemons measured in one profile (docs/benchmarks.md
+    says what each figure is)."""
+
+    planner: PlannerInfo
+    regions: int
+    descriptors: int
+    baseline_descriptors: int
+    nixl_registrations: int
+    agent_metadata_bytes: int
+    region_map_bytes: int
+    registration_request_bytes: int
+    plan_seconds: float
+    ready_seconds: float
+    first_contact_seconds: float
+    first_contact_steps_seconds: float
+    first_contact_steps: dict[str, float]
+    first_contact_handshaked: bool
+    descriptors_per_transfer_scattered: int
+    descriptors_per_transfer_scattered_full_scale: int
+    post_seconds_scattered: float
+    completion_seconds_scattered: float
+    transfer_seconds_scattered: float
+    bytes_scattered: int
+    descriptors_per_transfer_contiguous: int
+    descriptors_per_transfer_contiguous_full_scale: int
+    post_seconds_contiguous: float
+    completion_seconds_contiguous: float
+    transfer_seconds_contiguous: float
+    bytes_contiguous: int
+    pull_gbps: float
+    pull_gbps_wall: float
+    pull_bytes: int
+    pull_descriptors: int
+    daemon_rss_bytes: Rss
+    daemon_rss_ready_bytes: Rss
+    bytes_verified: int
+    bad_blocks: int
+    verified: bool
+    pulls: int
+    owner_notified: int
+    repeats: int
+    samples: Samples
+    # Gain over baseline per RATIO_KEYS figure; None for baseline itself
+    # (and then absent from the JSON).
+    vs_baseline: dict[str, float | None] | None = None
+
+    def figure(self, key: str) -> float:
+        """The numeric figure named ``key`` (a RATIO_KEYS or table key)."""
+        value = getattr(self, key)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"{key} is not a numeric figure")
+        return float(value)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        if self.vs_baseline is None:
+            del out["vs_baseline"]
+        return out
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> PlannerResult:
+        return cls(
+            **{
+                **d,
+                "planner": PlannerInfo(**d["planner"]),
+                "daemon_rss_bytes": Rss(**d["daemon_rss_bytes"]),
+                "daemon_rss_ready_bytes": Rss(**d["daemon_rss_ready_bytes"]),
+                "samples": Samples.from_json(d["samples"]),
+            }
+        )
+
+
+# One profile ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TimingScale:
+    page_divisor: int
+    page_bytes: list[int]
+    request_bytes: int
+    note: str = TIMING_NOTE
+
+
+@dataclass(frozen=True)
+class BandwidthRequest:
+    blocks: list[int]
+    bytes: int
+    note: str = BANDWIDTH_NOTE
+
+
+@dataclass(frozen=True)
+class Fragmentation:
+    model: str
+    ascending_pairs_local: float
+    ascending_pairs_remote: float
+    ascending_pairs_both: float
+
+
+@dataclass(frozen=True)
+class ProfileInfo:
+    """A profile's geometry and requests: everything that does not depend on
+    the planner."""
+
+    title: str
+    source: str
+    kv_cache_layout: str
+    views: int
+    allocations: int
+    blocks: int
+    block_tokens: int
+    page_bytes: list[int]
+    allocated_bytes: int
+    request_tokens: int
+    request_blocks: list[int]
+    request_bytes_full_scale: int
+    timing_scale: TimingScale
+    bandwidth_request: BandwidthRequest
+    fragmentation: Fragmentation
+    memcpy_gbps: float
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ProfileInfo:
+        return cls(
+            **{
+                **d,
+                "timing_scale": TimingScale(**d["timing_scale"]),
+                "bandwidth_request": BandwidthRequest(**d["bandwidth_request"]),
+                "fragmentation": Fragmentation(**d["fragmentation"]),
+            }
+        )
+
+
+# The run ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Machine:
+    cpu: str
+    cpus: int | None
+    memory_bytes: int
+    kernel: str
+    python: str
+    transport: str
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """A whole ``kvmapd bench`` run: per profile, per planner (baseline first)."""
+
+    schema: str
+    machine: Machine
+    memcpy_gbps: float
+    memcpy_bytes: int
+    repeats: int
+    profiles: dict[str, dict[str, PlannerResult]]
+    profile_info: dict[str, ProfileInfo]
+    seconds: float
+
+    @property
+    def verified(self) -> bool:
+        """Every byte of every timed pull of every planner was right."""
+        return all(r.verified for rs in self.profiles.values() for r in rs.values())
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``--json`` output, keys in field order."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["machine"] = asdict(self.machine)
+        out["profiles"] = {
+            name: {planner: r.to_json() for planner, r in results.items()}
+            for name, results in self.profiles.items()
+        }
+        out["profile_info"] = {name: asdict(info) for name, info in self.profile_info.items()}
+        return out
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> BenchResult:
+        """Read back a ``--json`` output of this schema."""
+        if d.get("schema") != SCHEMA:
+            raise ValueError(f"not a {SCHEMA} result: schema {d.get('schema')!r}")
+        return cls(
+            **{
+                **d,
+                "machine": Machine(**d["machine"]),
+                "profiles": {
+                    name: {p: PlannerResult.from_json(r) for p, r in results.items()}
+                    for name, results in d["profiles"].items()
+                },
+                "profile_info": {
+                    name: ProfileInfo.from_json(info) for name, info in d["profile_info"].items()
+                },
+            }
+        )
