@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 import pytest
 import torch
 
@@ -106,7 +108,9 @@ def test_flat_byte_view_needs_and_uses_the_page_size() -> None:
 
 def test_build_registration_one_allocation_per_storage_and_daemon_accepts_it() -> None:
     """Layers on one storage become one shm_fd allocation with a view per layer that has a spec
-    (others skipped), and an in-memory daemon accepts the request once the fds are sent."""
+    (others skipped), the storage is shared in place (writes through the layer tensors, before and
+    after registering, show in a mapping of the fd), and an in-memory daemon accepts the request
+    once the fds are sent."""
     nb, page = 12, 256
     storage = torch.zeros(2 * nb * page, dtype=torch.uint8)
     kv = {
@@ -125,20 +129,35 @@ def test_build_registration_one_allocation_per_storage_and_daemon_accepts_it() -
         ("model.layers.1.attn", nb * page, page),
     ]
     assert all(v.dtype == "uint8" and v.cache_kind == MHA for v in req.views)
-    # The storage moved into shared memory in place: writes stay visible.
+    # The storage moved into shared memory in place: writes through the layer
+    # tensors, before and after registering, show in the fd's mapping.
     kv["model.layers.1.attn"][3].fill_(7)
-    daemon = MemoryNetwork().daemon("127.0.0.1:1")
-    token = daemon.send_fds(fds)
-    req.allocations[0].shm_fd.token = token
-    region_map = daemon.register_worker(req)
-    assert region_map.generation == 1 and len(region_map.regions) == 2
-    daemon.stop()
+    shared = mmap.mmap(fds[0], 2 * nb * page, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    try:
+        expected = bytearray(2 * nb * page)
+        expected[(nb + 3) * page : (nb + 4) * page] = b"\x07" * page
+        assert shared[:] == expected
+        daemon = MemoryNetwork().daemon("127.0.0.1:1")
+        token = daemon.send_fds(fds)
+        req.allocations[0].shm_fd.token = token
+        region_map = daemon.register_worker(req)
+        assert region_map.generation == 1 and len(region_map.regions) == 2
+        kv["model.layers.0.attn"][11].fill_(9)
+        expected[11 * page : 12 * page] = b"\x09" * page
+        assert shared[:] == expected
+        daemon.stop()
+    finally:
+        shared.close()  # the fd itself belongs to the storage, which closes it
 
 
 def test_build_registration_refuses_mixed_devices_and_empty() -> None:
-    """build_registration refuses a set with no specified KV cache layer, and a layer tensor without
-    a block dimension, with GeometryError."""
+    """build_registration refuses, with GeometryError, layers on more than one device type, a set
+    with no specified KV cache layer, and a layer tensor without a block dimension."""
     worker = types_pb2.WorkerId(engine_id="e")
+    specs = {n: LayerSpec(0, MHA, 4) for n in ("a", "b")}
+    mixed = {"a": torch.zeros(4, 8), "b": torch.zeros(4, 8, device="meta")}
+    with pytest.raises(GeometryError, match=r"mixed devices \['cpu', 'meta'\]"):
+        build_registration(worker, mixed, specs, block_size_tokens=16)
     with pytest.raises(GeometryError, match="no KV cache layer"):
         build_registration(worker, {"a": torch.zeros(2, 2)}, {}, block_size_tokens=16)
     with pytest.raises(GeometryError, match="layer a: no dimension"):

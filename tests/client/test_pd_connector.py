@@ -1,9 +1,11 @@
 """The connector's P/D state machines (kvmap.client.pd) against in-memory
 daemons: a prefill and a decode worker with real shared-memory KV caches,
-the scheduler decisions of both roles, lease expiry, failures, timeouts."""
+the scheduler decisions of both roles, the prefill side's transfer grants
+and the decode side's capability checks, lease expiry, failures, timeouts."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +19,7 @@ from kvmap.client.client import KvmapClient
 from kvmap.client.errors import Unavailable
 from kvmap.client.geometry import LayerSpec, build_registration
 from kvmap.client.pd import (
+    CAPABILITY_KEY,
     WATCHDOG_GRACE_S,
     ConnectorMeta,
     ConnectorOptions,
@@ -25,9 +28,10 @@ from kvmap.client.pd import (
     SchedulerCore,
     WorkerCore,
     pair_blocks,
+    rank_capability,
 )
 from kvmap.client.transports.memory import MemoryDaemon, MemoryNetwork, MemoryTransport
-from kvmap.v1 import transfers_pb2, types_pb2
+from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
 
 NB, PAGE = 32, 128
 LAYERS = ("model.layers.0.attn", "model.layers.1.attn")
@@ -54,6 +58,28 @@ def options(**kw: Any) -> ConnectorOptions:
     return ConnectorOptions(**{**base, **kw})
 
 
+class RecordingTransport(MemoryTransport):
+    """The memory transport, keeping every GrantTransfer and RevokeTransfer
+    request it carried (what the connector asked its daemon for)."""
+
+    def __init__(self, daemon: MemoryDaemon) -> None:
+        super().__init__(daemon)
+        self.grants: list[registry_pb2.GrantTransferRequest] = []
+        self.revokes: list[registry_pb2.RevokeTransferRequest] = []
+
+    def grant_transfer(
+        self, req: registry_pb2.GrantTransferRequest, timeout: float
+    ) -> registry_pb2.GrantTransferResponse:
+        self.grants.append(req)
+        return super().grant_transfer(req, timeout)
+
+    def revoke_transfer(
+        self, req: registry_pb2.RevokeTransferRequest, timeout: float
+    ) -> registry_pb2.RevokeTransferResponse:
+        self.revokes.append(req)
+        return super().revoke_transfer(req, timeout)
+
+
 @dataclass
 class Side:
     daemon: MemoryDaemon
@@ -61,6 +87,9 @@ class Side:
     worker: WorkerCore
     kv: dict[str, torch.Tensor]
     clock: FakeClock
+    # The scheduler's and the worker's transports (as in vLLM: two processes).
+    sched_transport: RecordingTransport
+    worker_transport: RecordingTransport
 
 
 def make_side(net: MemoryNetwork, addr: str, engine: str, fill: bool, **kw: Any) -> Side:
@@ -75,11 +104,13 @@ def make_side(net: MemoryNetwork, addr: str, engine: str, fill: bool, **kw: Any)
         storage.copy_(torch.randint(0, 255, storage.shape, generator=g, dtype=torch.uint8))
     wid = types_pb2.WorkerId(engine_id=engine)
     clock = FakeClock()
-    worker = WorkerCore(KvmapClient(MemoryTransport(daemon)), wid, opts, clock=clock)
+    worker_transport, sched_transport = RecordingTransport(daemon), RecordingTransport(daemon)
+    worker = WorkerCore(KvmapClient(worker_transport), wid, opts, clock=clock)
     specs = {n: LayerSpec(0, types_pb2.CACHE_KIND_MHA, NB) for n in LAYERS}
     req, fds = build_registration(wid, kv, specs, block_size_tokens=16)
     worker.register(req, fds)
-    return Side(daemon, SchedulerCore(engine, opts), worker, kv, clock)
+    sched = SchedulerCore(engine, opts, client=KvmapClient(sched_transport))
+    return Side(daemon, sched, worker, kv, clock, sched_transport, worker_transport)
 
 
 @pytest.fixture
@@ -153,6 +184,7 @@ def test_full_pd_flow_moves_bytes_and_frees_prefill_blocks(pair: tuple[Side, Sid
     r = step(p)
     assert r.finished_sending == {"req-p"} and p.worker.pending_sends == 0
     assert p.worker.leases_expired == 0
+    assert p.worker_transport.revokes == []  # freed by the finished pull: nothing to revoke
     assert d.daemon.get_stats().transfers.blocks == 3
     assert p.daemon.get_stats().transfers.served_blocks == 3
 
@@ -221,6 +253,112 @@ def test_failed_pull_is_reported_as_a_load_failure(pair: tuple[Side, Side]) -> N
     assert torch.count_nonzero(d.kv[LAYERS[0]][7]) == 0
     # The owner was never told: its blocks wait for the lease.
     assert p.worker.poll().finished_sending == set()
+
+
+def test_prefill_grants_exactly_the_kept_blocks_and_revokes_when_the_lease_runs_out(
+    pair: tuple[Side, Side],
+) -> None:
+    """The prefill scheduler asks its daemon for one single-use grant of exactly the request's kept
+    blocks, for the lease's time, and hands the capability out in kv_transfer_params; when the
+    lease runs out with nobody pulling, the worker revokes the grant as it frees the blocks, and a
+    decode that presents the capability afterwards reads nothing (a failed load, memory
+    untouched)."""
+    p, d = pair
+    kv = prefill_request(p, "req-p", [3, 17, 4], tokens=40)
+    [grant] = p.sched_transport.grants
+    assert grant.worker == types_pb2.WorkerId(engine_id="prefill")
+    assert grant.request_id == "req-p"
+    assert [(g.transfer_group, list(g.block_ids)) for g in grant.groups] == [(0, [3, 17, 4])]
+    assert (grant.ttl_ms, grant.max_uses) == (30_000, 1)
+    assert rank_capability(kv[CAPABILITY_KEY], 1, 0) == kv[CAPABILITY_KEY]
+    p.clock.now += 29.0
+    assert p.worker.poll().finished_sending == set()
+    assert p.worker_transport.revokes == []
+    p.clock.now += 1.5
+    assert p.worker.poll().finished_sending == {"req-p"}
+    assert [(r.worker.engine_id, r.request_id) for r in p.worker_transport.revokes] == [
+        ("prefill", "req-p")
+    ]
+    d.sched.after_alloc("req-d", dict(kv), [[7, 8, 9]], 40)
+    r = step(d)
+    assert r.finished_recving == r.failed_recving == {"req-d"}
+    assert torch.count_nonzero(d.kv[LAYERS[0]][7:10]) == 0
+
+
+def test_a_refused_grant_offers_no_capability_and_keeps_nothing(
+    pair: tuple[Side, Side], caplog: pytest.LogCaptureFixture
+) -> None:
+    """When the daemon refuses a grant (here the second of two tensor-parallel ranks, which is not
+    registered), the request keeps no blocks, its params carry no capability (the decode side will
+    recompute), no lease is sent, the error is logged and the first rank's grant is revoked."""
+    p, _ = pair
+    sched = SchedulerCore("prefill", p.sched.options, tp_size=2, client=p.sched.client)
+    params: dict[str, Any] = {"do_remote_decode": True}
+    sched.after_alloc("r", params, [[1, 2]], 0)
+    with caplog.at_level(logging.ERROR, logger="kvmap.client.pd"):
+        keep, kv = sched.request_finished(
+            "r", params, finished_normally=True, block_ids=[[1, 2]], num_computed_tokens=20
+        )
+    assert keep is False and kv is not None
+    assert CAPABILITY_KEY not in kv and kv["remote_request_id"] == "r"
+    meta = sched.build_meta()
+    assert meta.not_processed == {"r"} and not meta.send
+    assert "did not grant" in caplog.text
+    assert [g.worker.tp_rank for g in p.sched_transport.grants] == [0, 1]
+    assert [(r.worker.tp_rank, r.request_id) for r in p.sched_transport.revokes] == [(0, "r")]
+
+
+@pytest.mark.parametrize(
+    ("capability", "why"),
+    [
+        (None, "missing"),
+        ("", "missing"),
+        (42, "missing"),
+        ("not a token!", "malformed"),
+        ("a" * 9000, "malformed"),
+        ("abc.def", "2 capabilities for tensor-parallel size 1"),
+    ],
+)
+def test_params_without_a_valid_capability_never_become_a_pull(
+    pair: tuple[Side, Side], capability: Any, why: str
+) -> None:
+    """kv_transfer_params whose kvmap_capability is missing, not a string, malformed, too long or
+    for another tensor-parallel size are still planned as a remote load, but the worker sends no
+    pull: the load fails at once (recompute), saying why, and the decode memory is untouched."""
+    p, d = pair
+    params = dict(prefill_request(p, "req-p", [1, 2], tokens=20))
+    if capability is None:
+        del params[CAPABILITY_KEY]
+    else:
+        params[CAPABILITY_KEY] = capability
+    sent: list[transfers_pb2.TransferSpec] = []
+    d.daemon.pull_hook = sent.append
+    assert d.sched.num_new_matched_tokens("req-d", params, 20, 0) == (20, True)
+    d.sched.after_alloc("req-d", params, [[7, 8]], 20)
+    d.worker.start(d.sched.build_meta())
+    r = d.worker.poll()
+    assert r.finished_recving == r.failed_recving == {"req-d"}
+    assert why in d.worker.loads[-1].error
+    assert sent == [] and d.daemon.get_stats().transfers.pulls_done == 0
+    assert torch.count_nonzero(d.kv[LAYERS[0]][7:9]) == 0
+
+
+def test_rank_capability_picks_the_rank_and_refuses_anything_odd() -> None:
+    """rank_capability returns the capability of the puller's rank (one per prefill rank, joined by
+    ".") and refuses missing, malformed, over-long ones and a count that is not the TP size."""
+    assert rank_capability("tok_-9", 1, 0) == "tok_-9"
+    assert rank_capability("aaa.bbb", 2, 1) == "bbb"
+    for value, tp_size, why in [
+        ("", 1, "missing"),
+        ("a b", 1, "malformed"),
+        ("a..b", 2, "malformed"),
+        (".a", 1, "malformed"),
+        ("x" * 129, 1, "malformed"),
+        ("a.b", 1, "2 capabilities for tensor-parallel size 1"),
+        ("a", 2, "1 capabilities for tensor-parallel size 2"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            rank_capability(value, tp_size, 0)
 
 
 @pytest.fixture

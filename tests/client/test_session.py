@@ -229,11 +229,14 @@ def test_memory_pull_copies_bytes_counts_and_notifies_owner() -> None:
         s = WorkerSession(KvmapClient(MemoryTransport(d)), req, fds, on_event=on, backoff=FAST)
         s.start(2)
         sessions.append(s)
+    # The owner grants exactly the blocks read, as the vLLM connector does.
+    grant = sessions[0].client.grant_transfer(types_pb2.WorkerId(engine_id="p"), "r1", {0: [2, 7]})
     spec = transfers_pb2.TransferSpec(
         request_id="r1",
         local_worker=types_pb2.WorkerId(engine_id="d"),
         remote_target="p:1",
         remote_worker=types_pb2.WorkerId(engine_id="p"),
+        capability=grant.capability,
     )
     spec.groups.add(transfer_group=0, local_block_ids=[5, 0], remote_block_ids=[2, 7])
     result = KvmapClient(MemoryTransport(dd)).pull(spec)

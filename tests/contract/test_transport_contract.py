@@ -31,6 +31,7 @@ from kvmap.client.errors import (
     InvalidArgument,
     KvmapClientError,
     NotFound,
+    PermissionDenied,
     Unavailable,
 )
 from kvmap.client.geometry import LayerSpec, build_registration
@@ -480,14 +481,44 @@ def test_attach_streams_attached_then_map_changes_and_its_end_drops_the_worker(
 # Transfers ----------------------------------------------------------------------
 
 
+def grant(
+    world: World,
+    owner: Worker,
+    request_id: str,
+    blocks: dict[int, list[int]],
+    *,
+    ttl_ms: int = 0,
+    max_uses: int = 0,
+) -> registry_pb2.GrantTransferResponse:
+    """The owner's worker asks its daemon for a capability (it is attached)."""
+    req = registry_pb2.GrantTransferRequest(
+        worker=owner.id,
+        request_id=request_id,
+        groups=[types_pb2.BlockGrant(transfer_group=g, block_ids=ids) for g, ids in blocks.items()],
+        ttl_ms=ttl_ms,
+        max_uses=max_uses,
+    )
+    return world.transport(owner.role).grant_transfer(req, T)
+
+
 def make_spec(
     world: World,
     request_id: str,
     local: Worker,
     remote: Worker,
     groups: list[tuple[int, list[int], list[int]]],
+    *,
+    capability: str | None = None,
     **extra: object,
 ) -> transfers_pb2.TransferSpec:
+    """A transfer of ``groups`` (group, local ids, remote ids) with a
+    capability the remote worker's daemon granted for exactly its blocks of
+    them (unless ``capability`` is given)."""
+    if capability is None:
+        blocks: dict[int, list[int]] = {}
+        for group, _, remote_ids in groups:
+            blocks.setdefault(group, []).extend(remote_ids)
+        capability = grant(world, remote, request_id, blocks).capability
     target = (
         world.backend.prefill_target if remote.role == "prefill" else world.backend.decode_target
     )
@@ -497,6 +528,7 @@ def make_spec(
         remote_target=target,
         remote_worker=remote.id,
         timeout_ms=int(T * 1000),
+        capability=capability,
     )
     for group, local_ids, remote_ids in groups:
         spec.groups.add(
@@ -708,7 +740,7 @@ PULL_ERRORS: dict[str, tuple[Change, type[KvmapClientError], str, bool]] = {
         _group(remote_block_ids=[1]),
         InvalidArgument,
         "INVALID_ARGUMENT: groups[0].remote_block_ids: 1 ids for 2 local ids",
-        True,
+        False,
     ),
     "destination block twice": (
         _group(local_block_ids=[4, 4]),
@@ -759,6 +791,233 @@ def test_bad_pull_fails_with_the_daemons_error_and_moves_nothing(
     # The owner heard nothing: the next event it gets is of the next good pull.
     run(world, "decode", make_spec(world, "good", pair.decode, pair.prefill, [(0, [0], [0])]))
     assert pair.events.next().transfer_finished.request_id == "good"
+
+
+# Capabilities ------------------------------------------------------------------------
+
+DENIED = (
+    "PERMISSION_DENIED: remote daemon {t}: PERMISSION_DENIED: "
+    "capability does not allow this transfer"
+)
+
+
+def _refused(
+    world: World, pair: Pair, spec: transfers_pb2.TransferSpec, error: type[KvmapClientError]
+) -> str:
+    """Run a pull that must be refused: its message; no byte moved, the owner
+    heard nothing (its next event is of the next good pull)."""
+    with pytest.raises(error) as raised:
+        run(world, "decode", spec)
+    assert int(pair.decode.kv.count_nonzero()) == 0
+    run(world, "decode", make_spec(world, "good", pair.decode, pair.prefill, [(0, [0], [0])]))
+    assert pair.events.next().transfer_finished.request_id == "good"
+    pair.decode.kv.zero_()
+    return raised.value.message
+
+
+# name -> (spec of the refused pull from a granted capability, error, message)
+REFUSED_PULLS: dict[
+    str, tuple[Callable[[World, Pair], transfers_pb2.TransferSpec], type[KvmapClientError], str]
+] = {
+    "no capability": (
+        lambda w, p: make_spec(w, "c", p.decode, p.prefill, [(0, [4], [1])], capability=""),
+        PermissionDenied,
+        "PERMISSION_DENIED: spec.capability: a transfer needs the owner's capability",
+    ),
+    "made-up capability": (
+        lambda w, p: make_spec(w, "c", p.decode, p.prefill, [(0, [4], [1])], capability="x" * 43),
+        PermissionDenied,
+        DENIED,
+    ),
+    "another request id": (
+        lambda w, p: make_spec(
+            w,
+            "other",
+            p.decode,
+            p.prefill,
+            [(0, [4], [1])],
+            capability=grant(w, p.prefill, "c", {0: [1]}).capability,
+        ),
+        PermissionDenied,
+        DENIED,
+    ),
+    "a block outside the grant": (
+        lambda w, p: make_spec(
+            w,
+            "c",
+            p.decode,
+            p.prefill,
+            [(0, [4, 5], [1, 2])],
+            capability=grant(w, p.prefill, "c", {0: [1, 3]}).capability,
+        ),
+        PermissionDenied,
+        DENIED,
+    ),
+    "another worker's capability": (
+        lambda w, p: make_spec(
+            w,
+            "c",
+            p.decode,
+            p.prefill,
+            [(0, [4], [1])],
+            capability=grant(w, p.decode, "c", {0: [1]}).capability,
+        ),
+        PermissionDenied,
+        DENIED,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_PULLS))
+def test_pull_without_a_capability_that_allows_it_is_refused(
+    world: World, pair: Pair, case: str
+) -> None:
+    """A pull whose capability is missing, made up, granted for another
+    request, another worker, or not for every block it names is refused
+    (PERMISSION_DENIED, one message whatever the reason) and moves nothing."""
+    make, error, message = REFUSED_PULLS[case]
+    decode_events = Events(world.transport("decode"), pair.decode.id)  # to grant on "decode"
+    try:
+        assert decode_events.next().WhichOneof("event") == "attached"
+        spec = make(world, pair)
+        got = _refused(world, pair, spec, error)
+    finally:
+        decode_events.close()
+    assert got == message.format(t=spec.remote_target), got
+
+
+def test_a_capability_is_used_up_by_its_pulls(world: World, pair: Pair) -> None:
+    """A capability is single use unless granted for more: the second pull
+    with the same one is refused; one granted for two uses allows two."""
+    once = make_spec(world, "once", pair.decode, pair.prefill, [(0, [4], [1])])
+    run(world, "decode", once)
+    assert pair.events.next().transfer_finished.request_id == "once"
+    pair.decode.kv.zero_()
+    target = once.remote_target
+    assert _refused(world, pair, once, PermissionDenied) == DENIED.format(t=target)
+    pair.decode.kv.zero_()
+    cap = grant(world, pair.prefill, "twice", {0: [2]}, max_uses=2).capability
+    twice = make_spec(world, "twice", pair.decode, pair.prefill, [(0, [5], [2])], capability=cap)
+    for _ in range(2):
+        run(world, "decode", twice)
+        assert pair.events.next().transfer_finished.request_id == "twice"
+    pair.decode.kv.zero_()
+    assert _refused(world, pair, twice, PermissionDenied) == DENIED.format(t=target)
+
+
+def test_revoked_and_expired_capabilities_are_refused(world: World, pair: Pair) -> None:
+    """A revoked capability is refused like an unknown one; an expired one
+    fails FAILED_PRECONDITION. Revoking is idempotent."""
+    cap = grant(world, pair.prefill, "rev", {0: [1]}).capability
+    revoke = registry_pb2.RevokeTransferRequest(worker=pair.prefill.id, request_id="rev")
+    world.transport("prefill").revoke_transfer(revoke, T)
+    world.transport("prefill").revoke_transfer(revoke, T)
+    spec = make_spec(world, "rev", pair.decode, pair.prefill, [(0, [4], [1])], capability=cap)
+    assert _refused(world, pair, spec, PermissionDenied) == DENIED.format(t=spec.remote_target)
+
+    short = grant(world, pair.prefill, "exp", {0: [1]}, ttl_ms=1)
+    # Wait for the wall clock to pass the expiry the daemon stated.
+    wait_for(lambda: time.time_ns() // 1_000_000 > short.expires_unix_ms, "grant expiry")
+    spec = make_spec(
+        world, "exp", pair.decode, pair.prefill, [(0, [4], [1])], capability=short.capability
+    )
+    assert _refused(world, pair, spec, FailedPrecondition).startswith("FAILED_PRECONDITION: ")
+
+
+# (grant request change, error, message)
+GrantChange = Callable[[registry_pb2.GrantTransferRequest], None]
+
+
+def _grant_set(**values: object) -> GrantChange:
+    def change(req: registry_pb2.GrantTransferRequest) -> None:
+        for key, value in values.items():
+            if key == "block_ids":
+                req.groups[0].block_ids.append(int(str(value)))
+            elif key == "transfer_group":
+                req.groups[0].transfer_group = int(str(value))
+            elif key == "worker":
+                req.worker.engine_id = str(value)
+            else:
+                setattr(req, key, value)
+
+    return change
+
+
+BAD_GRANTS: dict[str, tuple[GrantChange, type[KvmapClientError], str]] = {
+    "no request id": (
+        _grant_set(request_id=""),
+        InvalidArgument,
+        "INVALID_ARGUMENT: request_id: must not be empty",
+    ),
+    "long request id": (
+        _grant_set(request_id="r" * 257),
+        InvalidArgument,
+        "INVALID_ARGUMENT: request_id: 257 characters; at most 256",
+    ),
+    "no groups": (
+        lambda req: req.ClearField("groups"),
+        InvalidArgument,
+        "INVALID_ARGUMENT: groups: at least one transfer group is required",
+    ),
+    "unknown group": (
+        _grant_set(transfer_group=3),
+        InvalidArgument,
+        "INVALID_ARGUMENT: groups[0].transfer_group: worker has no group 3",
+    ),
+    "block out of range": (
+        _grant_set(block_ids=BLOCKS),
+        InvalidArgument,
+        f"INVALID_ARGUMENT: groups[0].block_ids[2]: block {BLOCKS} out of range [0, {BLOCKS})",
+    ),
+    "block twice": (
+        _grant_set(block_ids=1),
+        InvalidArgument,
+        "INVALID_ARGUMENT: groups[0].block_ids: block ids must be distinct",
+    ),
+    "ttl over the maximum": (
+        _grant_set(ttl_ms=3_600_001),
+        InvalidArgument,
+        "INVALID_ARGUMENT: ttl_ms: 3600001 ms; at most 3600000",
+    ),
+    "too many uses": (
+        _grant_set(max_uses=65),
+        InvalidArgument,
+        "INVALID_ARGUMENT: max_uses: 65; at most 64",
+    ),
+    "unknown worker": (
+        _grant_set(worker="nobody"),
+        NotFound,
+        "NOT_FOUND: worker nobody/dp0/tp0/pp0 is not registered",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_GRANTS))
+def test_bad_grant_is_rejected_naming_the_field(world: World, pair: Pair, case: str) -> None:
+    """A grant request the daemon cannot honour fails with the core's class
+    and message and mints nothing."""
+    change, error, message = BAD_GRANTS[case]
+    req = registry_pb2.GrantTransferRequest(
+        worker=pair.prefill.id,
+        request_id="g",
+        groups=[types_pb2.BlockGrant(transfer_group=0, block_ids=[1, 2])],
+    )
+    change(req)
+    with pytest.raises(error) as raised:
+        world.transport("prefill").grant_transfer(req, T)
+    assert raised.value.message == message, raised.value.message
+
+
+def test_grant_needs_an_attached_worker(world: World) -> None:
+    """A worker with no Attach stream gets no capability (its blocks' pull
+    could never be reported to it): FAILED_PRECONDITION."""
+    p = world.register("prefill", "p")
+    req = registry_pb2.GrantTransferRequest(
+        worker=p.id, request_id="g", groups=[types_pb2.BlockGrant(block_ids=[1])]
+    )
+    with pytest.raises(FailedPrecondition) as raised:
+        world.transport("prefill").grant_transfer(req, T)
+    assert raised.value.message == f"FAILED_PRECONDITION: worker {p.name} has no Attach stream open"
 
 
 # Both at once -----------------------------------------------------------------------

@@ -613,6 +613,100 @@ def check_podmonitor(docs: Docs) -> list[str]:
     return problems
 
 
+ROLES = {"prefill": "decode", "decode": "prefill"}
+COMPONENT = "app.kubernetes.io/component"
+
+
+def selector_values(selector: Doc, key: str) -> set[str] | None:
+    """The values of label ``key`` a selector admits (matchLabels and ``In``
+    expressions); None when it does not constrain ``key``."""
+    allowed: set[str] | None = None
+    if key in (selector.get("matchLabels") or {}):
+        allowed = {selector["matchLabels"][key]}
+    for expr in selector.get("matchExpressions") or []:
+        if expr.get("key") == key and expr.get("operator") == "In":
+            values = set(expr.get("values") or [])
+            allowed = values if allowed is None else allowed & values
+    return allowed
+
+
+def selects(selector: Doc, labels: dict[str, str]) -> bool:
+    keys = set(selector.get("matchLabels") or {}) | {
+        e.get("key") for e in selector.get("matchExpressions") or []
+    }
+    for key in keys:
+        values = selector_values(selector, key)
+        if values is None or labels.get(key) not in values:
+            return False  # NotIn/Exists/DoesNotExist: not used here, so not admitted
+    return True
+
+
+def _admits_port(rule: Doc, port: int) -> bool:
+    ports = rule.get("ports")
+    return not ports or any(p.get("port") in (port, "peer") for p in ports)
+
+
+def check_network_policy(docs: Docs) -> list[str]:
+    """Each role's pods are selected by an ingress NetworkPolicy under which only the other
+    role's kvmap pods (same namespace, by pod selector) reach the kvmapd peer port."""
+    problems = []
+    policies = [d for d in docs if d.get("kind") == "NetworkPolicy"]
+    for dep in deployments(docs):
+        name, labels = dep["metadata"]["name"], pod_labels(dep)
+        other = ROLES.get(labels.get(COMPONENT, ""))
+        if other is None:
+            continue  # the role-less base: an overlay adds the policy
+        mine = [
+            p
+            for p in policies
+            if selects(p["spec"].get("podSelector") or {}, labels)
+            and "Ingress" in (p["spec"].get("policyTypes") or [])
+        ]
+        if not mine:
+            problems.append(f"{name}: no ingress NetworkPolicy selects its pods")
+        _, peer = host_port(daemon_settings(docs, pod_spec(dep)).get("listen", ":50051"))
+        for policy in mine:
+            for rule in policy["spec"].get("ingress") or []:
+                if not _admits_port(rule, peer):
+                    continue
+                sources = rule.get("from") or []
+                if not sources:
+                    problems.append(f"{name}: the peer port {peer} is open to everyone")
+                for source in sources:
+                    selector = source.get("podSelector")
+                    if set(source) != {"podSelector"} or selector is None:
+                        problems.append(f"{name}: peer port reachable from {source}")
+                    elif selector_values(selector, COMPONENT) != {other} or (
+                        selector_values(selector, "app.kubernetes.io/part-of") != {"kvmap"}
+                    ):
+                        problems.append(f"{name}: peer port reachable from {selector}")
+    return problems
+
+
+def check_peer_allow_lists(docs: Docs) -> list[str]:
+    """kvmapd's allow-lists are set (not the loopback default, which no peer could use), parse,
+    and admit no whole address space."""
+    from kvmap.daemon.core.peer_policy import PeerPolicy
+
+    problems = []
+    for name, spec in each_pod(docs):
+        settings = daemon_settings(docs, spec)
+        lists = {k: settings.get(k) for k in ("peer_accept", "peer_allow")}
+        if any(not v for v in lists.values()):
+            problems.append(f"{name}: kvmapd.toml does not set {sorted(lists)}")
+            continue
+        try:
+            policy = PeerPolicy.parse(
+                lists["peer_accept"], lists["peer_allow"], settings.get("peer_identities", [])
+            )
+        except ValueError as err:
+            problems.append(f"{name}: {err}")
+            continue
+        if any(n.prefixlen == 0 for n in (*policy.accept, *policy.allow_networks)):
+            problems.append(f"{name}: an allow-list admits every address")
+    return problems
+
+
 CHECKERS: list[Callable[[Docs], list[str]]] = [
     check_has_workload,
     check_native_sidecar,
@@ -626,6 +720,8 @@ CHECKERS: list[Callable[[Docs], list[str]]] = [
     check_service,
     check_labels,
     check_podmonitor,
+    check_network_policy,
+    check_peer_allow_lists,
 ]
 
 
@@ -763,13 +859,17 @@ def dockerignore_included(patterns: list[str], path: str) -> bool:
 
 def test_bundled_schemas_cover_the_supported_versions() -> None:
     """The installed kubernetes-validate bundles the schema of the oldest supported Kubernetes
-    (1.29), so validation against it is not silently done with another version."""
+    (1.29), so validation against it is not silently done with another version, and the strict
+    validation runs against that one and the numerically newest bundled schema."""
     # kubernetes-validate silently falls back to the newest schema older than the
     # requested version: make sure the oldest supported one is really bundled.
     versions = kubernetes_versions()
     assert MIN_K8S in versions, versions
-    newest, oldest = (tuple(int(x) for x in v.split(".")) for v in (versions[-1], MIN_K8S))
-    assert newest >= oldest
+    # validation_versions() takes the list's last entry as the newest: compare
+    # with the largest version by number (1.100 > 1.29, unlike as strings).
+    newest = max(versions, key=lambda v: tuple(int(x) for x in v.split(".")))
+    used = validation_versions()
+    assert used[0] == MIN_K8S and used[-1] == newest, (used, newest)
 
 
 @pytest.mark.parametrize("version", validation_versions())
@@ -1037,6 +1137,35 @@ BREAKAGES: list[tuple[str, Callable[[Docs], list[str]], Callable[[Docs], None]]]
             "matchLabels"
         ].update(app="x"),
     ),
+    (
+        "networkpolicy-peer-port-open",
+        check_network_policy,
+        lambda d: next(x for x in d if x["kind"] == "NetworkPolicy")["spec"]["ingress"][0].pop(
+            "from"
+        ),
+    ),
+    (
+        "networkpolicy-from-own-role",
+        check_network_policy,
+        lambda d: next(x for x in d if x["kind"] == "NetworkPolicy")["spec"]["ingress"][0]["from"][
+            0
+        ]["podSelector"]["matchExpressions"][1].update(values=["prefill"]),
+    ),
+    (
+        "networkpolicy-missing",
+        check_network_policy,
+        lambda d: d.remove(next(x for x in d if x["kind"] == "NetworkPolicy")),
+    ),
+    (
+        "peer-accept-everyone",
+        check_peer_allow_lists,
+        lambda d: _edit_config(d, 'peer_accept = ["10.0.0.0/8"]', 'peer_accept = ["0.0.0.0/0"]'),
+    ),
+    (
+        "peer-allow-unset",
+        check_peer_allow_lists,
+        lambda d: _edit_config(d, 'peer_allow = ["10.0.0.0/8"]', ""),
+    ),
 ]
 
 
@@ -1048,11 +1177,11 @@ def test_checkers_detect_breakage(
     checker: Callable[[Docs], list[str]],
     breakage: Callable[[Docs], None],
 ) -> None:
-    """Each checker passes on the rendered prefill+podmonitor pods (the connector-import
-    checker is exempt from that precondition) and reports a problem once its specific
-    breakage is applied to a copy."""
+    """Each checker, the connector-import checker included, passes on the rendered
+    prefill+podmonitor pods and reports a problem once its specific breakage is applied to a
+    copy."""
     docs = render("prefill+podmonitor")
-    assert checker(docs) == [] or checker is check_connector_importable
+    assert checker(docs) == []
     breakage(docs)
     assert checker(docs) != []
 

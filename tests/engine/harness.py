@@ -50,6 +50,23 @@ class FakePeers:
     def __init__(self, directory: dict[str, DaemonApp]) -> None:
         self._directory = directory
         self.ended: list[tuple[str, bool]] = []
+        self.begun: list[peer_pb2.BeginTransferRequest] = []
+        self.tokens: list[str] = []  # of the leases begun
+        # Every handshake asked for, by target, in order.
+        self.handshakes: list[str] = []
+        self._asked = asyncio.Condition()
+        # Targets whose handshakes wait until their event is set (a silent
+        # peer: never set).
+        self._held: dict[str, asyncio.Event] = {}
+
+    def hold(self, target: str) -> asyncio.Event:
+        """Handshakes with ``target`` wait until the returned event is set."""
+        return self._held.setdefault(target, asyncio.Event())
+
+    async def until_asked(self, count: int) -> None:
+        """Wait until ``count`` handshakes have been asked for in all."""
+        async with self._asked:
+            await self._asked.wait_for(lambda: len(self.handshakes) >= count)
 
     def _app(self, target: str) -> DaemonApp:
         app = self._directory.get(target)
@@ -58,6 +75,12 @@ class FakePeers:
         return app
 
     async def handshake(self, target: str, worker: WorkerKey) -> PeerHandshake:
+        self.handshakes.append(target)
+        async with self._asked:
+            self._asked.notify_all()
+        held = self._held.get(target)
+        if held is not None:
+            await held.wait()
         app = self._app(target)
         record = app.worker_for_peer(worker)
         return PeerHandshake(
@@ -72,27 +95,18 @@ class FakePeers:
 
     async def begin(self, target: str, req: peer_pb2.BeginTransferRequest) -> str:
         app = self._app(target)
+        self.begun.append(req)
         try:
-            if req.agent_name != app.agent_name:
-                raise FailedPrecondition("planned against another agent")
-            record = app.worker_for_peer(convert.requested_worker(req.worker, "worker"))
-            lease = app.leases.begin(
-                record,
-                generation=req.generation,
-                request_id=req.request_id,
-                peer_agent=req.peer_agent,
-                write=req.write,
-                blocks=req.blocks,
-                nbytes=req.bytes,
-                lease_s=req.lease_ms / 1000,
-            )
+            # What PeerService.BeginTransfer runs.
+            lease = app.begin_transfer(req)
         except FailedPrecondition:
             raise StaleGeneration(str(req.worker), req.generation, 0) from None
+        self.tokens.append(lease.token)
         return lease.token
 
     async def end(self, target: str, token: str, completed: bool) -> None:
         self.ended.append((token, completed))
-        self._app(target).leases.finish(token)
+        self._app(target).end_lease(token)
 
     async def close(self) -> None:
         pass
@@ -181,6 +195,31 @@ class Node:
         self.app.registered(record)
         return record
 
+    def grant(
+        self,
+        worker: Worker,
+        request_id: str,
+        blocks: dict[int, list[int]],
+        *,
+        ttl_ms: int = 0,
+        max_uses: int = 0,
+    ) -> str:
+        """A capability for ``blocks`` (per group) of the worker's request, as
+        Registry.GrantTransfer mints it for an attached worker (the worker is
+        attached for the call)."""
+        events = self.app.table.subscribe(worker.key)
+        try:
+            capability, _ = self.app.grant_transfer(
+                worker.key,
+                request_id=request_id,
+                groups=list(blocks.items()),
+                ttl_ms=ttl_ms,
+                max_uses=max_uses,
+            )
+        finally:
+            self.app.table.unsubscribe(worker.key, events)
+        return capability
+
     async def transfer(
         self, spec: transfers_pb2.TransferSpec, *, write: bool = False
     ) -> list[transfers_pb2.TransferStatus]:
@@ -209,8 +248,18 @@ def spec(
     layers: tuple[str, ...] = (),
     remote_generation: int = 0,
     timeout_ms: int = 0,
+    capability: str | None = None,
 ) -> transfers_pb2.TransferSpec:
-    """A pull/push of ``pairs`` (local block, remote block) of transfer group 0."""
+    """A pull/push of ``pairs`` (local block, remote block) of transfer group 0,
+    with a capability the owner granted for exactly the remote blocks of
+    ``pairs`` (unless ``capability`` is given; a worker the owner does not
+    have gets none that it would know)."""
+    if capability is None:
+        if remote_node.app.table.find(remote.key) is None:
+            capability = "unknown-worker"
+        else:
+            remote_blocks = sorted({p[1] for p in pairs})
+            capability = remote_node.grant(remote, request_id, {0: remote_blocks})
     s = transfers_pb2.TransferSpec(
         request_id=request_id,
         local_worker=local.id,
@@ -218,6 +267,7 @@ def spec(
         remote_worker=remote.id,
         remote_generation=remote_generation,
         timeout_ms=timeout_ms,
+        capability=capability,
     )
     s.groups.add(
         transfer_group=0,

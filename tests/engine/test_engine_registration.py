@@ -11,7 +11,12 @@ import pytest
 from harness import BLOCKS, SIZE, Node, cluster, run, spec
 
 from kvmap.daemon.adapters.nixl_port import DlistHandle
-from kvmap.daemon.core.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvmap.daemon.core.errors import (
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+)
 from kvmap.v1 import types_pb2
 
 pytestmark = pytest.mark.timeout(60)
@@ -144,9 +149,11 @@ def test_replan_keeps_the_memory_and_its_registration() -> None:
     run(main())
 
 
-def test_worker_gone_releases_everything_and_peers_see_not_found() -> None:
+def test_worker_gone_releases_everything_and_its_grants() -> None:
     """When the worker's Attach stream ends (worker death) the daemon
-    unmaps, deregisters and forgets it; a peer's pull then is NotFound."""
+    unmaps, deregisters and forgets it, grants included: a peer holding a
+    capability granted before is refused (PermissionDenied), and a fresh
+    handshake finds no worker (NotFound)."""
 
     async def main() -> None:
         async with cluster() as c:
@@ -155,11 +162,15 @@ def test_worker_gone_releases_everything_and_peers_see_not_found() -> None:
             await a.register(wa)
             await b.register(wb)
             await a.transfer(spec(wa, b, wb, [(0, 0)]))
+            late = spec(wa, b, wb, [(1, 1)], request_id="req-2")
             await b.app.worker_gone(wb.key)
             assert _mapped(b) == 0 and b.agent.registrations == ()
             assert b.agent.live_dlists == () and b.app.store.workers() == []
+            assert len(b.app.grants) == 0 and b.app.store.grants() == []
+            with pytest.raises(PermissionDenied):
+                await a.transfer(late)
             with pytest.raises(NotFound):
-                await a.transfer(spec(wa, b, wb, [(1, 1)], request_id="req-2"))
+                await b.peers.handshake(b.target, wb.key)
 
     run(main())
 

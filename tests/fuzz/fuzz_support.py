@@ -85,26 +85,32 @@ EXHAUSTED, UNAVAILABLE, DEADLINE = (
     Code.UNAVAILABLE,
     Code.DEADLINE_EXCEEDED,
 )
+# A transfer without the owner's capability for exactly it.
+DENIED = Code.PERMISSION_DENIED
 ALLOWED: dict[str, frozenset[Code]] = {
     "/kvmap.v1.Registry/RegisterWorker": frozenset(
         {OK, INVALID, NOT_FOUND, PRECONDITION, EXHAUSTED, Code.ALREADY_EXISTS}
     ),
     "/kvmap.v1.Registry/DeregisterWorker": frozenset({OK, INVALID, NOT_FOUND}),
     "/kvmap.v1.Registry/Attach": frozenset({OK, INVALID, NOT_FOUND}),
+    "/kvmap.v1.Registry/GrantTransfer": frozenset(
+        {OK, INVALID, NOT_FOUND, PRECONDITION, EXHAUSTED, UNAVAILABLE}
+    ),
+    "/kvmap.v1.Registry/RevokeTransfer": frozenset({OK, INVALID, NOT_FOUND}),
     "/kvmap.v1.RegionMaps/ListWorkers": frozenset({OK, INVALID}),
     "/kvmap.v1.RegionMaps/GetRegionMap": frozenset({OK, INVALID, NOT_FOUND}),
     "/kvmap.v1.RegionMaps/PlanPreview": frozenset({OK, INVALID, EXHAUSTED}),
     "/kvmap.v1.Admin/Replan": frozenset({OK, INVALID}),
     "/kvmap.v1.Admin/GetStats": frozenset({OK, INVALID}),
     "/kvmap.v1.Transfers/Pull": frozenset(
-        {OK, INVALID, NOT_FOUND, PRECONDITION, EXHAUSTED, UNAVAILABLE, DEADLINE}
+        {OK, INVALID, NOT_FOUND, PRECONDITION, EXHAUSTED, UNAVAILABLE, DEADLINE, DENIED}
     ),
     "/kvmap.v1.Transfers/Push": frozenset(
-        {OK, INVALID, NOT_FOUND, PRECONDITION, EXHAUSTED, UNAVAILABLE, DEADLINE}
+        {OK, INVALID, NOT_FOUND, PRECONDITION, EXHAUSTED, UNAVAILABLE, DEADLINE, DENIED}
     ),
     "/kvmap.v1.Peer/GetAgentMetadata": frozenset({OK, INVALID, NOT_FOUND}),
     "/kvmap.v1.Peer/BeginTransfer": frozenset(
-        {OK, INVALID, NOT_FOUND, PRECONDITION, EXHAUSTED, UNAVAILABLE}
+        {OK, INVALID, NOT_FOUND, PRECONDITION, EXHAUSTED, UNAVAILABLE, DENIED}
     ),
     "/kvmap.v1.Peer/EndTransfer": frozenset({OK, INVALID, NOT_FOUND}),
 }

@@ -31,6 +31,7 @@ import grpc
 import pytest
 from fuzz_support import (
     ALLOWED,
+    DENIED,
     INVALID,
     OK,
     SCALE,
@@ -574,10 +575,24 @@ def test_replan_with_known_planners_bumps_generation_once_each(env: Env) -> None
 # Peer ------------------------------------------------------------------------------
 
 
+# Owner's blocks a BeginTransfer names; GRANTED is what "<granted>" allows.
+GRANTED = {0: [1, 2]}
+BLOCK_CHOICES = [
+    [], [(0, [1])], [(0, [1, 2])], [(0, [2, 1])], [(0, [1, 3])], [(1, [1])], [(0, [-1])],
+    [(0, [1]), (1, [])], [(7, [1])],
+]  # fmt: skip
+
+
 @st.composite
 def begin_fields(draw: st.DrawFn) -> dict[str, Any]:
-    """BeginTransfer fields; "<current>" and "<agent>" are filled in per example."""
+    """BeginTransfer fields; "<current>", "<agent>" and the capabilities
+    ("<granted>": the worker's grant of ``GRANTED`` for this request id,
+    "<other-request>": one for another request) are filled in per example."""
     return {
+        "capability": draw(
+            st.sampled_from(["<granted>", "<granted>", "<other-request>", ""]) | odd_strings
+        ),
+        "groups": draw(st.sampled_from(BLOCK_CHOICES)),
         "request_id": draw(odd_strings),
         "worker": draw(worker_ids([ENGINE])),
         "generation": draw(st.sampled_from(["<current>", "<current+1>"]) | uint64s),
@@ -590,8 +605,28 @@ def begin_fields(draw: st.DrawFn) -> dict[str, Any]:
     }
 
 
+def _grant(live: Live, request_id: str) -> str:
+    """The worker's capability for ``GRANTED`` of ``request_id``; "" when the
+    daemon refuses that request id (then the example has no capability)."""
+    req = registry_pb2.GrantTransferRequest(
+        worker=types_pb2.WorkerId(engine_id=ENGINE),
+        request_id=request_id,
+        groups=[types_pb2.BlockGrant(transfer_group=g, block_ids=b) for g, b in GRANTED.items()],
+    )
+    out = call(live.registry.GrantTransfer, req, "/kvmap.v1.Registry/GrantTransfer")
+    if out.code is INVALID:
+        return ""
+    assert out.code is OK, out
+    return str(out.response.capability)
+
+
 def begin_request(live: Live, fields: dict[str, Any]) -> peer_pb2.BeginTransferRequest:
     f = dict(fields)
+    if f["capability"] == "<granted>":
+        f["capability"] = _grant(live, f["request_id"])
+    elif f["capability"] == "<other-request>":
+        f["capability"] = _grant(live, f["request_id"] + "-other")
+    f["groups"] = [types_pb2.BlockGrant(transfer_group=g, block_ids=b) for g, b in f["groups"]]
     current = live.generation(ENGINE)
     if f["generation"] == "<current>":
         f["generation"] = current
@@ -606,11 +641,19 @@ def begin_request(live: Live, fields: dict[str, Any]) -> peer_pb2.BeginTransferR
 @given(fields=begin_fields())
 def test_begin_transfer(env: Env, fields: dict[str, Any]) -> None:
     """Fuzzed BeginTransfer: statuses in the closed set; only a request with non-negative sizes for
-    the live worker at its current generation (this agent or none) pins it, and ending the lease
-    restores the state; negative sizes are INVALID_ARGUMENT, a stale generation
-    FAILED_PRECONDITION."""
+    the live worker at its current generation (this agent or none), carrying the worker's
+    capability for this request id and naming only granted blocks, pins it, and ending the lease
+    restores the state; negative sizes are INVALID_ARGUMENT, a missing, fuzzed or other request's
+    capability PERMISSION_DENIED with one message, and with the right capability a stale
+    generation FAILED_PRECONDITION."""
     live = env.live
     req = begin_request(live, fields)
+    granted = fields["capability"] == "<granted>" and bool(req.capability)
+    # No capability the daemon ever handed out: refused before anything else is looked at.
+    unknown = fields["capability"] not in ("<granted>", "<other-request>") or not req.capability
+    inside = any(ids for _, ids in fields["groups"]) and all(
+        g in GRANTED and set(ids) <= set(GRANTED[g]) for g, ids in fields["groups"]
+    )
     before = live.snapshot()
     method = "/kvmap.v1.Peer/BeginTransfer"
     out = call(live.peer.BeginTransfer, req, method)
@@ -623,6 +666,7 @@ def test_begin_transfer(env: Env, fields: dict[str, Any]) -> None:
         assert is_key(req.worker, ENGINE), short(req)
         assert req.generation == live.generation(ENGINE), short(req)
         assert req.agent_name in ("", live.daemon.agent), short(req)
+        assert granted and inside, f"pinned without a capability for it: {short(req)}"
         token = out.response.transfer_token
         assert len(token) >= 32, token
         end = call(live.peer.EndTransfer, peer_pb2.EndTransferRequest(transfer_token=token), "End")
@@ -631,7 +675,15 @@ def test_begin_transfer(env: Env, fields: dict[str, Any]) -> None:
     elif req.blocks < 0 or req.bytes < 0:
         # Bad arguments whatever the daemon's state: checked first.
         assert out.code is grpc.StatusCode.INVALID_ARGUMENT, out
-    elif is_key(req.worker, ENGINE) and req.generation != live.generation(ENGINE):
+    elif req.peer_agent and unknown:
+        assert (out.code, out.details) == (DENIED, "capability does not allow this transfer"), out
+    elif (
+        req.peer_agent
+        and inside
+        and is_key(req.worker, ENGINE)
+        and req.agent_name in ("", live.daemon.agent)
+        and req.generation != live.generation(ENGINE)
+    ):
         assert out.code is grpc.StatusCode.FAILED_PRECONDITION, out
 
 
@@ -661,7 +713,7 @@ def _seed_requests() -> dict[str, bytes]:
         request_id="r", local_worker=ghost, remote_target="127.0.0.1:1", remote_worker=ghost,
         groups=[transfers_pb2.GroupBlocks(transfer_group=0, local_block_ids=[1, 2, 300],
                                           remote_block_ids=[4, 5, 6], layer_names=["m0"])],
-        remote_generation=3, timeout_ms=2000,
+        remote_generation=3, timeout_ms=2000, capability="c" * 43,
     )  # fmt: skip
     reg = template("ghost")
     for a in reg.allocations:
@@ -670,6 +722,16 @@ def _seed_requests() -> dict[str, bytes]:
         "/kvmap.v1.Registry/RegisterWorker": reg,
         "/kvmap.v1.Registry/DeregisterWorker": registry_pb2.DeregisterWorkerRequest(worker=ghost),
         "/kvmap.v1.Registry/Attach": registry_pb2.AttachRequest(worker=ghost),
+        "/kvmap.v1.Registry/GrantTransfer": registry_pb2.GrantTransferRequest(
+            worker=ghost,
+            request_id="r",
+            groups=[types_pb2.BlockGrant(transfer_group=0, block_ids=[1, 2])],
+            ttl_ms=1000,
+            max_uses=1,
+        ),
+        "/kvmap.v1.Registry/RevokeTransfer": registry_pb2.RevokeTransferRequest(
+            worker=ghost, request_id="r"
+        ),
         "/kvmap.v1.RegionMaps/ListWorkers": region_maps_pb2.ListWorkersRequest(),
         "/kvmap.v1.RegionMaps/GetRegionMap": region_maps_pb2.GetRegionMapRequest(worker=ghost),
         "/kvmap.v1.RegionMaps/PlanPreview": region_maps_pb2.PlanPreviewRequest(
@@ -689,6 +751,8 @@ def _seed_requests() -> dict[str, bytes]:
             lease_ms=10,
             blocks=3,
             bytes=300,
+            capability="c" * 43,
+            groups=[types_pb2.BlockGrant(transfer_group=0, block_ids=[4, 5, 6])],
         ),
         "/kvmap.v1.Peer/EndTransfer": peer_pb2.EndTransferRequest(transfer_token="t" * 32),
     }

@@ -3,7 +3,10 @@ live daemons with real workers: a prefill daemon (``coalesce``, 32 blocks,
 filled with the demo pattern) and a decode daemon (``baseline``, 24 blocks),
 so the two sides are planned differently and their block ranges differ.
 
-For every example the status is in the closed set, never UNKNOWN/INTERNAL,
+Every example carries the prefill worker's grant of the valid spec's prefill
+blocks (the owner's side of a pull and of a push) unless a fault replaced
+the capability: a missing, fuzzed or other request's capability is never
+accepted. For every example the status is in the closed set, never UNKNOWN/INTERNAL,
 never a hang; both daemons' region maps and generations are unchanged (a
 transfer never changes them); the side a transfer reads is never written;
 the side it writes is untouched unless the transfer was accepted (or ran
@@ -37,6 +40,7 @@ from fuzz_support import (
 from hypothesis import event, given
 from hypothesis import strategies as st
 
+from kvmap.tools.grants import grant, granted
 from kvmap.tools.launch import WorkerProc, start_daemon, start_worker
 from kvmap.v1 import transfers_pb2, types_pb2
 
@@ -114,7 +118,7 @@ def valid_group(draw: st.DrawFn) -> dict[str, Any]:
 FAULTS = [
     "request_id", "local_worker", "target", "remote_worker", "group_id", "local_id",
     "remote_id", "lengths", "layers", "duplicate", "generation", "timeout", "no_groups",
-    "extra_group",
+    "extra_group", "capability",
 ]  # fmt: skip
 
 
@@ -160,6 +164,10 @@ def _fault(draw: st.DrawFn, spec: dict[str, Any], fault: str) -> None:
         spec["groups"] = []
     elif fault == "extra_group":
         spec["groups"].append(dict(g))
+    elif fault == "capability":
+        spec["capability"] = draw(
+            st.sampled_from(["", "<other-request>", "A" * 43, "x" * 5000]) | odd_strings
+        )
 
 
 @st.composite
@@ -167,21 +175,42 @@ def specs(draw: st.DrawFn, write: bool) -> dict[str, Any]:
     """A valid TransferSpec with up to two faults injected, in symbolic form
     (targets are resolved per example). A push reads the local (decode, 24
     blocks) and writes the remote (prefill, 32); a pull the other way."""
+    groups = draw(st.lists(valid_group(), min_size=1, max_size=2))
     spec: dict[str, Any] = {
         "request_id": "fz",
         "local_worker": types_pb2.WorkerId(engine_id="decode"),
         "remote_target": "<prefill>",
         "remote_worker": types_pb2.WorkerId(engine_id="prefill"),
-        "groups": draw(st.lists(valid_group(), min_size=1, max_size=2)),
+        "groups": groups,
         "remote_generation": draw(st.sampled_from([0, 0, 1])),
         "timeout_ms": 0,
         "write": write,
+        # The prefill worker's blocks the valid spec touches, granted per example.
+        "grant": _owner_blocks(groups),
+        "capability": "<granted>",
     }
     faults = draw(st.sampled_from([0, 1, 1, 1, 2, 2]))
     for fault in draw(st.lists(st.sampled_from(FAULTS), min_size=faults, max_size=faults)):
         if spec["groups"]:
             _fault(draw, spec, fault)
     return spec
+
+
+def _owner_blocks(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    blocks: dict[int, dict[int, None]] = {}
+    for g in groups:
+        blocks.setdefault(g["transfer_group"], {}).update(dict.fromkeys(g["remote"]))
+    return [{"group": group, "blocks": list(ids)} for group, ids in blocks.items()]
+
+
+def capability(c: Cluster, s: dict[str, Any]) -> str:
+    """The example's capability: the prefill worker's grant of ``s["grant"]``
+    for request "fz" (or, for "<other-request>", for another request)."""
+    if s["capability"] == "<granted>":
+        return grant(c.pw, "fz", s["grant"])
+    if s["capability"] == "<other-request>":
+        return grant(c.pw, "fz-other", s["grant"])
+    return str(s["capability"])
 
 
 def build(c: Cluster, s: dict[str, Any]) -> transfers_pb2.TransferSpec:
@@ -198,6 +227,7 @@ def build(c: Cluster, s: dict[str, Any]) -> transfers_pb2.TransferSpec:
         remote_worker=s["remote_worker"],
         remote_generation=s["remote_generation"],
         timeout_ms=s["timeout_ms"],
+        capability=capability(c, s),
     )
     for g in s["groups"]:
         spec.groups.add(
@@ -243,7 +273,12 @@ def _check_example(c: Cluster, s: dict[str, Any]) -> None:
     maps_before = c.snapshots()
     (p_before, d_before) = c.digests()
     out = run_transfer(c, spec, write)
+    # Grants the example did not use must not pile up (nor be used later).
+    for request_id in ("fz", "fz-other"):
+        assert c.pw.call({"cmd": "revoke", "request_id": request_id})["ok"]
     event(f"{'Push' if write else 'Pull'} {out.code.name}: {out.details[:50]}")
+    if s["capability"] != "<granted>":
+        assert out.code is not OK, f"accepted with a fuzzed capability: {short(spec)}"
     assert c.snapshots() == maps_before, f"a transfer changed a region map: {short(spec)}"
     p_after, d_after = c.digests()
     source, dest = ("decode", "prefill") if write else ("prefill", "decode")
@@ -286,16 +321,15 @@ def test_plain_pull_still_verifies_after_the_fuzzing(cluster: Cluster) -> None:
     """After all the fuzzing a plain pull still succeeds and every block verifies: nothing the
     fuzzer did poisoned either cache or daemon."""
     assert cluster.pw.call({"cmd": "fill"})["ok"]
-    out = cluster.dw.call(
-        {
-            "cmd": "pull",
-            "request_id": "after-fuzz",
-            "remote_target": cluster.p.daemon.tcp_target,
-            "remote_worker": {"engine_id": "prefill"},
-            "groups": [
-                {"group": 0, "local": [0, 5, 6, 23], "remote": [31, 2, 3, 0]},
-                {"group": 1, "local": [0, 5, 6, 23], "remote": [31, 2, 3, 0]},
-            ],
-        }
-    )
+    pull = {
+        "cmd": "pull",
+        "request_id": "after-fuzz",
+        "remote_target": cluster.p.daemon.tcp_target,
+        "remote_worker": {"engine_id": "prefill"},
+        "groups": [
+            {"group": 0, "local": [0, 5, 6, 23], "remote": [31, 2, 3, 0]},
+            {"group": 1, "local": [0, 5, 6, 23], "remote": [31, 2, 3, 0]},
+        ],
+    }
+    out = cluster.dw.call(granted(cluster.pw, pull))
     assert out["ok"] and out["bad_blocks"] == 0, out

@@ -25,6 +25,9 @@ pytestmark = [
 ]
 
 SMALL = 256 << 10  # small-pool sizes: torch carves both from one 2 MiB block
+# Bounds the wait for the driver to tear a killed process's memory down, so a
+# handle that never stops opening fails the test instead of hanging it.
+TEARDOWN_GUARD_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -102,13 +105,28 @@ def test_a_block_larger_than_the_real_mapping_is_refused(importer: CudaIpcImport
 
 
 def test_the_handle_of_an_exited_worker_does_not_open(importer: CudaIpcImporter) -> None:
-    """Once the exporting worker has been killed, importing its handle fails with an error naming
-    the handle field, leaving nothing open."""
+    """Once the exporting worker has been killed (and the driver has torn its memory down, which
+    the test waits for), importing its handle fails with an error naming the handle field,
+    leaving nothing open."""
     with Exporter(SMALL) as ex:
         s = ex.storage(0)
         ex.kill()
-    time.sleep(0.5)  # let the driver tear the dead process's memory down
-    with pytest.raises(KvmapError) as e:
-        _open(importer, s)
-    assert "allocations[0].cuda_ipc.handle" in str(e.value)
+    err = _refused_once_torn_down(importer, s)
+    assert "allocations[0].cuda_ipc.handle" in str(err)
     assert importer.live_handles() == 0
+
+
+def _refused_once_torn_down(imp: CudaIpcImporter, s: dict[str, object]) -> KvmapError:
+    """The error importing the handle of a killed exporter gives. The driver tears
+    the dead process's memory down after it exits, not at once: until then the
+    handle may still open, so each such mapping is closed and the import tried
+    again until it is refused."""
+    deadline = time.monotonic() + TEARDOWN_GUARD_S
+    while True:
+        try:
+            mapping = _open(imp, s)
+        except KvmapError as e:
+            return e
+        mapping.close()
+        assert time.monotonic() < deadline, "the killed exporter's handle still opens"
+        time.sleep(0.05)

@@ -31,7 +31,15 @@ def _alive(pid: int) -> bool:
 
 
 def _torch_shm(pids: list[int]) -> list[str]:
+    """torch's shared-memory objects in /dev/shm named after one of ``pids``."""
     return [n for n in os.listdir("/dev/shm") if any(f"torch_{p}_" in n for p in pids)]
+
+
+def _mapped_torch_shm(pid: int) -> set[str]:
+    """Names of the torch shared-memory objects process ``pid`` maps."""
+    with open(f"/proc/{pid}/maps") as f:
+        paths = {line.split(maxsplit=5)[-1].strip() for line in f if "/dev/shm/torch_" in line}
+    return {p.removeprefix("/dev/shm/").removesuffix(" (deleted)") for p in paths}
 
 
 def test_demo_verifies_every_byte(tmp_path: Path) -> None:
@@ -50,8 +58,9 @@ def test_demo_verifies_every_byte(tmp_path: Path) -> None:
 
 
 def test_interrupted_demo_leaves_nothing_behind(tmp_path: Path) -> None:
-    """A demo interrupted with SIGINT mid-pulls exits non-zero, and its two daemons, its workers and
-    its temporary directory are all gone."""
+    """A demo interrupted with SIGINT mid-pulls exits non-zero, and its two daemons, its two
+    workers, the torch shared-memory objects its workers' KV caches live in and its temporary
+    directory are all gone."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvmap.daemon.cli.kvmapd", "demo", *SMALL, "--requests", "500"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=local_env(tmp_path),
@@ -62,6 +71,14 @@ def test_interrupted_demo_leaves_nothing_behind(tmp_path: Path) -> None:
         lines.append(line)
         if "request " in line:  # pulls are running
             break
+    # The workers' command lines name their socket, in the demo's temporary
+    # directory under tmp_path (its TMPDIR).
+    worker_pids = [int(p) for p in _pgrep(f"kvmap.tools.demo_worker.*{tmp_path}").split()]
+    assert len(worker_pids) == 2, "".join(lines)
+    # Their KV caches are torch shared memory; torch unlinks each object's name
+    # once it holds the fd, so none may stay in /dev/shm after the demo.
+    segments = set().union(*(_mapped_torch_shm(p) for p in worker_pids))
+    assert segments and all(any(f"torch_{p}_" in n for p in worker_pids) for n in segments)
     proc.send_signal(signal.SIGINT)
     rest, _ = proc.communicate(timeout=60)
     text = "".join(lines) + rest
@@ -72,11 +89,17 @@ def test_interrupted_demo_leaves_nothing_behind(tmp_path: Path) -> None:
     while any(_alive(p) for p in pids):
         assert time.monotonic() < deadline, "daemons outlived the interrupted demo"
         time.sleep(0.1)
-    children = subprocess.run(
-        ["pgrep", "-f", f"kvmap.tools.demo_worker.*{tmp_path}"], capture_output=True, check=False
-    )
-    assert children.stdout == b""
+    assert _pgrep(f"kvmap.tools.demo_worker.*{tmp_path}") == ""
+    assert _torch_shm([proc.pid, *pids, *worker_pids]) == []
+    assert segments.isdisjoint(os.listdir("/dev/shm"))
     assert not list(tmp_path.glob("kvmap-demo-*")), "temporary directory left behind"
+
+
+def _pgrep(pattern: str) -> str:
+    """pgrep -f's output: the pids of processes whose command line matches."""
+    return subprocess.run(
+        ["pgrep", "-f", pattern], capture_output=True, text=True, check=False
+    ).stdout
 
 
 def test_kvmapctl_tables_and_metrics(tmp_path: Path) -> None:

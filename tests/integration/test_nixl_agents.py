@@ -130,10 +130,14 @@ def _target(conn: Connection) -> None:
     base = [m.address for m in maps]
     for m in maps:
         agent.register_dram(m.address, m.size)
-    for r in range(len(REGIONS)):
-        for b in range(NB):
-            addr, n = region_bytes(base, b, r)
-            view(addr, n)[:] = pattern(TARGET_SEED, b, r, n)
+
+    def fill() -> None:
+        for r in range(len(REGIONS)):
+            for b in range(NB):
+                addr, n = region_bytes(base, b, r)
+                view(addr, n)[:] = pattern(TARGET_SEED, b, r, n)
+
+    fill()
     notifs: dict[str, list[bytes]] = {}
 
     def poll() -> None:
@@ -146,6 +150,9 @@ def _target(conn: Connection) -> None:
             return agent.metadata(), base
         if cmd == "add_remote":
             return agent.add_remote(msg[1])
+        if cmd == "reset":  # every block back to its starting bytes
+            fill()
+            return None
         if cmd == "notifs":
             out = {k: list(v) for k, v in notifs.items()}
             notifs.clear()
@@ -195,12 +202,20 @@ def _worker(conn: Connection, fd_socket: str) -> None:
         alloc, offset, length, _ = REGIONS[r]
         return tensors[alloc][block, offset : offset + length]
 
-    for b in WORKER_FILLED:
-        for r in range(len(REGIONS)):
-            region(b, r).copy_(torch.from_numpy(pattern(WORKER_SEED, b, r, REGIONS[r][2])))
+    def fill() -> None:
+        for t in tensors:
+            t.zero_()
+        for b in WORKER_FILLED:
+            for r in range(len(REGIONS)):
+                region(b, r).copy_(torch.from_numpy(pattern(WORKER_SEED, b, r, REGIONS[r][2])))
+
+    fill()
     token = send_fds(fd_socket, [s.fd for s in storages], timeout=10.0)
 
     def handle(msg: Any) -> Any:
+        if msg[0] == "reset":  # every block back to its starting bytes
+            fill()
+            return None
         if msg[0] == "check_read":  # [(target block, worker block)] -> mismatches
             bad = []
             for src, dst in msg[1]:
@@ -480,6 +495,12 @@ def wait_notifs(cluster: Cluster, expected: set[bytes], timeout: float = 20.0) -
     assert sorted(got) == sorted(expected)
 
 
+def reset(cluster: Cluster) -> None:
+    """Both memories back to their starting bytes, whatever tests ran before."""
+    cluster.worker.call("reset")
+    cluster.target.call("reset")
+
+
 def test_worker_fds_arrive_through_the_handoff_socket(cluster: Cluster) -> None:
     """Setting up the three processes works end to end: the agents know each other by name, and the
     initiator holds no pending fds once it has imported the worker's."""
@@ -492,6 +513,7 @@ def test_read_and_write_with_prepped_strided_lists(cluster: Cluster) -> None:
     """READ and WRITE on prepared strided descriptor lists complete, move the chosen blocks of every
     region byte for byte and change no other block, and deliver their notifications to the
     target."""
+    reset(cluster)
     assert cluster.initiator.call("prepped", "READ", READ_PREPPED, b"pull-prepped") == "DONE"
     assert cluster.initiator.call("prepped", "WRITE", WRITE_PREPPED, b"push-prepped") == "DONE"
     assert cluster.worker.call("check_read", READ_PREPPED) == []
@@ -501,12 +523,17 @@ def test_read_and_write_with_prepped_strided_lists(cluster: Cluster) -> None:
 
 def test_read_and_write_with_explicit_descriptors(cluster: Cluster) -> None:
     """READ and WRITE on explicit descriptor rows complete and move the chosen blocks byte for byte
-    (the earlier prepped transfers intact, nothing else changed), with their notifications."""
+    (blocks moved just before by prepped transfers intact, nothing else changed), with their
+    notifications."""
+    reset(cluster)
+    # Blocks already moved, which the explicit transfers must leave alone.
+    assert cluster.initiator.call("prepped", "READ", READ_PREPPED, b"pull-before") == "DONE"
+    assert cluster.initiator.call("prepped", "WRITE", WRITE_PREPPED, b"push-before") == "DONE"
     assert cluster.initiator.call("descs", "READ", READ_DESCS, b"pull-descs") == "DONE"
     assert cluster.initiator.call("descs", "WRITE", WRITE_DESCS, b"push-descs") == "DONE"
     assert cluster.worker.call("check_read", READ_PREPPED + READ_DESCS) == []
     assert cluster.target.call("check_written", WRITE_PREPPED + WRITE_DESCS) == []
-    wait_notifs(cluster, {b"pull-descs", b"push-descs"})
+    wait_notifs(cluster, {b"pull-before", b"push-before", b"pull-descs", b"push-descs"})
 
 
 def test_notifications_reach_the_target(cluster: Cluster) -> None:

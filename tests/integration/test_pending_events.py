@@ -4,17 +4,21 @@ the state store until an Attach stream has sent it."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 
-from kvmap.tools.launch import start_daemon, start_worker
-from kvmap.v1 import registry_pb2, registry_pb2_grpc, types_pb2
+from kvmap.tools.launch import DaemonProc, start_daemon, start_worker
+from kvmap.v1 import admin_pb2, admin_pb2_grpc, registry_pb2, registry_pb2_grpc, types_pb2
 
 pytestmark = pytest.mark.integration
 
 BLOCKS, TOKENS, LAYERS = 16, 32, 3
 PAGE = TOKENS * 656  # the demo worker's MLA page
+HANG_GUARD_POLLS = 1200  # 60 s
 GEO = ("--blocks", str(BLOCKS), "--block-tokens", str(TOKENS), "--mla-layers", str(LAYERS))
 
 
@@ -37,48 +41,101 @@ def registration(kv_file: Path) -> registry_pb2.RegisterWorkerRequest:
     return req
 
 
+def _attach(ch: grpc.Channel) -> Any:
+    """An Attach stream of the prefill worker, once its ``attached`` event is in."""
+    stream = registry_pb2_grpc.RegistryStub(ch).Attach(
+        registry_pb2.AttachRequest(worker=types_pb2.WorkerId(engine_id="prefill")), timeout=30
+    )
+    assert next(stream).WhichOneof("event") == "attached"
+    return stream
+
+
 def test_finished_notification_survives_daemon_kill(tmp_path: Path) -> None:
     """A transfer_finished event for a worker that was not attached survives a SIGKILL of its
-    daemon: after restart from the state dir, Attach yields the restored generation and then that
-    pull's event."""
+    daemon. The worker was attached when it granted the pull (grants need a live worker); its
+    daemon was then killed and restarted from the state dir (the worker restored, the grant kept,
+    nobody attached) and the pull lands; after a second kill and restart, Attach yields the
+    restored generation and then that pull's event."""
     kv_file = tmp_path / "kv.bin"
     kv_file.write_bytes(bytes(range(256)) * (BLOCKS * LAYERS * PAGE // 256))
     state = tmp_path / "state"
     prefill = start_daemon(tmp_path / "p", "--state-dir", str(state), name="prefill")
-    with prefill.channel() as ch:  # registered, but never attached
-        registry_pb2_grpc.RegistryStub(ch).RegisterWorker(registration(kv_file), timeout=10)
+    with prefill.channel() as ch:
+        registry = registry_pb2_grpc.RegistryStub(ch)
+        registry.RegisterWorker(registration(kv_file), timeout=10)
+        attach = _attach(ch)
+        # The owner grants the pull, as the vLLM connector does.
+        grant = registry.GrantTransfer(
+            registry_pb2.GrantTransferRequest(
+                worker=types_pb2.WorkerId(engine_id="prefill"),
+                request_id="while-away",
+                groups=[types_pb2.BlockGrant(transfer_group=0, block_ids=[5, 6])],
+            ),
+            timeout=10,
+        )
+        prefill.kill()  # the Attach stream dies with it: nobody is attached now
+        attach.cancel()
+    restarts: list[DaemonProc] = []
+
+    def restart() -> DaemonProc:
+        restarts.append(
+            start_daemon(
+                tmp_path / "p", "--state-dir", str(state), name="prefill",
+                listen=prefill.tcp_target,
+            )
+        )  # fmt: skip
+        return restarts[-1]
+
     decode = start_daemon(tmp_path / "q", name="decode")
     dw = start_worker(decode, "decode", *GEO, "--indexer-layers", "1")
-    restarted = None
     try:
+        away = restart()
         out = dw.call(
             {
                 "cmd": "pull",
                 "request_id": "while-away",
-                "remote_target": prefill.tcp_target,
+                "remote_target": away.tcp_target,
                 "remote_worker": {"engine_id": "prefill"},
                 "groups": [{"group": 0, "local": [0, 1], "remote": [5, 6]}],
+                "capability": grant.capability,
                 "verify": False,
             }
         )
         assert out["ok"], out
-        prefill.kill()
-        restarted = start_daemon(
-            tmp_path / "p", "--state-dir", str(state), name="prefill", listen=prefill.tcp_target
-        )
-        with restarted.channel() as ch:
-            stream = registry_pb2_grpc.RegistryStub(ch).Attach(
-                registry_pb2.AttachRequest(worker=types_pb2.WorkerId(engine_id="prefill")),
-                timeout=10,
-            )
+        # The puller is done once its notification is sent; the owner ends the
+        # lease (and stores the event) when its progress loop takes it in.
+        _wait_until_no_lease(away)
+        away.kill()
+        with restart().channel() as ch:
+            stream = _attach_events(ch)
             first, second = next(stream), next(stream)
             stream.cancel()
         assert first.WhichOneof("event") == "attached"
-        assert first.attached.generation == 2  # restored from the state store
+        assert first.attached.generation == 3  # restored from the state store, twice
         assert second.transfer_finished.request_id == "while-away"
         assert second.transfer_finished.direction == registry_pb2.TRANSFER_DIRECTION_PULLED_FROM
     finally:
         dw.stop()
         assert decode.terminate() == 0, decode.log()
-        if restarted is not None:
-            assert restarted.terminate() == 0, restarted.log()
+        if restarts and restarts[-1].proc.poll() is None:
+            assert restarts[-1].terminate() == 0, restarts[-1].log()
+        for d in restarts:
+            d.kill()
+
+
+def _wait_until_no_lease(daemon: DaemonProc) -> None:
+    """Bounded wait until the owner has taken in the pull's notification (its
+    lease is gone: the event is in the state store by then)."""
+    with daemon.channel() as ch:
+        admin = admin_pb2_grpc.AdminStub(ch)
+        for _ in range(HANG_GUARD_POLLS):
+            if admin.GetStats(admin_pb2.GetStatsRequest(), timeout=10).leases == 0:
+                return
+            time.sleep(0.05)  # polling a condition; the bound is only a hang guard
+    raise AssertionError("the owner never took in the pull's notification")
+
+
+def _attach_events(ch: grpc.Channel) -> Any:
+    return registry_pb2_grpc.RegistryStub(ch).Attach(
+        registry_pb2.AttachRequest(worker=types_pb2.WorkerId(engine_id="prefill")), timeout=10
+    )

@@ -17,6 +17,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvmap.tools.grants import granted
 from kvmap.tools.launch import start_daemon, start_worker
 
 pytestmark = pytest.mark.integration
@@ -33,6 +34,10 @@ class Pki:
 
 def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def spiffe_id(label: str) -> str:
+    return f"spiffe://kvmap.test/{label}"
 
 
 def make_pki(directory: Path, label: str) -> Pki:
@@ -61,7 +66,12 @@ def make_pki(directory: Path, label: str) -> Pki:
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            x509.SubjectAlternativeName(
+                [
+                    x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                    x509.UniformResourceIdentifier(spiffe_id(label)),
+                ]
+            ),
             critical=False,
         )
         .add_extension(
@@ -89,6 +99,8 @@ def tls_args(pki: Pki, client_ca: Path) -> tuple[str, ...]:
     return (
         "--tls-cert", str(pki.cert), "--tls-key", str(pki.key),
         "--tls-client-ca", str(client_ca), "--peer-ca", str(pki.ca),
+        # Mutual TLS authorizes by identity: the daemons of this CA are "kvmap".
+        "--peer-identity", spiffe_id("kvmap"),
     )  # fmt: skip
 
 
@@ -119,10 +131,10 @@ def test_mutual_tls_between_daemons(tmp_path: Path) -> None:
             "remote_worker": {"engine_id": "prefill"},
             "groups": [{"group": 0, "local": [1, 2, 3], "remote": [7, 8, 9]}],
         }
-        ok = tw.call(pull)
+        ok = tw.call(granted(pw, pull))
         assert ok["ok"] and ok["bad_blocks"] == 0, ok
         for refused in (uw, plw):
-            out = refused.call(pull)
+            out = refused.call(granted(pw, pull))
             assert (out["ok"], out["code"]) == (False, "UNAVAILABLE"), out
 
         # Operators: a plaintext client gets nothing; a client with a

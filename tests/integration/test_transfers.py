@@ -1,5 +1,7 @@
 """Pulls and pushes between real daemons (separate processes, real NIXL agents
-over UCX on loopback) into and out of real shared-memory KV caches."""
+over UCX on loopback) into and out of real shared-memory KV caches; the
+worker that owns the blocks a transfer touches grants it first, as the vLLM
+connector does."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from kvmap.tools.grants import grant, granted
 from kvmap.tools.launch import DaemonProc, WorkerProc, start_daemon, start_worker
 
 pytestmark = pytest.mark.integration
@@ -43,16 +46,19 @@ class Pair:
     decode: Side
 
     def pull(self, request_id: str, groups: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return self.decode.worker.call(
-            {
-                "cmd": "pull",
-                "request_id": request_id,
-                "remote_target": self.prefill.daemon.tcp_target,
-                "remote_worker": {"engine_id": "prefill"},
-                "groups": groups,
-                **extra,
-            }
-        )
+        """The decode worker pulls ``groups`` with the capability the prefill
+        worker granted for exactly their remote blocks (or ``capability``)."""
+        cmd = {
+            "cmd": "pull",
+            "request_id": request_id,
+            "remote_target": self.prefill.daemon.tcp_target,
+            "remote_worker": {"engine_id": "prefill"},
+            "groups": groups,
+            **extra,
+        }
+        if "capability" not in cmd:
+            cmd = granted(self.prefill.worker, cmd)
+        return self.decode.worker.call(cmd)
 
 
 def _side(tmp: Path, name: str, planner: str, *worker_args: str) -> Side:
@@ -158,16 +164,16 @@ def test_push_writes_remote_blocks(coalesced: Pair) -> None:
     """A push writes the local blocks into the remote worker's chosen blocks
     (both groups verify there) and the remote worker is told it was pushed to."""
     pw = coalesced.prefill.worker
-    out = pw.call(
-        {
-            "cmd": "push",
-            "request_id": "push-1",
-            "remote_target": coalesced.decode.daemon.tcp_target,
-            "remote_worker": {"engine_id": "decode"},
-            # Local (prefill) blocks SCATTERED_REMOTE go to decode's SCATTERED_LOCAL.
-            "groups": both_groups(SCATTERED_REMOTE, SCATTERED_LOCAL),
-        }
-    )
+    push = {
+        "cmd": "push",
+        "request_id": "push-1",
+        "remote_target": coalesced.decode.daemon.tcp_target,
+        "remote_worker": {"engine_id": "decode"},
+        # Local (prefill) blocks SCATTERED_REMOTE go to decode's SCATTERED_LOCAL.
+        "groups": both_groups(SCATTERED_REMOTE, SCATTERED_LOCAL),
+    }
+    # The decode worker owns the blocks written: it grants them.
+    out = pw.call(granted(coalesced.decode.worker, push))
     assert out["ok"], out
     for group in (0, 1):
         got = coalesced.decode.worker.call(
@@ -221,7 +227,9 @@ def test_bad_requests_get_precise_status_and_touch_nothing(
     field in the message, and leaves the decode worker's memory byte-for-byte
     as it was (sha256 of the whole cache)."""
     before = coalesced.decode.worker.call({"cmd": "digest"})["digest"]
-    out = coalesced.pull("bad", groups)
+    # A grant of blocks that exist: the request itself is what is malformed.
+    capability = grant(coalesced.prefill.worker, "bad", [{"group": 0, "blocks": [3]}])
+    out = coalesced.pull("bad", groups, capability=capability)
     assert not out["ok"]
     assert out["code"] == code
     assert message in out["message"]
@@ -229,16 +237,16 @@ def test_bad_requests_get_precise_status_and_touch_nothing(
 
 
 def test_unknown_remote_worker_is_not_found(coalesced: Pair) -> None:
-    """A pull naming a worker the remote daemon does not know is NOT_FOUND."""
-    out = coalesced.decode.worker.call(
-        {
-            "cmd": "pull",
-            "request_id": "nf",
-            "remote_target": coalesced.prefill.daemon.tcp_target,
-            "remote_worker": {"engine_id": "nobody"},
-            "groups": both_groups([1], [1]),
-        }
-    )
+    """A pull naming a worker the remote daemon does not know is NOT_FOUND
+    (with a capability of the worker it does know)."""
+    pull = {
+        "cmd": "pull",
+        "request_id": "nf",
+        "remote_target": coalesced.prefill.daemon.tcp_target,
+        "remote_worker": {"engine_id": "nobody"},
+        "groups": both_groups([1], [1]),
+    }
+    out = coalesced.decode.worker.call(granted(coalesced.prefill.worker, pull))
     assert (out["ok"], out["code"]) == (False, "NOT_FOUND")
 
 
@@ -250,16 +258,14 @@ def test_remote_daemon_down_is_unavailable(coalesced: Pair) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, never listening: connection refused
-        out = coalesced.decode.worker.call(
-            {
-                "cmd": "pull",
-                "request_id": "down",
-                "remote_target": f"127.0.0.1:{port}",
-                "remote_worker": {"engine_id": "prefill"},
-                "groups": both_groups([1], [1]),
-            },
-            timeout=60,
-        )
+        pull = {
+            "cmd": "pull",
+            "request_id": "down",
+            "remote_target": f"127.0.0.1:{port}",
+            "remote_worker": {"engine_id": "prefill"},
+            "groups": both_groups([1], [1]),
+        }
+        out = coalesced.decode.worker.call(granted(coalesced.prefill.worker, pull), timeout=60)
     assert (out["ok"], out["code"]) == (False, "UNAVAILABLE"), out
     assert "127.0.0.1:" in out["message"], out
     assert coalesced.decode.worker.call({"cmd": "digest"})["digest"] == before
@@ -289,22 +295,27 @@ def test_concurrent_pulls_from_several_decode_workers(tmp_path: Path) -> None:
     decodes = [_side(tmp_path, f"decode{i}", "coalesce" if i % 2 else "baseline") for i in range(3)]
     results: dict[str, dict[str, Any]] = {}
 
-    def run(i: int, side: Side) -> None:
-        for r in range(4):
-            local = [(b * 7 + r + i) % BLOCKS for b in range(10)]
-            remote = [(b * 5 + 3 * r + i) % BLOCKS for b in range(10)]
-            results[f"d{i}-{r}"] = side.worker.call(
-                {
-                    "cmd": "pull",
-                    "request_id": f"d{i}-{r}",
-                    "remote_target": p.daemon.tcp_target,
-                    "remote_worker": {"engine_id": "prefill"},
-                    "groups": both_groups(local, remote),
-                }
-            )
+    def plan(i: int, r: int) -> dict[str, Any]:
+        local = [(b * 7 + r + i) % BLOCKS for b in range(10)]
+        remote = [(b * 5 + 3 * r + i) % BLOCKS for b in range(10)]
+        return {
+            "cmd": "pull",
+            "request_id": f"d{i}-{r}",
+            "remote_target": p.daemon.tcp_target,
+            "remote_worker": {"engine_id": "prefill"},
+            "groups": both_groups(local, remote),
+        }
+
+    def run(i: int, side: Side, pulls: list[dict[str, Any]]) -> None:
+        for cmd in pulls:
+            results[cmd["request_id"]] = side.worker.call(cmd)
 
     try:
-        threads = [threading.Thread(target=run, args=(i, s)) for i, s in enumerate(decodes)]
+        # Granted up front: one prefill worker answers one command at a time.
+        pulls = [[granted(p.worker, plan(i, r)) for r in range(4)] for i in range(len(decodes))]
+        threads = [
+            threading.Thread(target=run, args=(i, s, pulls[i])) for i, s in enumerate(decodes)
+        ]
         for t in threads:
             t.start()
         for t in threads:

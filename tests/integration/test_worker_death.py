@@ -16,6 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvmap.tools.grants import grant, granted
 from kvmap.tools.launch import DaemonProc, start_daemon, start_worker
 from kvmap.v1 import (
     admin_pb2,
@@ -73,9 +74,16 @@ def test_kill9_worker_releases_everything(tmp_path: Path) -> None:
     assert (s.workers, s.mapped_allocations, s.nixl_registrations) == (1, 2, 2)
 
     worker.kill()
-    wait_for(lambda: stats(daemon).workers == 0, 30, "the daemon to forget the killed worker")
-    s = stats(daemon)
-    assert (s.workers, s.mapped_allocations, s.nixl_registrations, s.mapped_bytes) == (0, 0, 0, 0)
+
+    def released() -> bool:
+        # The worker leaves the table first (no new transfer finds it), and
+        # its registrations and mappings go once no transfer pins them.
+        s = stats(daemon)
+        return (s.workers, s.mapped_allocations, s.nixl_registrations, s.mapped_bytes) == (
+            0, 0, 0, 0,
+        )  # fmt: skip
+
+    wait_for(released, 30, "the daemon to forget the killed worker and release its memory")
     assert daemon_holds(daemon.proc.pid, worker.pid) == {"maps": [], "fds": []}
     with daemon.channel(tcp=True) as ch, pytest.raises(grpc.RpcError) as err:
         peer_pb2_grpc.PeerStub(ch).GetAgentMetadata(
@@ -133,16 +141,17 @@ def test_sigterm_drains_in_flight_transfers_and_exits_0(tmp_path: Path) -> None:
         "remote_worker": {"engine_id": "prefill"},
         "groups": [{"group": 0, "local": list(range(32)), "remote": list(range(32))}],
     }
-    assert dw.call({**pull, "request_id": "warm-up"})["ok"]
+    assert dw.call(granted(pw, {**pull, "request_id": "warm-up"}))["ok"]
+    # Granted before the owner is frozen (a frozen daemon grants nothing).
+    in_flight = granted(pw, {**pull, "request_id": "in-flight"})
+    late = grant(pw, "late", [{"group": 0, "blocks": [0]}])
     prefill_port = int(prefill.tcp_target.rsplit(":", 1)[1])
     results: list[dict[str, Any]] = []
     # Freeze the owner so the next pull is caught in flight.
     os.kill(prefill.proc.pid, signal.SIGSTOP)
     try:
         unread = bytes_unread_at(prefill_port)
-        thread = threading.Thread(
-            target=lambda: results.append(dw.call({**pull, "request_id": "in-flight"}))
-        )
+        thread = threading.Thread(target=lambda: results.append(dw.call(in_flight)))
         thread.start()
         # The pull's BeginTransfer reached the frozen owner: it is in flight.
         wait_for(
@@ -163,6 +172,7 @@ def test_sigterm_drains_in_flight_transfers_and_exits_0(tmp_path: Path) -> None:
                 local_worker=types_pb2.WorkerId(engine_id="decode"),
                 remote_target=prefill.tcp_target,
                 remote_worker=types_pb2.WorkerId(engine_id="prefill"),
+                capability=late,
             )
             spec.groups.add(transfer_group=0, local_block_ids=[0], remote_block_ids=[0])
             with pytest.raises(grpc.RpcError) as err:

@@ -8,7 +8,11 @@ after its layers that belong to no view, and each allocation surrounded by
 guard pages that belong to no allocation. Every byte starts random (seeded
 per worker), and ``expected`` is what the buffer must hold: a test updates
 it for the transfers it expects to land, then ``assert_intact`` compares the
-whole memfd, guards and padding included, byte for byte.
+whole memfd, guards and padding included, byte for byte. A ``ShmWorker``
+keeps an Attach stream open, as a live worker does, and grants transfers of
+its blocks (``grant``); ``Cluster.spec`` carries the prefill worker's grant,
+so that a hostile request is refused for what it is, not for a missing
+capability.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from __future__ import annotations
 import json
 import mmap
 import os
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,6 +132,7 @@ class ShmWorker:
         self.buf[:] = np.random.default_rng(seed).integers(0, 256, self.file_size, np.uint8)
         self.expected = self.buf.copy()
         self.region_map: types_pb2.RegionMap | None = None
+        self._attach: Any = None
 
     @property
     def worker_id(self) -> types_pb2.WorkerId:
@@ -164,7 +170,60 @@ class ShmWorker:
         self.region_map = resp.region_map
         return resp.region_map
 
+    def attach(self) -> None:
+        """Open the worker's Attach stream (the daemon grants transfers of
+        attached workers only) and drain its events on a thread."""
+        self._attach = self.live.registry.Attach(registry_pb2.AttachRequest(worker=self.worker_id))
+        assert next(self._attach).HasField("attached")
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        try:
+            for _ in self._attach:
+                pass
+        except grpc.RpcError:
+            return  # cancelled, or the daemon went away
+
+    def grant(
+        self,
+        request_id: str,
+        blocks: Mapping[int, Sequence[int]],
+        *,
+        ttl_ms: int = 0,
+        max_uses: int = 0,
+    ) -> str:
+        """The capability for a peer to transfer exactly ``blocks`` (ids per
+        transfer group) of this worker for ``request_id``."""
+        resp = self.live.registry.GrantTransfer(
+            registry_pb2.GrantTransferRequest(
+                worker=self.worker_id,
+                request_id=request_id,
+                groups=[
+                    types_pb2.BlockGrant(transfer_group=g, block_ids=list(ids))
+                    for g, ids in blocks.items()
+                ],
+                ttl_ms=ttl_ms,
+                max_uses=max_uses,
+            ),
+            timeout=CALL_TIMEOUT_S,
+        )
+        return str(resp.capability)
+
+    def grantable(self, groups: Sequence[dict[str, Any]]) -> dict[int, list[int]]:
+        """The ``remote`` ids of ``groups`` this worker has, per group, each
+        once; block 0 of group 0 when there are none (a hostile request still
+        carries a real capability, so the check under test is what refuses it)."""
+        out: dict[int, dict[int, None]] = {}
+        for g in groups:
+            if g["group"] in GROUPS:
+                ids = (b for b in g["remote"] if 0 <= b < self.blocks)
+                out.setdefault(g["group"], {}).update(dict.fromkeys(ids))
+        blocks = {group: list(ids) for group, ids in out.items() if ids}
+        return blocks or {0: [0]}
+
     def close(self) -> None:
+        if self._attach is not None:
+            self._attach.cancel()
         del self.buf, self.expected
         self._mm.close()
         os.close(self.fd)
@@ -242,7 +301,13 @@ class Cluster:
         local_engine: str = "decode",
         remote_generation: int = 0,
         timeout_ms: int = 0,
+        capability: str | None = None,
     ) -> transfers_pb2.TransferSpec:
+        """A transfer between decode (local) and prefill (remote) with, unless
+        ``capability`` is given, the prefill worker's grant of the remote ids
+        it has (``ShmWorker.grantable``), whichever way the transfer goes."""
+        if capability is None:
+            capability = self.pw.grant(request_id, self.pw.grantable(groups))
         spec = transfers_pb2.TransferSpec(
             request_id=request_id,
             local_worker=types_pb2.WorkerId(engine_id=local_engine),
@@ -250,6 +315,7 @@ class Cluster:
             remote_worker=types_pb2.WorkerId(engine_id=remote_engine),
             remote_generation=remote_generation,
             timeout_ms=timeout_ms,
+            capability=capability,
         )
         for g in groups:
             spec.groups.add(
@@ -305,6 +371,8 @@ def start_cluster(tmp: Path, p_blocks: int = 32, d_blocks: int = 24) -> Iterator
         workers.append(dw)
         pw.register()
         dw.register()
+        pw.attach()
+        dw.attach()
         yield Cluster(pl, dl, pw, dw)
         for live in (pl, dl):
             live.assert_healthy()

@@ -210,6 +210,9 @@ def test_pull_from_the_daemon_itself_is_refused(c: Cluster) -> None:
 
 
 def _begin(c: Cluster, **kw: Any) -> tuple[Code, str, str]:
+    """A BeginTransfer of block 1 of group 0 with the prefill worker's grant
+    for it (so that the fields under test are what the owner checks), unless
+    ``kw`` says otherwise."""
     fields: dict[str, Any] = {
         "request_id": "attacker",
         "worker": types_pb2.WorkerId(engine_id="prefill"),
@@ -219,8 +222,11 @@ def _begin(c: Cluster, **kw: Any) -> tuple[Code, str, str]:
         "lease_ms": 1000,
         "blocks": 1,
         "bytes": 64,
+        "groups": [types_pb2.BlockGrant(transfer_group=0, block_ids=[1])],
     }
     fields.update(kw)
+    if "capability" not in fields:
+        fields["capability"] = c.pw.grant(fields["request_id"], {0: [1]})
     try:
         resp = c.p.peer.BeginTransfer(peer_pb2.BeginTransferRequest(**fields), timeout=10)
     except grpc.RpcError as err:
@@ -269,8 +275,15 @@ def test_end_transfer_with_unknown_or_forged_tokens_changes_nothing(c: Cluster) 
 
 
 def test_an_announced_transfer_gives_the_announcer_no_access(c: Cluster) -> None:
-    """BeginTransfer only pins: a valid announcement by a stranger moves no
-    byte by itself, and ending it twice is harmless."""
+    """A stranger's announcement of a made-up request without the owner's capability (or with a
+    forged one) is PERMISSION_DENIED and changes nothing (it used to be granted a lease). With the
+    capability, BeginTransfer only pins: the announcement moves no byte by itself, and ending it
+    twice is harmless."""
+    before = c.p.snapshot()
+    for forged in ("", "A" * 43):
+        got, msg, _ = _begin(c, capability=forged)
+        assert (got, msg) == (Code.PERMISSION_DENIED, "capability does not allow this transfer")
+    assert c.p.snapshot() == before
     got, msg, token = _begin(c)
     assert got is Code.OK, msg
     for _ in range(2):

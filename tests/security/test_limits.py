@@ -13,7 +13,9 @@ Workers have 65,536 blocks so that the largest allowed transfer is real.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -23,7 +25,12 @@ from security_support import Cluster, Live, expect_transfer, start_cluster
 from kvmap.client.fd_handoff import send_fds
 from kvmap.daemon.api.server import MAX_MESSAGE_BYTES
 from kvmap.daemon.core.transfer_plan import MAX_BLOCKS_PER_TRANSFER
-from kvmap.daemon.core.validation import MAX_ALLOCATIONS, MAX_BLOCKS, MAX_VIEWS
+from kvmap.daemon.core.validation import (
+    MAX_ALLOCATIONS,
+    MAX_BLOCKS,
+    MAX_DESCRIPTORS,
+    MAX_VIEWS,
+)
 from kvmap.daemon.engine.leases import MAX_LEASES_PER_PEER
 from kvmap.v1 import (
     peer_pb2,
@@ -35,18 +42,53 @@ from kvmap.v1 import (
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 Code = grpc.StatusCode
+ROOT = Path(__file__).resolve().parents[2]
 BLOCKS = MAX_BLOCKS_PER_TRANSFER
 
 
+def _documented_number(text: str) -> int:
+    """A number as the docs write it: 16,384 or 2^24, optionally in MiB."""
+    number, _, unit = text.partition(" ")
+    base, _, exponent = number.replace(",", "").partition("^")
+    value = int(base) ** int(exponent) if exponent else int(base)
+    return value * {"": 1, "MiB": 1 << 20}[unit]
+
+
+def _prose(path: str) -> str:
+    """A document of the repository with its line breaks and indents as single spaces."""
+    return " ".join((ROOT / path).read_text().split())
+
+
 def test_the_limits_are_the_documented_ones() -> None:
-    """The limit constants have the documented values: 16 MiB messages, 16,384 views, 1,024
-    allocations, 2**24 blocks per view, 65,536 blocks per transfer, 1,024 leases per peer."""
-    assert MAX_MESSAGE_BYTES == 16 * 1024 * 1024
-    assert MAX_VIEWS == 16_384
-    assert MAX_ALLOCATIONS == 1_024
-    assert MAX_BLOCKS == 2**24
-    assert MAX_BLOCKS_PER_TRANSFER == 65_536
-    assert MAX_LEASES_PER_PEER == 1_024
+    """The limit constants have the values the README's list of limits states (views,
+    allocations, blocks per view, blocks per transfer, message size, outstanding transfers per
+    peer), and those docs/architecture.md states for validation and transfers."""
+    listed = re.search(r"Limits: ([^.]*)\.", _prose("README.md"))
+    assert listed is not None, "README.md states no limits"
+    readme: dict[str, int] = {}
+    for item in listed.group(1).split(", "):
+        found = re.fullmatch(r"([\d,^]+(?: MiB)?) (.+)", item)
+        if found is not None:  # a limit not stated as "<number> <what>" is not one of these
+            readme[found.group(2)] = _documented_number(found.group(1))
+    constants = {
+        "views": MAX_VIEWS,
+        "allocations": MAX_ALLOCATIONS,
+        "blocks per view": MAX_BLOCKS,
+        "blocks per transfer": MAX_BLOCKS_PER_TRANSFER,
+        "messages": MAX_MESSAGE_BYTES,
+        "outstanding transfers per peer": MAX_LEASES_PER_PEER,
+    }
+    assert {name: readme.get(name) for name in constants} == constants
+    architecture = _prose("docs/architecture.md")
+    stated = [
+        (r"more than ([\d,]+) views or ([\d,]+) allocations", [MAX_VIEWS, MAX_ALLOCATIONS]),
+        (r"more than (2\^\d+) blocks in a view or (2\^\d+) blocks", [MAX_BLOCKS, MAX_DESCRIPTORS]),
+        (r"at most ([\d,]+) block pairs per transfer", [MAX_BLOCKS_PER_TRANSFER]),
+    ]
+    for pattern, values in stated:
+        found = re.search(pattern, architecture)
+        assert found is not None, f"docs/architecture.md no longer says {pattern!r}"
+        assert [_documented_number(n) for n in found.groups()] == values, pattern
 
 
 @pytest.fixture(scope="module")
@@ -323,8 +365,11 @@ def test_65536_blocks_in_one_pull_work_and_65537_are_refused(c: Cluster) -> None
 
 
 def _begin(c: Cluster, peer_agent: str) -> tuple[Code, str, str]:
+    # Each announcement carries its own grant: the limit under test is the
+    # lease count, not the capability.
+    request_id = f"lease-{peer_agent}"
     req = peer_pb2.BeginTransferRequest(
-        request_id=f"lease-{peer_agent}",
+        request_id=request_id,
         worker=c.pw.worker_id,
         generation=c.pw.region_map.generation if c.pw.region_map else 1,
         agent_name=c.p.daemon.agent,
@@ -332,6 +377,8 @@ def _begin(c: Cluster, peer_agent: str) -> tuple[Code, str, str]:
         lease_ms=120_000,
         blocks=1,
         bytes=64,
+        capability=c.pw.grant(request_id, {0: [1]}),
+        groups=[types_pb2.BlockGrant(transfer_group=0, block_ids=[1])],
     )
     code, msg, resp = _code(c.p.peer.BeginTransfer, req, 10)
     return code, msg, resp.transfer_token if resp else ""

@@ -44,6 +44,7 @@ def test_statuses_we_never_send_are_unknown_to_us(status: grpc.StatusCode) -> No
         (errors.InvalidArgument("views[1]", "m"), "INVALID_ARGUMENT"),
         (errors.NotFound("m"), "NOT_FOUND"),
         (errors.AlreadyExists("m"), "ALREADY_EXISTS"),
+        (errors.PermissionDenied("m"), "PERMISSION_DENIED"),
         (errors.FailedPrecondition("m"), "FAILED_PRECONDITION"),
         (errors.StaleGeneration("w", 1, 2), "FAILED_PRECONDITION"),
         (errors.ResourceExhausted("m"), "RESOURCE_EXHAUSTED"),
@@ -88,6 +89,7 @@ _PASSED_THROUGH = {
     grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
+    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDenied,
 }
 
 
@@ -97,8 +99,8 @@ _PASSED_THROUGH = {
 def test_peer_statuses_about_the_request_pass_through(
     status: grpc.StatusCode, expected: type[errors.KvmapError]
 ) -> None:
-    """A peer's NOT_FOUND, FAILED_PRECONDITION, INVALID_ARGUMENT and DEADLINE_EXCEEDED become the
-    same error class here."""
+    """A peer's NOT_FOUND, FAILED_PRECONDITION, INVALID_ARGUMENT, DEADLINE_EXCEEDED and
+    PERMISSION_DENIED become the same error class here."""
     err = peer_client._peer_error("peer:1", _rpc_error(status))
     assert type(err) is expected
     assert err.message.endswith(f"remote daemon peer:1: {status.name}: why")  # field: prefix
@@ -116,3 +118,18 @@ def test_other_peer_statuses_make_the_peer_unavailable(status: grpc.StatusCode) 
     err = peer_client._peer_error("peer:1", _rpc_error(status))
     assert type(err) is errors.Unavailable
     assert err.message == f"remote daemon peer:1: {status.name}: why"
+
+
+def test_only_errors_a_handshake_cures_carry_the_handshake_again_reason() -> None:
+    """StaleGeneration and HandshakeAgain travel with ``kvmap-reason:
+    HANDSHAKE_AGAIN`` (what the decode side retries on); a plain
+    FAILED_PRECONDITION such as an expired capability carries no reason."""
+    from kvmap.daemon.adapters.grpc_codes import REASON_KEY, reason_metadata, reason_of
+
+    stale = errors.StaleGeneration("w", 1, 2)
+    assert reason_metadata(stale.reason) == ((REASON_KEY, errors.HANDSHAKE_AGAIN),)
+    assert reason_of(reason_metadata(stale.reason)) == errors.HANDSHAKE_AGAIN
+    assert errors.HandshakeAgain("restarted").reason == errors.HANDSHAKE_AGAIN
+    assert reason_metadata(errors.FailedPrecondition("capability expired").reason) == ()
+    assert reason_of(()) == "" and reason_of(None) == ""
+    assert reason_of((("other", "x"), (REASON_KEY, "OTHER"))) == "OTHER"

@@ -7,7 +7,7 @@ thread; Attach events are delivered through an async iterator.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 from kvmap.client.client import DEFAULT_TIMEOUT_S, KvmapClient, TransferResult
 from kvmap.client.transports import GrpcTransport, Transport
@@ -57,6 +57,21 @@ class AsyncKvmapClient:
     async def attach(self, worker: types_pb2.WorkerId) -> AsyncAttachStream:
         stream = await asyncio.to_thread(self.sync.attach, worker)
         return AsyncAttachStream(stream)
+
+    async def grant_transfer(
+        self,
+        worker: types_pb2.WorkerId,
+        request_id: str,
+        blocks: Mapping[int, Sequence[int]],
+        ttl_ms: int = 0,
+        max_uses: int = 0,
+    ) -> registry_pb2.GrantTransferResponse:
+        return await asyncio.to_thread(
+            self.sync.grant_transfer, worker, request_id, blocks, ttl_ms, max_uses
+        )
+
+    async def revoke_transfer(self, worker: types_pb2.WorkerId, request_id: str) -> None:
+        await asyncio.to_thread(self.sync.revoke_transfer, worker, request_id)
 
     async def pull(
         self, spec: transfers_pb2.TransferSpec, timeout_s: float | None = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvmap.client.errors import DaemonError
@@ -67,6 +67,34 @@ class KvmapClient:
 
     def attach(self, worker: types_pb2.WorkerId) -> AttachStream:
         return self.transport.attach(registry_pb2.AttachRequest(worker=worker))
+
+    def grant_transfer(
+        self,
+        worker: types_pb2.WorkerId,
+        request_id: str,
+        blocks: Mapping[int, Sequence[int]],
+        ttl_ms: int = 0,
+        max_uses: int = 0,
+    ) -> registry_pb2.GrantTransferResponse:
+        """Mint the capability a peer must present to read (or write) exactly
+        ``blocks`` (block ids per transfer group) of ``worker`` for
+        ``request_id``. ``ttl_ms`` 0 is the daemon's default, ``max_uses`` 0 is 1."""
+        req = registry_pb2.GrantTransferRequest(
+            worker=worker,
+            request_id=request_id,
+            groups=[
+                types_pb2.BlockGrant(transfer_group=group, block_ids=list(ids))
+                for group, ids in blocks.items()
+            ],
+            ttl_ms=ttl_ms,
+            max_uses=max_uses,
+        )
+        return self.transport.grant_transfer(req, self.timeout_s)
+
+    def revoke_transfer(self, worker: types_pb2.WorkerId, request_id: str) -> None:
+        """Withdraw every grant of ``request_id`` (its blocks are being freed)."""
+        req = registry_pb2.RevokeTransferRequest(worker=worker, request_id=request_id)
+        self.transport.revoke_transfer(req, self.timeout_s)
 
     def pull(
         self, spec: transfers_pb2.TransferSpec, timeout_s: float | None = None

@@ -3,7 +3,8 @@
     KvmapClientError
     ├── InvalidArgument      (the request was malformed; nothing changed)
     ├── NotFound             (unknown worker, group or layer)
-    ├── FailedPrecondition   (stale generation, incompatible geometry)
+    ├── FailedPrecondition   (stale generation, incompatible geometry, expired grant)
+    ├── PermissionDenied     (no capability, or one that does not allow this transfer)
     ├── ResourceExhausted    (a stated limit was hit)
     ├── Unavailable          (daemon or peer unreachable, daemon draining)
     ├── DeadlineExceeded
@@ -39,6 +40,10 @@ class FailedPrecondition(KvmapClientError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class PermissionDenied(KvmapClientError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class ResourceExhausted(KvmapClientError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -61,6 +66,7 @@ _BY_CODE: dict[grpc.StatusCode, type[KvmapClientError]] = {
         InvalidArgument,
         NotFound,
         FailedPrecondition,
+        PermissionDenied,
         ResourceExhausted,
         Unavailable,
         DeadlineExceeded,

@@ -13,14 +13,21 @@ prefill (``kv_transfer_params = {"do_remote_decode": true}``)
     the request runs as usual; when it finishes normally its blocks are kept
     (``request_finished`` returns ``delay_free=True``) and it returns
     ``kv_transfer_params`` naming this pod's kvmapd, the worker, the blocks
-    and the request. The blocks are freed when this worker's kvmapd reports
-    that a peer finished pulling them (``TransferFinishedEvent``), or when the
-    lease (``lease_seconds``) runs out, whichever comes first.
+    and the request, and ``kvmap_capability``: what this pod's kvmapd granted
+    (``Registry.GrantTransfer``) for exactly those blocks of that request,
+    for ``lease_seconds``; without it no daemon lets a peer read them. The
+    blocks are freed when this worker's kvmapd reports that a peer finished
+    pulling them (``TransferFinishedEvent``), or when the lease runs out,
+    whichever comes first; the grant is revoked when they are freed for any
+    reason but a finished pull. A grant that fails frees the blocks at once
+    and the params carry no capability (the decode side recomputes).
 decode (those params, with ``do_remote_prefill: true``)
     the scheduler learns that the prompt's tokens will be loaded
     asynchronously; once blocks are allocated the worker asks its kvmapd to
-    pull the remote blocks into them and reports the request as received when
-    the pull is done. A pull that fails, or does not finish within
+    pull the remote blocks into them, presenting the capability, and reports
+    the request as received when the pull is done. Params without a
+    well-formed capability never become a pull. A pull that fails (or is
+    never sent), or does not finish within
     ``transfer_timeout_s`` (plus a grace period), is reported as a failed
     load: vLLM recomputes the prompt (``kv_load_failure_policy: recompute``)
     or fails the request (``fail``, vLLM's default), and never waits forever.
@@ -33,6 +40,7 @@ import concurrent.futures
 import logging
 import os
 import queue
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -49,6 +57,15 @@ log = logging.getLogger("kvmap.client.pd")
 PARAMS_VERSION = 1
 # A pull that has not ended this long after its own deadline is given up.
 WATCHDOG_GRACE_S = 5.0
+# kv_transfer_params key of the capability(ies) the prefill side granted.
+CAPABILITY_KEY = "kvmap_capability"
+# The longest grant kvmapd gives (GrantTransferRequest.ttl_ms).
+MAX_GRANT_TTL_MS = 3_600_000
+# One capability per prefill tensor-parallel rank, in rank order, joined by
+# ".": each is kvmapd's URL-safe token. The bounds keep a hostile HTTP body
+# from making the connector carry (or log) anything big or odd.
+_CAPABILITY = re.compile(r"[A-Za-z0-9_-]{1,128}(?:\.[A-Za-z0-9_-]{1,128})*")
+MAX_CAPABILITY_CHARS = 8192
 
 BlockIds = tuple[tuple[int, ...], ...]
 
@@ -179,6 +196,8 @@ class RemoteSource:
     pp_rank: int = 0
     tp_size: int = 1
     num_tokens: int = 0
+    # As received; checked (``rank_capability``) before any pull is built.
+    capability: str = ""
 
     @classmethod
     def parse(cls, params: Mapping[str, Any]) -> RemoteSource:
@@ -207,7 +226,31 @@ class RemoteSource:
             pp_rank=int(params.get("remote_pp_rank", 0)),
             tp_size=int(params.get("tp_size", 1)),
             num_tokens=int(params.get("remote_num_tokens", 0)),
+            capability=_capability_text(params.get(CAPABILITY_KEY)),
         )
+
+
+def _capability_text(value: Any) -> str:
+    """The capability as received, "" when it is not a string (a bounded
+    prefix of an over-long one, enough for ``rank_capability`` to refuse it)."""
+    if not isinstance(value, str):
+        return ""
+    return value[: MAX_CAPABILITY_CHARS + 1]
+
+
+def rank_capability(capability: str, tp_size: int, tp_rank: int) -> str:
+    """The capability of prefill rank ``tp_rank`` in ``kvmap_capability``
+    (one per rank of ``tp_size``, joined by "."). Raises ``ValueError`` when
+    it is missing or malformed: such params never become a pull."""
+    key = f"kv_transfer_params.{CAPABILITY_KEY}"
+    if not capability:
+        raise ValueError(f"{key}: missing (the prefill side granted no transfer)")
+    if len(capability) > MAX_CAPABILITY_CHARS or not _CAPABILITY.fullmatch(capability):
+        raise ValueError(f"{key}: malformed")
+    parts = capability.split(".")
+    if len(parts) != tp_size or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"{key}: {len(parts)} capabilities for tensor-parallel size {tp_size}")
+    return parts[tp_rank]
 
 
 @dataclass(frozen=True)
@@ -241,12 +284,16 @@ class SchedulerCore:
         dp_rank: int = 0,
         pp_rank: int = 0,
         tp_size: int = 1,
+        client: KvmapClient | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.options = options
         self.dp_rank = dp_rank
         self.pp_rank = pp_rank
         self.tp_size = tp_size
+        # This pod's kvmapd, which grants the transfers of kept blocks; None
+        # on engines that only consume KV (they keep nothing).
+        self.client = client
         self._meta = ConnectorMeta()
 
     def num_new_matched_tokens(
@@ -323,13 +370,15 @@ class SchedulerCore:
             self._meta.not_processed.add(request_id)
             return False, None
         groups = [list(map(int, g)) for g in block_ids]
-        keep = any(groups)
+        capability = self._grant(request_id, groups) if any(groups) else ""
+        # Blocks nobody may pull are not kept.
+        keep = bool(capability)
         if keep:
             self._meta.send[request_id] = self.options.lease_seconds
         else:
             self._meta.not_processed.add(request_id)
         host, port = _host_port(self.options.peer_address, "peer_address")
-        return keep, {
+        offered: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.engine_id,
@@ -344,6 +393,51 @@ class SchedulerCore:
             "remote_num_tokens": num_computed_tokens,
             "kvmap_params_version": PARAMS_VERSION,
         }
+        if capability:
+            offered[CAPABILITY_KEY] = capability
+        return keep, offered
+
+    def _rank_workers(self) -> list[types_pb2.WorkerId]:
+        """This engine's workers that hold a request's blocks: one per
+        tensor-parallel rank (the decode rank r pulls from rank r)."""
+        return [
+            types_pb2.WorkerId(
+                engine_id=self.engine_id, dp_rank=self.dp_rank, tp_rank=r, pp_rank=self.pp_rank
+            )
+            for r in range(self.tp_size)
+        ]
+
+    def _grant(self, request_id: str, groups: list[list[int]]) -> str:
+        """Grant a pull of exactly ``groups`` (block ids per transfer group)
+        on every rank's worker for the lease's time: the capabilities joined
+        in rank order, or "" (logged) when any grant fails; then the grants
+        already made are revoked, since no one will be told of them."""
+        if self.client is None:
+            log.error("request %s: no kvmapd to grant the transfer; not offering KV", request_id)
+            return ""
+        blocks = {g: ids for g, ids in enumerate(groups) if ids}
+        # A lease longer than kvmapd's longest grant: the grant ends first,
+        # and the blocks wait unreadable until the lease frees them.
+        ttl_ms = min(int(self.options.lease_seconds * 1000), MAX_GRANT_TTL_MS)
+        granted: list[types_pb2.WorkerId] = []
+        capabilities: list[str] = []
+        try:
+            for worker in self._rank_workers():
+                grant = self.client.grant_transfer(
+                    worker, request_id, blocks, ttl_ms=ttl_ms, max_uses=1
+                )
+                granted.append(worker)
+                capabilities.append(grant.capability)
+        except KvmapClientError as err:
+            log.error(
+                "request %s: kvmapd did not grant the transfer (%s); not offering its KV",
+                request_id,
+                err.message,
+            )
+            for worker in granted:
+                _revoke(self.client, worker, request_id)
+            return ""
+        return ".".join(capabilities)
 
 
 @dataclass(frozen=True)
@@ -460,6 +554,7 @@ class WorkerCore:
                 f"the prefill engine runs tensor-parallel size {src.tp_size}, this one "
                 f"{self.tp_size}: kvmap pulls between equal sizes only"
             )
+        capability = rank_capability(src.capability, src.tp_size, self.worker.tp_rank)
         local, remote = pair_blocks(task.local_block_ids, src.block_ids)
         spec = transfers_pb2.TransferSpec(
             request_id=src.request_id,
@@ -472,6 +567,7 @@ class WorkerCore:
                 pp_rank=src.pp_rank,
             ),
             timeout_ms=int(self.options.transfer_timeout_s * 1000),
+            capability=capability,
         )
         for g, (lg, rg) in enumerate(zip(local, remote, strict=True)):
             if lg:
@@ -530,7 +626,8 @@ class WorkerCore:
                 log.debug("pull of unknown or expired request %s finished", request_id)
 
     def _expired_sends(self, now: float) -> set[str]:
-        """Prefill requests whose lease ran out before any pull: freed."""
+        """Prefill requests whose lease ran out before any pull: their grants
+        revoked (a late capability must never read reused blocks), freed."""
         expired: set[str] = set()
         for request_id, deadline in list(self._send_deadline.items()):
             if now < deadline:
@@ -542,6 +639,7 @@ class WorkerCore:
             )
             del self._send_deadline[request_id]
             self._to_process.discard(request_id)
+            _revoke(self.client, self.worker, request_id)
             self.leases_expired += 1
             expired.add(request_id)
         return expired
@@ -605,6 +703,15 @@ class WorkerCore:
         if self.session is not None:
             self.session.stop(deregister=True, timeout_s=self.options.call_timeout_s)
         self.client.close()
+
+
+def _revoke(client: KvmapClient, worker: types_pb2.WorkerId, request_id: str) -> None:
+    """Take back the grants of ``request_id`` on ``worker`` (its blocks are
+    being freed): best effort, since a grant also ends with its time."""
+    try:
+        client.revoke_transfer(worker, request_id)
+    except KvmapClientError as err:
+        log.warning("request %s: revoking its transfer grant failed: %s", request_id, err.message)
 
 
 def _describe(exc: BaseException) -> str:

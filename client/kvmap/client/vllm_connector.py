@@ -110,9 +110,9 @@ class KVMapConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None, "KVMapConnector needs a kv_transfer_config"
+        producer = str(transfer.kv_role) in ("kv_producer", "kv_both")
         self.options = ConnectorOptions.from_extra_config(
-            transfer.kv_connector_extra_config,
-            producer=str(transfer.kv_role) in ("kv_producer", "kv_both"),
+            transfer.kv_connector_extra_config, producer=producer
         )
         self.engine_id: str = str(transfer.engine_id)
         parallel = vllm_config.parallel_config
@@ -123,8 +123,19 @@ class KVMapConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         self.worker: WorkerCore | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
         if role == KVConnectorRole.SCHEDULER:
+            # The scheduler grants the transfers of the blocks it keeps (it
+            # writes the kv_transfer_params that carry the capability).
+            client = (
+                KvmapClient.connect(self.options.socket, self.options.call_timeout_s)
+                if producer
+                else None
+            )
             self.scheduler = SchedulerCore(
-                self.engine_id, self.options, dp_rank=self.dp_rank, tp_size=self.tp_size
+                self.engine_id,
+                self.options,
+                dp_rank=self.dp_rank,
+                tp_size=self.tp_size,
+                client=client,
             )
         else:
             worker = types_pb2.WorkerId(
@@ -264,3 +275,5 @@ class KVMapConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
+        if self.scheduler is not None and self.scheduler.client is not None:
+            self.scheduler.client.close()

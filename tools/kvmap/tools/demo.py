@@ -22,6 +22,7 @@ from kvmap.daemon.adapters.logs import configure_logging
 from kvmap.daemon.core import planner as planners
 from kvmap.daemon.core.convert import geometry_from_json
 from kvmap.daemon.examples import example_path
+from kvmap.tools.grants import GrantRefused, granted
 from kvmap.tools.launch import DaemonProc, WorkerProc, start_daemon, start_worker
 
 
@@ -146,7 +147,11 @@ def _pull_requests(
                 {"group": 1, "local": local, "remote": remote},
             ],
         }
-        out = dw.call(cmd)
+        try:
+            # As a vLLM prefill worker does, the owner grants exactly these blocks.
+            out = dw.call(granted(pw, cmd))
+        except GrantRefused as err:
+            out = err.answer
         if not out.get("ok"):
             print(f"  {request_id:<10} FAILED {out.get('code')}: {out.get('message')}")
             failures += 1

@@ -1,8 +1,11 @@
 """A stand-in for a vLLM worker, run as its own process by ``kvmapd demo`` and
 by the integration tests: it allocates a GLM-like block-outermost KV cache in
 shared memory, hands it to its kvmapd (fd over SCM_RIGHTS), keeps the Attach
-stream open, and obeys JSON-line commands on stdin (pull, push, verify, ...),
-answering one JSON line each on stdout.
+stream open, and obeys JSON-line commands on stdin (grant, pull, push,
+verify, ...), answering one JSON line each on stdout. As a vLLM prefill
+worker does, the owner of the blocks grants a transfer (``grant``: a
+capability for exactly those blocks of one request) and the other side's
+``pull``/``push`` carries that ``capability``.
 
 Block contents are a pure function of (group, block id, byte, seed), distinct
 for every 8-byte word of the cache (``kvmap.tools.block_pattern``), so a
@@ -269,6 +272,9 @@ def _spec(cmd: dict[str, Any], worker: types_pb2.WorkerId) -> transfers_pb2.Tran
         remote_worker=json_format.ParseDict(cmd["remote_worker"], types_pb2.WorkerId()),
         remote_generation=int(cmd.get("remote_generation", 0)),
         timeout_ms=int(cmd.get("timeout_ms", 0)),
+        # From the remote owner's ``grant`` command; the daemons refuse a
+        # transfer without one.
+        capability=cmd.get("capability", ""),
     )
     for g in cmd["groups"]:
         spec.groups.add(
@@ -280,22 +286,62 @@ def _spec(cmd: dict[str, Any], worker: types_pb2.WorkerId) -> transfers_pb2.Tran
     return spec
 
 
+def _failed(err: KvmapClientError) -> dict[str, Any]:
+    return {"ok": False, "code": err.code.name, "message": err.message}
+
+
+def _transfer(w: DemoWorker, op: str, cmd: dict[str, Any]) -> dict[str, Any]:
+    """``pull`` or ``push`` (with the remote owner's ``capability``), and for
+    a pull the count of blocks whose bytes do not verify."""
+    spec = _spec(cmd, w.worker)
+    try:
+        result = w.client.pull(spec) if op == "pull" else w.client.push(spec)
+    except KvmapClientError as err:
+        return _failed(err)
+    out: dict[str, Any] = {"ok": True, "stats": result.__dict__}
+    if op == "pull" and cmd.get("verify", True):
+        seed = int(cmd.get("seed", 0))
+        out["bad_blocks"] = sum(
+            w.verify(g["group"], g["local"], g["remote"], g.get("layers", []), seed)
+            for g in cmd["groups"]
+        )
+    return out
+
+
+def _grant(w: DemoWorker, cmd: dict[str, Any]) -> dict[str, Any]:
+    """``grant``: this worker (the owner) lets a peer read or write exactly
+    ``groups`` ([{"group", "blocks"}]) for ``request_id``; ``revoke`` takes
+    every grant of ``request_id`` back."""
+    try:
+        if cmd["cmd"] == "revoke":
+            w.client.revoke_transfer(w.worker, cmd["request_id"])
+            return {"ok": True}
+        blocks: dict[int, list[int]] = {}
+        for g in cmd["groups"]:
+            blocks.setdefault(int(g["group"]), []).extend(int(b) for b in g["blocks"])
+        grant = w.client.grant_transfer(
+            w.worker,
+            cmd["request_id"],
+            blocks,
+            ttl_ms=int(cmd.get("ttl_ms", 0)),
+            max_uses=int(cmd.get("max_uses", 0)),
+        )
+    except KvmapClientError as err:
+        return _failed(err)
+    return {
+        "ok": True,
+        "capability": grant.capability,
+        "generation": grant.generation,
+        "expires_unix_ms": grant.expires_unix_ms,
+    }
+
+
 def handle(w: DemoWorker, cmd: dict[str, Any]) -> dict[str, Any]:  # noqa: PLR0911  (one answer per command)
     op = cmd["cmd"]
     if op in ("pull", "push"):
-        spec = _spec(cmd, w.worker)
-        try:
-            result = w.client.pull(spec) if op == "pull" else w.client.push(spec)
-        except KvmapClientError as err:
-            return {"ok": False, "code": err.code.name, "message": err.message}
-        out: dict[str, Any] = {"ok": True, "stats": result.__dict__}
-        if op == "pull" and cmd.get("verify", True):
-            seed = int(cmd.get("seed", 0))
-            out["bad_blocks"] = sum(
-                w.verify(g["group"], g["local"], g["remote"], g.get("layers", []), seed)
-                for g in cmd["groups"]
-            )
-        return out
+        return _transfer(w, op, cmd)
+    if op in ("grant", "revoke"):
+        return _grant(w, cmd)
     if op == "verify":
         bad = w.verify(
             cmd["group"], cmd["local"], cmd["remote"], cmd.get("layers", []), cmd.get("seed", 0)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvmap.tools.grants import GrantRefused, granted
 from kvmap.tools.launch import DaemonProc, WorkerProc, start_daemon, start_worker
 
 WORKER_START_TIMEOUT_S = 180.0
@@ -169,12 +170,13 @@ def gpu_memory_mib(uuid: str) -> tuple[int | None, dict[int, int]]:
 
 
 def _pull(
-    dw: WorkerProc,
+    workers: tuple[WorkerProc, WorkerProc],
     prefill: DaemonProc,
     remote_worker: Any,
     name: str,
     blocks: tuple[list[int], ...],
 ) -> Pull:
+    dw, pw = workers  # the puller, and the owner that grants the blocks
     local, remote = blocks
     cmd = {
         "cmd": "pull",
@@ -186,7 +188,11 @@ def _pull(
             {"group": 1, "local": local, "remote": remote},
         ],
     }
-    out = dw.call(cmd, timeout=PULL_TIMEOUT_S)
+    try:
+        # As a vLLM prefill worker does, the owner grants exactly these blocks.
+        out = dw.call(granted(pw, cmd), timeout=PULL_TIMEOUT_S)
+    except GrantRefused as err:
+        out = err.answer
     if not out.get("ok"):
         return Pull(name, len(local), error=f"{out.get('code')}: {out.get('message')}")
     st = out["stats"]
@@ -270,7 +276,7 @@ def run_phase(args: argparse.Namespace, planner: str, check_release: bool) -> Ph
         )
         _print_maps(pm, dm)
         _print_daemon_memory(uuid, prefill, decode)
-        _pull_requests(phase, args, dw, prefill, pm["worker"])
+        _pull_requests(phase, args, (dw, pw), prefill, pm["worker"])
         phase.finished = _finished(pw, {p.request for p in phase.pulls})
         print(
             f"  prefill worker told the pull finished for {phase.finished}/{len(phase.pulls)}"
@@ -328,9 +334,14 @@ def _print_daemon_memory(uuid: str, prefill: DaemonProc, decode: DaemonProc) -> 
 
 
 def _pull_requests(
-    phase: Phase, args: argparse.Namespace, dw: WorkerProc, prefill: DaemonProc, remote: Any
+    phase: Phase,
+    args: argparse.Namespace,
+    workers: tuple[WorkerProc, WorkerProc],
+    prefill: DaemonProc,
+    remote: Any,
 ) -> None:
-    """A warm-up pull, then ``args.requests`` scattered ones into ``phase``."""
+    """A warm-up pull, then ``args.requests`` scattered ones into ``phase``;
+    ``workers`` are the decode (puller) and prefill (granting owner) workers."""
     rng = random.Random(args.seed)
     per_request = args.request_blocks or max(1, args.blocks // 8)
     print(
@@ -343,11 +354,11 @@ def _pull_requests(
         for r in range(args.requests)
     ]  # fmt: skip
     # Warm-up: handshake, UCX connection and IPC opens happen on first use.
-    warm = _pull(dw, prefill, remote, "warm-up", requests[0][1:])
+    warm = _pull(workers, prefill, remote, "warm-up", requests[0][1:])
     print(pull_line(warm) + "   (not counted)")
     phase.warm_up_ok = warm.ok
     for name, local, remote_ids in requests:
-        phase.pulls.append(_pull(dw, prefill, remote, name, (local, remote_ids)))
+        phase.pulls.append(_pull(workers, prefill, remote, name, (local, remote_ids)))
         print(pull_line(phase.pulls[-1]))
 
 

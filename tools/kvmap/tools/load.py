@@ -8,9 +8,11 @@ GLM-like block-outermost cache (an MLA group and an indexer group). The
 prefill cache is filled with seeded random bytes.
 
 Each decode worker is one client thread calling its daemon's
-``Transfers.Pull`` over the Unix socket: after one warm-up pull (handshake
-and descriptor-list preparation, not counted), all clients start together
-and each runs M pulls back to back, each pull B scattered prefill blocks of
+``Transfers.Pull`` over the Unix socket, with the capability the prefill
+worker granted for exactly that pull's blocks (outside the latency), as the
+vLLM connector does: after one warm-up pull (handshake and descriptor-list
+preparation, not counted), all clients start together and each runs M pulls
+back to back, each pull B scattered prefill blocks of
 both groups into B distinct local blocks. When all are done, every pulled
 block of every pull is compared byte for byte with the prefill block it
 came from.
@@ -28,6 +30,7 @@ Not a timed test: the figures depend on the machine (see docs/load.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import mmap
 import os
@@ -143,6 +146,7 @@ class Worker:
             self.rows.append(np.frombuffer(mm, dtype=np.uint8).reshape(blocks, layers * page))
         self.channel = grpc.insecure_channel(daemon.unix_target)
         self.transfers = transfers_pb2_grpc.TransfersStub(self.channel)
+        self._attach: Any = None
 
     @property
     def worker_id(self) -> types_pb2.WorkerId:
@@ -183,7 +187,35 @@ class Worker:
         stub = registry_pb2_grpc.RegistryStub(self.channel)
         return stub.RegisterWorker(req, timeout=CALL_TIMEOUT_S).region_map
 
+    def attach(self) -> None:
+        """Keep the worker's Attach stream open, as a vLLM worker does: its
+        daemon grants transfers of attached workers only. Events are drained
+        on a thread."""
+        stub = registry_pb2_grpc.RegistryStub(self.channel)
+        self._attach = stub.Attach(registry_pb2.AttachRequest(worker=self.worker_id))
+        next(self._attach)  # the "attached" event: the daemon has the stream
+
+        def drain() -> None:
+            with contextlib.suppress(grpc.RpcError):
+                for _ in self._attach:
+                    pass
+
+        threading.Thread(target=drain, daemon=True, name=f"attach-{self.engine_id}").start()
+
+    def grant(self, request_id: str, blocks: list[int]) -> str:
+        """As a vLLM prefill worker does: the capability that lets one peer
+        pull exactly ``blocks`` of both groups of this worker for ``request_id``."""
+        req = registry_pb2.GrantTransferRequest(
+            worker=self.worker_id,
+            request_id=request_id,
+            groups=[types_pb2.BlockGrant(transfer_group=g, block_ids=blocks) for g in (0, 1)],
+        )
+        stub = registry_pb2_grpc.RegistryStub(self.channel)
+        return str(stub.GrantTransfer(req, timeout=CALL_TIMEOUT_S).capability)
+
     def close(self) -> None:
+        if self._attach is not None:
+            self._attach.cancel()
         self.channel.close()
         self.rows.clear()
         for mm in self._maps:
@@ -196,9 +228,10 @@ class Client:
     """One decode worker and its pulls; every pull writes a fresh chunk of a
     per-client permutation of local blocks, so all can be verified at the end."""
 
-    def __init__(self, index: int, worker: Worker, args: argparse.Namespace) -> None:
+    def __init__(self, index: int, worker: Worker, owner: Worker, args: argparse.Namespace) -> None:
         self.index = index
         self.worker = worker
+        self.owner = owner  # the prefill worker: it grants each pull
         rng = random.Random(args.seed * 1000 + index)
         b = args.blocks_per_pull
         local = list(range((args.pulls + 1) * b))
@@ -212,13 +245,21 @@ class Client:
         self.errors: list[str] = []
         self.failed: set[int] = set()
 
-    def pull(self, target: str, i: int) -> transfers_pb2.TransferStats:
+    def request_id(self, i: int) -> str:
+        return f"load-{self.index}-{i}"
+
+    def grant(self, i: int) -> str:
+        return self.owner.grant(self.request_id(i), self.plans[i][1])
+
+    def pull(self, target: str, i: int, capability: str = "") -> transfers_pb2.TransferStats:
+        """Pull ``plans[i]`` with ``capability`` (granted here when not given)."""
         local, remote = self.plans[i]
         spec = transfers_pb2.TransferSpec(
-            request_id=f"load-{self.index}-{i}",
+            request_id=self.request_id(i),
             local_worker=self.worker.worker_id,
             remote_target=target,
             remote_worker=types_pb2.WorkerId(engine_id="prefill"),
+            capability=capability or self.grant(i),
         )
         for group in (0, 1):
             spec.groups.add(transfer_group=group, local_block_ids=local, remote_block_ids=remote)
@@ -234,9 +275,11 @@ class Client:
     def run(self, target: str, start: threading.Barrier) -> None:
         start.wait()
         for i in range(1, len(self.plans)):
-            t0 = time.perf_counter()
             try:
-                stats = self.pull(target, i)
+                # The prefill side's grant is not part of the pull's latency.
+                capability = self.grant(i)
+                t0 = time.perf_counter()
+                stats = self.pull(target, i, capability)
             except (grpc.RpcError, RuntimeError) as err:
                 self.errors.append(f"{type(err).__name__}: {err}")
                 self.failed.add(i)
@@ -347,13 +390,14 @@ def _register_workers(
     workers.append(prefill)
     prefill.fill(args.seed)
     prefill.register()
+    prefill.attach()
     local_blocks = (args.pulls + 1) * args.blocks_per_pull
     clients = []
     for i in range(args.clients):
         w = Worker(decodes[i % len(decodes)], f"decode-{i}", local_blocks, args)
         workers.append(w)
         w.register()
-        clients.append(Client(i, w, args))
+        clients.append(Client(i, w, prefill, args))
     return prefill, clients
 
 

@@ -32,6 +32,14 @@ class Transport(Protocol):
 
     def attach(self, req: registry_pb2.AttachRequest) -> AttachStream: ...
 
+    def grant_transfer(
+        self, req: registry_pb2.GrantTransferRequest, timeout: float
+    ) -> registry_pb2.GrantTransferResponse: ...
+
+    def revoke_transfer(
+        self, req: registry_pb2.RevokeTransferRequest, timeout: float
+    ) -> registry_pb2.RevokeTransferResponse: ...
+
     def pull(
         self, req: transfers_pb2.PullRequest, timeout: float
     ) -> Iterator[transfers_pb2.PullResponse]: ...

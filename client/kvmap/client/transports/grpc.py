@@ -88,6 +88,22 @@ class GrpcTransport:
     def attach(self, req: registry_pb2.AttachRequest) -> _GrpcAttachStream:
         return _GrpcAttachStream(self._registry.Attach(req))
 
+    def grant_transfer(
+        self, req: registry_pb2.GrantTransferRequest, timeout: float
+    ) -> registry_pb2.GrantTransferResponse:
+        try:
+            return self._registry.GrantTransfer(req, timeout=timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def revoke_transfer(
+        self, req: registry_pb2.RevokeTransferRequest, timeout: float
+    ) -> registry_pb2.RevokeTransferResponse:
+        try:
+            return self._registry.RevokeTransfer(req, timeout=timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
     def pull(
         self, req: transfers_pb2.PullRequest, timeout: float
     ) -> Iterator[transfers_pb2.PullResponse]:

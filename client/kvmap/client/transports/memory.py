@@ -20,9 +20,16 @@ What the core does not decide (fd tokens, mapping the memory, the handshake
 with the peer, notifications) is modelled on the daemon's engine and
 adapters; ``tests/contract`` runs the same scenarios against this and a real
 ``kvmapd serve`` to keep the two in step. Not modelled: CUDA memory, TLS,
-draining, transfer deadlines, leases, and state kept across a restart other
-than the generation counters (as with ``--state-dir`` for workers whose
-memory the daemon cannot reopen by itself).
+draining, transfer deadlines, leases (a transfer here is begun and completed
+at once, so a capability is claimed and consumed together), and state kept
+across a restart other than the generation counters (as with ``--state-dir``
+for workers whose memory the daemon cannot reopen by itself).
+
+Capabilities are checked as kvmapd checks them, with the same core
+(``kvmap.daemon.core.grants``): GrantTransfer validates against the worker's
+geometry and mints a secret kept only as its digest; a transfer presents it
+and the owner's side admits it after the puller's own checks, before any
+byte moves.
 
 Used by the unit tests of code above the seam (the worker session, the vLLM
 connector). Failures are injected with ``MemoryDaemon.pull_hook`` (called
@@ -39,6 +46,7 @@ import itertools
 import mmap
 import os
 import queue
+import secrets
 import stat
 import threading
 import time
@@ -58,7 +66,7 @@ from kvmap.client.errors import (
     from_status,
 )
 from kvmap.client.fd_handoff import SCM_MAX_FD
-from kvmap.daemon.core import convert
+from kvmap.daemon.core import convert, grants
 from kvmap.daemon.core import errors as core
 from kvmap.daemon.core.config import MAX_REGION_MAP_BYTES
 from kvmap.daemon.core.geometry import Plan, RegionMapModel, WorkerGeometry
@@ -72,7 +80,7 @@ from kvmap.daemon.core.transfer_pieces import (
     SideRows,
     build_piece_table,
 )
-from kvmap.daemon.core.transfer_plan import GroupPairs, TransferPlan, plan_transfer
+from kvmap.daemon.core.transfer_plan import GroupPairs, TransferPlan, check_sizes, plan_transfer
 from kvmap.v1 import admin_pb2, region_maps_pb2, registry_pb2, transfers_pb2, types_pb2
 
 # (engine_id, dp_rank, tp_rank, pp_rank): how tests name a worker.
@@ -84,6 +92,10 @@ MAX_PENDING_TOKENS = 64
 # As kvmapd's Request.parse (kvmap.daemon.engine.transfers).
 MAX_REQUEST_ID = 256
 _PAGE = mmap.ALLOCATIONGRANULARITY
+
+
+def _wall_ms() -> int:
+    return time.time_ns() // 1_000_000
 
 
 def client_error(err: core.KvmapError) -> KvmapClientError:
@@ -314,6 +326,7 @@ class _Request:
     selections: tuple[LayerSelection, ...]
     pairs: tuple[GroupPairs, ...]
     expected_generation: int
+    capability: str
 
     @classmethod
     def parse(cls, spec: transfers_pb2.TransferSpec) -> _Request:
@@ -323,6 +336,13 @@ class _Request:
             raise core.InvalidArgument("spec.remote_target", "expected HOST:PORT")
         if not spec.groups:
             raise core.InvalidArgument("spec.groups", "at least one transfer group is required")
+        pairs = tuple(
+            GroupPairs(g.transfer_group, list(g.local_block_ids), list(g.remote_block_ids))
+            for g in spec.groups
+        )
+        check_sizes(pairs)  # as kvmapd: before anything is planned for the request
+        if not spec.capability:
+            raise core.PermissionDenied("spec.capability: a transfer needs the owner's capability")
         return cls(
             request_id=spec.request_id[:MAX_REQUEST_ID],
             local=convert.requested_worker(spec.local_worker, "spec.local_worker"),
@@ -331,11 +351,9 @@ class _Request:
             selections=tuple(
                 LayerSelection(g.transfer_group, tuple(g.layer_names)) for g in spec.groups
             ),
-            pairs=tuple(
-                GroupPairs(g.transfer_group, list(g.local_block_ids), list(g.remote_block_ids))
-                for g in spec.groups
-            ),
+            pairs=pairs,
             expected_generation=spec.remote_generation,
+            capability=spec.capability,
         )
 
 
@@ -403,6 +421,8 @@ class MemoryDaemon:
     # Notifications no Attach stream has delivered yet (kvmapd keeps them in its store).
     _pending_events: dict[CoreKey, list[registry_pb2.AttachResponse]] = field(default_factory=dict)
     _pending_fds: dict[str, _FdBatch] = field(default_factory=dict)
+    # Capabilities by digest (kvmapd's engine.grants), never the secret.
+    _grants: dict[bytes, grants.Grant] = field(default_factory=dict)
     # (target, remote worker) -> (peer instance, generation) of the last handshake.
     _handshakes: dict[tuple[str, CoreKey], tuple[str, int]] = field(default_factory=dict)
     _tokens: Iterator[int] = field(default_factory=itertools.count)
@@ -435,6 +455,7 @@ class MemoryDaemon:
             self._pending_fds.clear()
             self._pending_events.clear()
             self._handshakes.clear()
+            self._grants.clear()
         for s in subs:
             s.put(Unavailable("UNAVAILABLE: kvmapd stopped"))
 
@@ -547,6 +568,7 @@ class MemoryDaemon:
             raise
         old = self._workers.get(geometry.worker)
         self._workers[geometry.worker] = record
+        self._drop_grants(geometry.worker)  # new memory: old block ids mean nothing
         if old is not None:
             old.close()
         for alloc in req.allocations:
@@ -624,6 +646,7 @@ class MemoryDaemon:
             w = self._get(key)
             del self._workers[key]
             self._pending_events.pop(key, None)
+            self._drop_grants(key)
             w.close()
         return w.generation
 
@@ -663,6 +686,7 @@ class MemoryDaemon:
             w = self._workers.pop(key, None)
             if w is not None:
                 self._pending_events.pop(key, None)
+                self._drop_grants(key)
                 w.close()
 
     def _notify(self, key: CoreKey, event: registry_pb2.AttachResponse) -> None:
@@ -673,6 +697,110 @@ class MemoryDaemon:
             return
         for s in subs:
             s.put(event)
+
+    # Capabilities -------------------------------------------------------------
+
+    def grant_transfer(
+        self, req: registry_pb2.GrantTransferRequest
+    ) -> registry_pb2.GrantTransferResponse:
+        """Mint a capability for an attached worker's request, as kvmapd's
+        GrantTransfer: every check before anything is kept."""
+        self._check_up()
+        with _as_client_errors(), self._lock:
+            key = convert.requested_worker(req.worker, "worker")
+            w = self._get(key)
+            if not self._subscribers.get(key):
+                raise core.FailedPrecondition(f"worker {key} has no Attach stream open")
+            request_id = grants.check_request_id(req.request_id)
+            ttl_ms = grants.check_ttl(req.ttl_ms)
+            max_uses = grants.check_max_uses(req.max_uses)
+            blocks = grants.granted_blocks(
+                [(g.transfer_group, g.block_ids) for g in req.groups], grants.group_limits(w.model)
+            )
+            self._check_grant_room(key, sum(len(ids) for ids in blocks.values()))
+            capability = secrets.token_urlsafe(32)
+            grant = grants.Grant(
+                digest=grants.digest(capability),
+                worker=key,
+                generation=w.generation,
+                request_id=request_id,
+                blocks=blocks,
+                expires_unix_ms=_wall_ms() + ttl_ms,
+                max_uses=max_uses,
+            )
+            self._grants[grant.digest] = grant
+        return registry_pb2.GrantTransferResponse(
+            capability=capability,
+            generation=grant.generation,
+            expires_unix_ms=grant.expires_unix_ms,
+        )
+
+    def _check_grant_room(self, key: CoreKey, blocks: int) -> None:
+        cutoff = _wall_ms() - grants.EXPIRED_KEPT_MS
+        for d in [d for d, g in self._grants.items() if g.expires_unix_ms <= cutoff]:
+            del self._grants[d]
+        if sum(g.worker == key for g in self._grants.values()) >= grants.MAX_GRANTS_PER_WORKER:
+            raise core.ResourceExhausted(
+                f"worker {key} has {grants.MAX_GRANTS_PER_WORKER} grants (the limit)"
+            )
+        if len(self._grants) >= grants.MAX_GRANTS:
+            raise core.ResourceExhausted(
+                f"{grants.MAX_GRANTS} grants outstanding in all (the limit)"
+            )
+        if sum(g.block_count for g in self._grants.values()) + blocks > grants.MAX_GRANTED_BLOCKS:
+            raise core.ResourceExhausted(
+                f"{grants.MAX_GRANTED_BLOCKS} granted block ids in all (the limit)"
+            )
+
+    def revoke_transfer(self, req: registry_pb2.RevokeTransferRequest) -> None:
+        self._check_up()
+        with _as_client_errors(), self._lock:
+            key = convert.requested_worker(req.worker, "worker")
+            self._get(key)
+            for d in [
+                d
+                for d, g in self._grants.items()
+                if g.worker == key and g.request_id == req.request_id
+            ]:
+                del self._grants[d]
+
+    def _drop_grants(self, key: CoreKey) -> None:
+        for d in [d for d, g in self._grants.items() if g.worker == key]:
+            del self._grants[d]
+
+    def _admit(self, req: _Request, remote: _Worker) -> grants.Grant:
+        """The owner's checks of a transfer's capability (kvmapd's
+        BeginTransfer), with the statuses the puller reports for them."""
+        found = self._grants.get(grants.digest(req.capability))
+        try:
+            grant = grants.check_binding(
+                found,
+                worker=req.remote,
+                generation=remote.generation,
+                request_id=req.request_id,
+                groups=[(p.transfer_group, p.remote_block_ids) for p in req.pairs],
+            )
+            if grant.uses >= grant.max_uses:
+                raise core.PermissionDenied(grants.DENIED)
+        except core.PermissionDenied as err:
+            raise core.PermissionDenied(
+                f"remote daemon {req.target}: PERMISSION_DENIED: {err.message}"
+            ) from None
+        if grant.expired(_wall_ms()):
+            # kvmapd's peer client takes any FAILED_PRECONDITION of the owner's
+            # BeginTransfer for a stale generation (and re-handshakes once).
+            raise core.StaleGeneration(
+                str(convert.worker_id_to_proto(req.remote)), remote.generation, 0
+            )
+        return grant
+
+    def _consume(self, grant: grants.Grant) -> None:
+        """The transfer completed: one use of its capability is spent."""
+        used = replace(grant, uses=grant.uses + 1)
+        if used.uses >= used.max_uses:
+            self._grants.pop(grant.digest, None)
+        else:
+            self._grants[grant.digest] = used
 
     # Region maps and stats ---------------------------------------------------
 
@@ -799,8 +927,10 @@ class MemoryDaemon:
             raise core.StaleGeneration(str(req.remote), req.expected_generation, remote.generation)
         table = build_piece_table(local.model, remote.model, req.selections)
         plan = plan_transfer(table, req.pairs, destination=Side.REMOTE if write else Side.LOCAL)
+        grant = peer._admit(req, remote)
         for dst, src in _copies(table, plan, local, remote, write):
             dst[:] = src
+        peer._consume(grant)
         return plan, remote.generation
 
 
@@ -828,6 +958,17 @@ class MemoryTransport:
 
     def attach(self, req: registry_pb2.AttachRequest) -> MemoryAttachStream:
         return self.daemon.attach(req.worker)
+
+    def grant_transfer(
+        self, req: registry_pb2.GrantTransferRequest, timeout: float
+    ) -> registry_pb2.GrantTransferResponse:
+        return self.daemon.grant_transfer(req)
+
+    def revoke_transfer(
+        self, req: registry_pb2.RevokeTransferRequest, timeout: float
+    ) -> registry_pb2.RevokeTransferResponse:
+        self.daemon.revoke_transfer(req)
+        return registry_pb2.RevokeTransferResponse()
 
     def pull(
         self, req: transfers_pb2.PullRequest, timeout: float

@@ -42,3 +42,23 @@ def error_code(status: grpc.StatusCode) -> ErrorCode:
     """The inverse of ``GRPC_STATUS``; statuses we never send (OK, CANCELLED,
     ABORTED, ...) are UNKNOWN to us."""
     return _ERROR_CODE.get(status, ErrorCode.UNKNOWN)
+
+
+# Trailing-metadata key of KvmapError.reason (see core/errors.py).
+REASON_KEY = "kvmap-reason"
+
+
+def reason_metadata(reason: str) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata that carries an error's reason (none without one)."""
+    return ((REASON_KEY, reason),) if reason else ()
+
+
+def reason_of(metadata: object) -> str:
+    """The ``kvmap-reason`` a peer sent in its trailing metadata, or ""."""
+    if not metadata:
+        return ""
+    for item in metadata:  # type: ignore[attr-defined]
+        key, value = item[0], item[1]
+        if key == REASON_KEY and isinstance(value, str):
+            return value
+    return ""

@@ -1,35 +1,59 @@
 """gRPC calls this daemon makes to remote daemons (the Peer service), with
-bounded deadlines and statuses mapped into the error tree."""
+bounded deadlines and statuses mapped into the error tree.
+
+This is the only place that dials peers, so it enforces the outbound
+allow-list (``peer_allow``, and ``peer_identities`` under mutual TLS): a target
+is resolved and checked before any connection is made, and the checked address
+is what gets dialled (a second DNS answer cannot swap it). A target that is not
+allowed gets PERMISSION_DENIED with one message, whatever lies behind it.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
+import socket
+import ssl
 import types
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import grpc
+import structlog
 from grpc import aio
 
 from kvmap.daemon.adapters.config_files import read_pem
-from kvmap.daemon.adapters.grpc_codes import error_code
+from kvmap.daemon.adapters.grpc_codes import error_code, reason_of
 from kvmap.daemon.core import convert
-from kvmap.daemon.core.config import DaemonConfig
+from kvmap.daemon.core.config import DaemonConfig, parse_host_port
 from kvmap.daemon.core.errors import (
+    HANDSHAKE_AGAIN,
     DeadlineExceeded,
     ErrorCode,
     FailedPrecondition,
     InvalidArgument,
     KvmapError,
     NotFound,
+    PermissionDenied,
     StaleGeneration,
     Unavailable,
 )
 from kvmap.daemon.core.geometry import RegionMapModel, WorkerKey
+from kvmap.daemon.core.peer_policy import (
+    LOOPBACK,
+    OUTBOUND_DENIED,
+    IPAddress,
+    PeerPolicy,
+    is_host_name,
+)
 from kvmap.v1 import peer_pb2, peer_pb2_grpc
 
-# What a remote daemon's status becomes here. These four are about the request
+log = structlog.get_logger("kvmapd.peers")
+
+# What a remote daemon's status becomes here. These five are about the request
 # and pass through; anything else (a peer that is down, broken or overloaded)
 # means the peer is unavailable to this transfer.
 _PASSED_THROUGH: Mapping[ErrorCode, Callable[[str], KvmapError]] = types.MappingProxyType(
@@ -38,6 +62,8 @@ _PASSED_THROUGH: Mapping[ErrorCode, Callable[[str], KvmapError]] = types.Mapping
         ErrorCode.FAILED_PRECONDITION: FailedPrecondition,
         ErrorCode.INVALID_ARGUMENT: partial(InvalidArgument, "remote_worker"),
         ErrorCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+        # The owner refused the capability: the caller's to know, not an outage.
+        ErrorCode.PERMISSION_DENIED: PermissionDenied,
     }
 )
 
@@ -62,42 +88,141 @@ class PeerHandshake:
         self.model: RegionMapModel = convert.region_map_from_proto(resp.region_map)
 
 
+@dataclass(frozen=True)
+class TlsIdentity:
+    """This daemon's client certificate and the CA of its peers (PEM paths),
+    for checking a peer server's certificate identity before dialling it."""
+
+    cert: str
+    key: str
+    ca: str  # "" means the system's roots, as for gRPC
+
+
+@dataclass(frozen=True)
+class Dial:
+    """A checked target: the address to dial and the name TLS must verify."""
+
+    address: str
+    tls_name: str
+
+
+DEFAULT_POLICY = PeerPolicy.parse(LOOPBACK, LOOPBACK, ())
+
+
 class PeerClient:
-    """One channel per remote target, reused across transfers."""
+    """One channel per remote target, reused across transfers; only targets
+    the policy allows are dialled."""
 
     def __init__(
-        self, connect_timeout_s: float, credentials: grpc.ChannelCredentials | None = None
+        self,
+        connect_timeout_s: float,
+        credentials: grpc.ChannelCredentials | None = None,
+        policy: PeerPolicy = DEFAULT_POLICY,
+        tls_identity: TlsIdentity | None = None,
     ) -> None:
         self._timeout = connect_timeout_s
         self._credentials = credentials
+        self._policy = policy
+        # Under mutual TLS with listed identities, each new peer's server
+        # certificate must carry one of them.
+        self._tls_identity = tls_identity if policy.identities and credentials else None
         self._channels: dict[str, aio.Channel] = {}
         self._closing: set[asyncio.Task[None]] = set()
 
-    def _stub(self, target: str) -> peer_pb2_grpc.PeerAsyncStub:
-        channel = self._channels.pop(target, None)
-        if channel is not None:
-            self._channels[target] = channel  # most recently used last
-        else:
-            if len(self._channels) >= MAX_CHANNELS:
-                # Targets come from requests: keep a bounded set of channels.
-                oldest = next(iter(self._channels))
-                stale = self._channels.pop(oldest)
-                task = asyncio.get_running_loop().create_task(stale.close(grace=None))
-                self._closing.add(task)
-                task.add_done_callback(self._closing.discard)
-            options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
-            channel = (
-                aio.secure_channel(target, self._credentials, options=options)
-                if self._credentials is not None
-                else aio.insecure_channel(target, options=options)
-            )
-            self._channels[target] = channel
+    @classmethod
+    def for_config(cls, config: DaemonConfig) -> PeerClient:
+        tls = (
+            TlsIdentity(config.tls_cert, config.tls_key, config.peer_ca or config.tls_client_ca)
+            if config.tls_cert
+            else None
+        )
+        return cls(config.connect_timeout_s, peer_credentials(config), config.peer_policy, tls)
+
+    async def _stub(self, target: str) -> peer_pb2_grpc.PeerAsyncStub:
+        if target not in self._channels:
+            try:
+                dial = await self._checked(target)
+            except PermissionDenied:
+                # The caller learns nothing; the operator learns what was refused.
+                log.warning("peer_not_allowed", target=target[:256])
+                raise
+            if target not in self._channels:  # another call may have dialled meanwhile
+                self._open(target, dial)
+        channel = self._channels.pop(target)
+        self._channels[target] = channel  # most recently used last
         return peer_pb2_grpc.PeerStub(channel)
+
+    def _open(self, target: str, dial: Dial) -> None:
+        if len(self._channels) >= MAX_CHANNELS:
+            # Targets come from requests: keep a bounded set of channels.
+            oldest = next(iter(self._channels))
+            stale = self._channels.pop(oldest)
+            task = asyncio.get_running_loop().create_task(stale.close(grace=None))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        options: list[tuple[str, Any]] = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+        if self._credentials is None:
+            self._channels[target] = aio.insecure_channel(dial.address, options=options)
+            return
+        # The address is the checked one; the certificate must still name the host.
+        options.append(("grpc.ssl_target_name_override", dial.tls_name))
+        self._channels[target] = aio.secure_channel(
+            dial.address, self._credentials, options=options
+        )
+
+    async def _checked(self, target: str) -> Dial:
+        """Resolve and check ``target``; PermissionDenied (one message) unless allowed."""
+        denied = PermissionDenied(OUTBOUND_DENIED)
+        try:
+            host, port = parse_host_port(target, "remote_target")
+        except ValueError:
+            raise denied from None
+        address = _ip(host)
+        if address is None:
+            address = await self._resolved(host, port, denied)
+        elif not self._policy.allows_addresses([address]):
+            raise denied
+        dial = Dial(_host_port(address, port), host)
+        if self._tls_identity is not None:
+            await self._check_server_identity(target, dial, denied)
+        return dial
+
+    async def _resolved(self, host: str, port: int, denied: PermissionDenied) -> IPAddress:
+        by_name = self._policy.allows_name(host)
+        # A name that no rule could allow is never looked up: no DNS oracle.
+        if not is_host_name(host) or not (by_name or self._policy.allow_networks):
+            raise denied
+        try:
+            infos = await asyncio.wait_for(
+                asyncio.get_running_loop().getaddrinfo(
+                    host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
+                ),
+                self._timeout,
+            )
+        except (OSError, TimeoutError):
+            if by_name:
+                raise Unavailable(f"remote daemon {host}: cannot resolve its name") from None
+            raise denied from None
+        addresses = [a for a in (_ip(str(info[4][0])) for info in infos) if a is not None]
+        if not addresses or not (by_name or self._policy.allows_addresses(addresses)):
+            raise denied
+        return addresses[0]
+
+    async def _check_server_identity(
+        self, target: str, dial: Dial, denied: PermissionDenied
+    ) -> None:
+        assert self._tls_identity is not None
+        try:
+            sans = await asyncio.wait_for(_server_sans(self._tls_identity, dial), self._timeout)
+        except (OSError, ssl.SSLError, TimeoutError) as err:
+            raise Unavailable(f"remote daemon {target}: TLS handshake failed: {err}") from None
+        if not self._policy.accepts_identities(sans):
+            raise denied
 
     async def handshake(self, target: str, worker: WorkerKey) -> PeerHandshake:
         req = peer_pb2.GetAgentMetadataRequest(worker=convert.worker_id_to_proto(worker))
         try:
-            resp = await self._stub(target).GetAgentMetadata(
+            resp = await (await self._stub(target)).GetAgentMetadata(
                 req, timeout=self._timeout, wait_for_ready=False
             )
         except aio.AioRpcError as err:
@@ -111,17 +236,20 @@ class PeerClient:
 
     async def begin(self, target: str, req: peer_pb2.BeginTransferRequest) -> str:
         try:
-            resp = await self._stub(target).BeginTransfer(req, timeout=self._timeout)
+            resp = await (await self._stub(target)).BeginTransfer(req, timeout=self._timeout)
         except aio.AioRpcError as err:
-            if error_code(err.code()) is ErrorCode.FAILED_PRECONDITION:
+            # Only what a new handshake cures is retried as stale; anything
+            # else (an expired capability, say) reaches the caller as it is.
+            if reason_of(err.trailing_metadata()) == HANDSHAKE_AGAIN:
                 raise StaleGeneration(str(req.worker), req.generation, 0) from None
             raise _peer_error(target, err) from None
         return resp.transfer_token
 
     async def end(self, target: str, token: str, completed: bool) -> None:
-        # Best effort: the owner's lease releases the pin anyway.
-        with contextlib.suppress(aio.AioRpcError):
-            await self._stub(target).EndTransfer(
+        # Best effort: the owner's lease releases the pin anyway (and a target
+        # that is no longer allowed is not dialled again to say so).
+        with contextlib.suppress(aio.AioRpcError, KvmapError):
+            await (await self._stub(target)).EndTransfer(
                 peer_pb2.EndTransferRequest(transfer_token=token, completed=completed),
                 timeout=self._timeout,
             )
@@ -142,3 +270,36 @@ def peer_credentials(config: DaemonConfig) -> grpc.ChannelCredentials | None:
         private_key=read_pem(config.tls_key),
         certificate_chain=read_pem(config.tls_cert),
     )
+
+
+def _ip(host: str) -> IPAddress | None:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
+
+
+def _host_port(address: IPAddress, port: int) -> str:
+    host = f"[{address}]" if address.version == 6 else str(address)
+    return f"{host}:{port}"
+
+
+async def _server_sans(tls: TlsIdentity, dial: Dial) -> list[str]:
+    """The DNS and URI SANs of the certificate the server at ``dial`` presents
+    (verified against the peers' CA; gRPC verifies the host name itself)."""
+    context = ssl.create_default_context(cafile=tls.ca or None)
+    context.check_hostname = False
+    context.load_cert_chain(tls.cert, tls.key)
+    context.set_alpn_protocols(["h2"])
+    host, _, port = dial.address.rpartition(":")
+    sni = None if _ip(dial.tls_name) is not None else dial.tls_name
+    _, writer = await asyncio.open_connection(
+        host.strip("[]"), int(port), ssl=context, server_hostname=sni or ""
+    )
+    try:
+        cert = writer.get_extra_info("peercert") or {}
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError, ssl.SSLError):
+            await writer.wait_closed()
+    return [str(v) for kind, v in cert.get("subjectAltName", ()) if kind in ("DNS", "URI")]

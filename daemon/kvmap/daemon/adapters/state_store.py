@@ -7,18 +7,39 @@ notifications for workers (transfer-finished events not yet delivered).
 Every write is one transaction, in WAL mode with synchronous=FULL: a
 ``kill -9`` loses nothing that was acknowledged. Without a state dir the
 store is an in-memory database, so the daemon has one code path.
+
+Faults are mapped here, and only here, into the error tree: a full disk (or
+the process's file-size limit) is ``StoreFull`` (RESOURCE_EXHAUSTED), a
+read-only, unwritable, locked or failing store is ``StoreUnavailable``
+(UNAVAILABLE), each with one line naming the database. A failed write is
+rolled back, so the store holds what it held before. On open, a store that
+is not a database or fails its integrity check is moved aside (kept for
+inspection as ``<name>.corrupt-<UTC time>``, with its WAL) and a new one is
+made: workers re-register through their sessions, so nothing is lost.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import resource
 import sqlite3
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Concatenate, ParamSpec, TypeVar
 
+import numpy as np
+import structlog
+
+from kvmap.daemon.core.errors import KvmapError, ResourceExhausted, Unavailable
 from kvmap.daemon.core.geometry import WorkerKey
-from kvmap.v1 import registry_pb2
+from kvmap.daemon.core.grants import Grant
+from kvmap.v1 import registry_pb2, types_pb2
+
+log = structlog.get_logger("kvmapd.state_store")
 
 SCHEMA_VERSION = 1
 DB_NAME = "kvmapd.sqlite3"
@@ -40,6 +61,18 @@ CREATE TABLE IF NOT EXISTS pending_events (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     worker TEXT NOT NULL,
     event BLOB NOT NULL
+);-- Per-request capabilities (engine.grants), by the SHA-256 digest of the
+-- capability, never the capability itself; groups is a GrantTransferRequest
+-- holding only its groups (BlockGrant messages).
+CREATE TABLE IF NOT EXISTS grants (
+    digest BLOB PRIMARY KEY,
+    worker TEXT NOT NULL,
+    generation INTEGER NOT NULL,
+    request_id TEXT NOT NULL,
+    groups BLOB NOT NULL,
+    expires_unix_ms INTEGER NOT NULL,
+    max_uses INTEGER NOT NULL,
+    uses INTEGER NOT NULL
 );
 """
 
@@ -51,6 +84,156 @@ def _key(worker: WorkerKey) -> str:
 def _worker(key: str) -> WorkerKey:
     engine_id, dp, tp, pp = json.loads(key)
     return WorkerKey(str(engine_id), int(dp), int(tp), int(pp))
+
+
+# Faults -------------------------------------------------------------------
+
+# SQLite's primary result codes (the low byte of an extended code).
+_SQLITE_PERM = 3
+_SQLITE_BUSY = 5
+_SQLITE_LOCKED = 6
+_SQLITE_READONLY = 8
+_SQLITE_IOERR = 10
+_SQLITE_CORRUPT = 11
+_SQLITE_FULL = 13
+_SQLITE_CANTOPEN = 14
+_SQLITE_NOTADB = 26
+# The most one write appends to a file of the store: a WAL frame of the
+# largest page (64 KiB) with its 24-byte header.
+_MAX_WRITE = 65536 + 24
+# The database and the files SQLite keeps beside it (same name + suffix).
+_SUFFIXES = ("", "-wal", "-shm")
+
+
+class StateStoreError(KvmapError):
+    """The state store failed; the subclasses say how (and so the status)."""
+
+
+class StoreFull(StateStoreError, ResourceExhausted):
+    """No room for a write: the disk, or the process's file-size limit."""
+
+
+class StoreUnavailable(StateStoreError, Unavailable):
+    """The store cannot be opened or written: read-only, locked, failing."""
+
+
+class StoreCorrupt(StoreUnavailable):
+    """The database is damaged (on open it is moved aside)."""
+
+
+# What each primary code says about the store (I/O errors need a closer look).
+_MEANINGS: dict[int, tuple[type[StateStoreError], str]] = {
+    _SQLITE_FULL: (StoreFull, "is full"),
+    _SQLITE_CORRUPT: (StoreCorrupt, "is corrupt"),
+    _SQLITE_NOTADB: (StoreCorrupt, "is corrupt"),
+    _SQLITE_READONLY: (StoreUnavailable, "is read-only"),
+    _SQLITE_PERM: (StoreUnavailable, "is read-only"),
+    _SQLITE_CANTOPEN: (StoreUnavailable, "cannot be opened"),
+    _SQLITE_BUSY: (StoreUnavailable, "is locked by another process"),
+    _SQLITE_LOCKED: (StoreUnavailable, "is locked by another process"),
+}
+
+
+def store_error(path: str, err: sqlite3.DatabaseError) -> StateStoreError | None:
+    """What a SQLite error means, in one line naming the database; None for
+    anything else (a constraint or bad SQL is a bug, not a fault)."""
+    primary = getattr(err, "sqlite_errorcode", 0) & 0xFF
+    if primary == _SQLITE_IOERR:
+        return _io_error(path, err)
+    meaning = _MEANINGS.get(primary)
+    if meaning is None:
+        return None
+    error, what = meaning
+    return error(f"state store {path} {what}: {err}")
+
+
+def _io_error(path: str, err: sqlite3.DatabaseError) -> StateStoreError:
+    """SQLite reports a failed write as SQLITE_FULL only for ENOSPC; any other
+    errno (EFBIG past the file-size limit, EROFS, EPERM on an immutable file)
+    is a bare I/O error, so the cause is read off the store's files."""
+    where = f"state store {path}"
+    full = _why_full(path)
+    if full:
+        return StoreFull(f"{where} is full: {full}")
+    read_only = _why_read_only(path)
+    if read_only:
+        return StoreUnavailable(f"{where} is read-only: {read_only}")
+    return StoreUnavailable(f"{where} failed: {err} ({getattr(err, 'sqlite_errorname', '')})")
+
+
+def _store_files(path: str) -> list[str]:
+    return [path + s for s in _SUFFIXES if os.path.exists(path + s)]
+
+
+def _why_full(path: str) -> str:
+    if path == ":memory:":
+        return ""
+    directory = os.path.dirname(path)
+    try:
+        fs = os.statvfs(directory)
+    except OSError:
+        return ""
+    # Blocks reserved for root are usable by root.
+    free = fs.f_bfree if os.geteuid() == 0 else fs.f_bavail
+    if free * fs.f_frsize < _MAX_WRITE:
+        return f"no space left on the file system of {directory}"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        for name in _store_files(path):
+            if os.path.getsize(name) + _MAX_WRITE > limit:
+                return f"{name} reached the file-size limit (RLIMIT_FSIZE {limit} bytes)"
+    return ""
+
+
+def _why_read_only(path: str) -> str:
+    if path == ":memory:":
+        return ""
+    directory = os.path.dirname(path)
+    try:
+        if os.statvfs(directory).f_flag & os.ST_RDONLY:
+            return f"the file system of {directory} is mounted read-only"
+    except OSError:
+        return ""
+    for name in _store_files(path):
+        if not os.access(name, os.W_OK):
+            return f"{name} is not writable"
+    return ""
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _mapped(
+    method: Callable[Concatenate[StateStore, _P], _R],
+) -> Callable[Concatenate[StateStore, _P], _R]:
+    """A store method whose SQLite faults come out as StateStoreErrors."""
+
+    @functools.wraps(method)
+    def run(self: StateStore, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return method(self, *args, **kwargs)
+        except sqlite3.DatabaseError as err:
+            mapped = store_error(self.path, err)
+            if mapped is None:
+                raise
+            raise mapped from err
+
+    return run
+
+
+def _prepare_dir(state_dir: str) -> None:
+    """Make the state directory, or say in one line why it cannot be used."""
+    try:
+        Path(state_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
+    except FileExistsError as err:
+        raise StoreUnavailable(f"state directory {state_dir} is not a directory") from err
+    except OSError as err:
+        raise StoreUnavailable(
+            f"state directory {state_dir} cannot be created: {err.strerror or err}"
+        ) from err
+    if not os.access(state_dir, os.W_OK | os.X_OK):
+        raise StoreUnavailable(f"state directory {state_dir} is not writable")
 
 
 @dataclass(frozen=True)
@@ -95,21 +278,71 @@ class StoredWorker:
 class StateStore:
     def __init__(self, state_dir: str) -> None:
         if state_dir:
-            Path(state_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
+            _prepare_dir(state_dir)
             self.path = os.path.join(state_dir, DB_NAME)
         else:
             self.path = ":memory:"
-        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(_SCHEMA)
-        row = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
-        if row is None:
-            self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-        elif int(row[0]) > SCHEMA_VERSION:
-            raise RuntimeError(
-                f"{self.path}: schema {row[0]} is newer than this kvmapd ({SCHEMA_VERSION})"
+        try:
+            self._db = self._open()
+        except StoreCorrupt as err:
+            if not self.persistent:
+                raise
+            aside = self._move_aside()
+            log.error(
+                "state_store_corrupt",
+                path=self.path,
+                moved_to=aside,
+                error=str(err),
+                action="moved aside; starting with an empty store (workers re-register)",
             )
+            self._db = self._open()
+
+    @_mapped
+    def _open(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        try:
+            self._prepare(db)
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def _prepare(self, db: sqlite3.Connection) -> None:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        # Damage in pages no start-up query reads would otherwise surface in
+        # the middle of some later RPC.
+        problems = [str(row[0]) for row in db.execute("PRAGMA quick_check").fetchall()]
+        if problems != ["ok"]:
+            raise StoreCorrupt(f"state store {self.path} is corrupt: {problems[0][:200]}")
+        db.executescript(_SCHEMA)
+        row = db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+        if row is None:
+            db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+        elif int(row[0]) > SCHEMA_VERSION:
+            raise StoreUnavailable(
+                f"state store {self.path}: schema {row[0]} is newer than this kvmapd "
+                f"({SCHEMA_VERSION})"
+            )
+        # A write at every start: a store that cannot take one fails the
+        # start, with its reason, rather than the first RPC that writes.
+        db.execute(
+            "INSERT OR REPLACE INTO meta VALUES ('opened', ?)", (datetime.now(UTC).isoformat(),)
+        )
+
+    def _move_aside(self) -> str:
+        """Keep a damaged database (and its WAL) for inspection, out of the way."""
+        aside = f"{self.path}.corrupt-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S.%fZ')}"
+        try:
+            for suffix in _SUFFIXES:
+                if os.path.lexists(self.path + suffix):
+                    os.replace(self.path + suffix, aside + suffix)
+        except OSError as err:
+            raise StoreUnavailable(
+                f"state store {self.path} is corrupt and cannot be moved aside: "
+                f"{err.strerror or err}"
+            ) from err
+        return aside
 
     @property
     def persistent(self) -> bool:
@@ -120,10 +353,12 @@ class StateStore:
 
     # Generations ----------------------------------------------------------
 
+    @_mapped
     def generations(self) -> dict[WorkerKey, int]:
         rows = self._db.execute("SELECT worker, generation FROM generations").fetchall()
         return {_worker(k): int(g) for k, g in rows}
 
+    @_mapped
     def save_generation(self, worker: WorkerKey, generation: int) -> None:
         self._db.execute(
             "INSERT INTO generations VALUES (?, ?) ON CONFLICT(worker) DO UPDATE "
@@ -133,6 +368,7 @@ class StateStore:
 
     # Workers --------------------------------------------------------------
 
+    @_mapped
     def save_worker(
         self,
         req: registry_pb2.RegisterWorkerRequest,
@@ -150,6 +386,7 @@ class StateStore:
             )
             self.save_generation(worker, generation)
 
+    @_mapped
     def update_plan(self, worker: WorkerKey, planner: str, generation: int) -> None:
         with self._db:
             self._db.execute("BEGIN")
@@ -159,12 +396,14 @@ class StateStore:
             )
             self.save_generation(worker, generation)
 
+    @_mapped
     def delete_worker(self, worker: WorkerKey) -> None:
         with self._db:
             self._db.execute("BEGIN")
             self._db.execute("DELETE FROM workers WHERE worker = ?", (_key(worker),))
             self._db.execute("DELETE FROM pending_events WHERE worker = ?", (_key(worker),))
 
+    @_mapped
     def workers(self) -> list[StoredWorker]:
         out = []
         for key, blob, doc, planner, generation in self._db.execute(
@@ -177,6 +416,7 @@ class StateStore:
 
     # Pending events ---------------------------------------------------------
 
+    @_mapped
     def add_event(self, worker: WorkerKey, event: registry_pb2.AttachResponse) -> int:
         cur = self._db.execute(
             "INSERT INTO pending_events (worker, event) VALUES (?, ?)",
@@ -184,6 +424,7 @@ class StateStore:
         )
         return int(cur.lastrowid or 0)
 
+    @_mapped
     def pending_events(self, worker: WorkerKey) -> list[tuple[int, registry_pb2.AttachResponse]]:
         rows = self._db.execute(
             "SELECT id, event FROM pending_events WHERE worker = ? ORDER BY id", (_key(worker),)
@@ -191,4 +432,77 @@ class StateStore:
         return [(int(i), registry_pb2.AttachResponse.FromString(b)) for i, b in rows]
 
     def ack_event(self, event_id: int) -> None:
+        """Forget a delivered event. Delivery is at least once, so an ack the
+        store cannot take only means the event is sent again after a restart:
+        logged, not raised (an Attach stream must not end over it)."""
+        try:
+            self._delete_event(event_id)
+        except StateStoreError as err:
+            log.warning("event_ack_not_stored", event_id=event_id, error=str(err))
+
+    @_mapped
+    def _delete_event(self, event_id: int) -> None:
         self._db.execute("DELETE FROM pending_events WHERE id = ?", (event_id,))
+
+    # Grants -------------------------------------------------------------------
+
+    @_mapped
+    def save_grant(self, grant: Grant) -> None:
+        groups = registry_pb2.GrantTransferRequest(
+            groups=[
+                types_pb2.BlockGrant(transfer_group=g, block_ids=ids.tolist())
+                for g, ids in grant.blocks.items()
+            ]
+        )
+        self._db.execute(
+            "INSERT OR REPLACE INTO grants VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                grant.digest,
+                _key(grant.worker),
+                grant.generation,
+                grant.request_id,
+                groups.SerializeToString(),
+                grant.expires_unix_ms,
+                grant.max_uses,
+                grant.uses,
+            ),
+        )
+
+    @_mapped
+    def update_grant(self, grant: Grant) -> None:
+        """What changes over a grant's life: its uses and its generation."""
+        self._db.execute(
+            "UPDATE grants SET generation = ?, uses = ? WHERE digest = ?",
+            (grant.generation, grant.uses, grant.digest),
+        )
+
+    @_mapped
+    def delete_grants(self, digests: Sequence[bytes]) -> None:
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.executemany("DELETE FROM grants WHERE digest = ?", [(d,) for d in digests])
+
+    @_mapped
+    def grants(self) -> list[Grant]:
+        out = []
+        for digest, key, generation, request_id, blob, expires, max_uses, uses in self._db.execute(
+            "SELECT digest, worker, generation, request_id, groups, expires_unix_ms, max_uses, "
+            "uses FROM grants"
+        ):
+            groups = registry_pb2.GrantTransferRequest.FromString(blob).groups
+            out.append(
+                Grant(
+                    digest=bytes(digest),
+                    worker=_worker(key),
+                    generation=int(generation),
+                    request_id=str(request_id),
+                    blocks={
+                        g.transfer_group: np.sort(np.asarray(g.block_ids, dtype=np.int64))
+                        for g in groups
+                    },
+                    expires_unix_ms=int(expires),
+                    max_uses=int(max_uses),
+                    uses=int(uses),
+                )
+            )
+        return out

@@ -15,6 +15,7 @@ import structlog
 from google.protobuf.message import DecodeError
 from grpc import aio
 
+from kvmap.daemon.adapters.grpc_codes import reason_metadata
 from kvmap.daemon.adapters.metrics import Metrics
 from kvmap.daemon.api.status import grpc_status
 from kvmap.daemon.core.errors import InvalidArgument, KvmapError
@@ -50,7 +51,8 @@ class ErrorsAndContext(_Interceptor):
         else:
             log.exception("rpc_crashed", code=code.name)
         self._metrics.rpcs.labels(method, code.name).inc()
-        await context.abort(code, message)
+        reason = err.reason if isinstance(err, KvmapError) else ""
+        await context.abort(code, message, trailing_metadata=reason_metadata(reason))
 
     @contextlib.asynccontextmanager
     async def _scope(

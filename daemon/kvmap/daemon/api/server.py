@@ -10,6 +10,7 @@ import os
 import signal
 import uuid
 from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
@@ -20,6 +21,8 @@ from grpc_reflection.v1alpha import reflection
 
 from kvmap.daemon.adapters.config_files import read_pem
 from kvmap.daemon.adapters.metrics import Metrics
+from kvmap.daemon.adapters.socket_lock import SocketLock
+from kvmap.daemon.api.authorization import PeerAuthorization
 from kvmap.daemon.api.rpc import ErrorsAndContext
 from kvmap.daemon.api.services import (
     add_tcp_services,
@@ -40,6 +43,12 @@ READINESS_SERVICE = "kvmap.v1.Peer"
 class Daemon:
     def __init__(self, config: DaemonConfig, metrics: Metrics | None = None) -> None:
         self.config = config
+        # First: the state store and the stale-socket clean-up are this
+        # socket's owner's; a second daemon is refused before it touches
+        # either (SocketInUse names the path and the PID holding it).
+        Path(config.socket_path).parent.mkdir(parents=True, exist_ok=True, mode=0o770)
+        self._lock = SocketLock(config.socket_path)
+        self._lock.acquire()
         self.instance = uuid.uuid4().hex[:12]
         self.metrics = metrics or Metrics()
         self.app = DaemonApp(config, self.metrics, self.instance)
@@ -48,9 +57,10 @@ class Daemon:
         self._tcp: aio.Server | None = None
         self.tcp_port = 0
 
-    def _new_server(self, listener: str) -> aio.Server:
+    def _new_server(self, listener: str, *inner: aio.ServerInterceptor[Any, Any]) -> aio.Server:
         return aio.server(
-            interceptors=[ErrorsAndContext(self.metrics, listener)],
+            # The first is outermost: statuses, logs and metrics cover the rest.
+            interceptors=[ErrorsAndContext(self.metrics, listener), *inner],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -61,7 +71,6 @@ class Daemon:
     async def start(self) -> None:
         cfg = self.config
         sock = Path(cfg.socket_path)
-        sock.parent.mkdir(parents=True, exist_ok=True, mode=0o770)
         for stale in (sock, Path(cfg.fd_socket_path)):
             # A socket file left by a killed daemon would make bind fail.
             with contextlib.suppress(FileNotFoundError):
@@ -74,7 +83,10 @@ class Daemon:
         reflection.enable_server_reflection(unix_service_names(), self._unix)
         self._unix.add_insecure_port(f"unix:{sock}")
 
-        self._tcp = self._new_server("tcp")
+        # Only authorized peers reach Peer and RegionMaps on TCP (docs/security.md).
+        self._tcp = self._new_server(
+            "tcp", PeerAuthorization(cfg.peer_policy, mutual_tls=cfg.mutual_tls)
+        )
         add_tcp_services(self._tcp, self.app)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._tcp)
         reflection.enable_server_reflection(tcp_service_names(), self._tcp)
@@ -122,6 +134,7 @@ class Daemon:
         for path in (self.config.socket_path, self.config.fd_socket_path):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+        self._lock.release()
         log.info("kvmapd_stopped", instance=self.instance)
 
 

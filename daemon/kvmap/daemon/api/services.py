@@ -13,10 +13,9 @@ from grpc_reflection.v1alpha import reflection
 
 from kvmap.daemon.core import convert
 from kvmap.daemon.core import planner as planners
-from kvmap.daemon.core.errors import FailedPrecondition, InvalidArgument, Unavailable
+from kvmap.daemon.core.errors import Unavailable
 from kvmap.daemon.core.geometry import WorkerKey
 from kvmap.daemon.engine.app import DaemonApp
-from kvmap.daemon.engine.leases import DEFAULT_LEASE_S
 from kvmap.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -56,7 +55,9 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
     async def DeregisterWorker(
         self, request: registry_pb2.DeregisterWorkerRequest, context: Ctx
     ) -> registry_pb2.DeregisterWorkerResponse:
-        record = await self.app.registrar.deregister(worker_key(request.worker))
+        key = worker_key(request.worker)
+        record = await self.app.registrar.deregister(key)
+        self.app.grants.drop_worker(key)
         self.app.update_gauges()
         return registry_pb2.DeregisterWorkerResponse(generation=record.generation)
 
@@ -93,6 +94,28 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
             remaining = self.app.table.unsubscribe(key, queue)
             if remaining == 0 and not self.app.draining and self.app.table.find(key) is not None:
                 await self.app.worker_gone(key)
+
+    async def GrantTransfer(
+        self, request: registry_pb2.GrantTransferRequest, context: Ctx
+    ) -> registry_pb2.GrantTransferResponse:
+        capability, grant = self.app.grant_transfer(
+            worker_key(request.worker),
+            request_id=request.request_id,
+            groups=[(g.transfer_group, g.block_ids) for g in request.groups],
+            ttl_ms=request.ttl_ms,
+            max_uses=request.max_uses,
+        )
+        return registry_pb2.GrantTransferResponse(
+            capability=capability,
+            generation=grant.generation,
+            expires_unix_ms=grant.expires_unix_ms,
+        )
+
+    async def RevokeTransfer(
+        self, request: registry_pb2.RevokeTransferRequest, context: Ctx
+    ) -> registry_pb2.RevokeTransferResponse:
+        self.app.revoke_transfer(worker_key(request.worker), request.request_id)
+        return registry_pb2.RevokeTransferResponse()
 
 
 class RegionMapsService(region_maps_pb2_grpc.RegionMapsServicer):
@@ -209,35 +232,13 @@ class PeerService(peer_pb2_grpc.PeerServicer):
     async def BeginTransfer(
         self, request: peer_pb2.BeginTransferRequest, context: Ctx
     ) -> peer_pb2.BeginTransferResponse:
-        if request.blocks < 0 or request.bytes < 0:
-            # Arguments first: they are wrong whatever the daemon's state.
-            raise InvalidArgument(
-                "blocks" if request.blocks < 0 else "bytes", "must not be negative"
-            )
-        if self.app.draining:
-            raise Unavailable("kvmapd is shutting down")
-        if request.agent_name and request.agent_name != self.app.agent_name:
-            raise FailedPrecondition(
-                f"transfer planned against agent {request.agent_name}; this daemon runs "
-                f"{self.app.agent_name} (it restarted): handshake again"
-            )
-        record = self.app.worker_for_peer(worker_key(request.worker))
-        lease = self.app.leases.begin(
-            record,
-            generation=request.generation,
-            request_id=request.request_id,
-            peer_agent=request.peer_agent,
-            write=request.write,
-            blocks=request.blocks,
-            nbytes=request.bytes,
-            lease_s=(request.lease_ms / 1000) if request.lease_ms else DEFAULT_LEASE_S,
-        )
+        lease = self.app.begin_transfer(request)
         return peer_pb2.BeginTransferResponse(transfer_token=lease.token)
 
     async def EndTransfer(
         self, request: peer_pb2.EndTransferRequest, context: Ctx
     ) -> peer_pb2.EndTransferResponse:
-        self.app.leases.finish(request.transfer_token)
+        self.app.end_lease(request.transfer_token)
         return peer_pb2.EndTransferResponse()
 
 

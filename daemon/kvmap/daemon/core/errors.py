@@ -4,6 +4,7 @@
     ├── InvalidArgument      INVALID_ARGUMENT   (names the offending field)
     ├── NotFound             NOT_FOUND
     ├── AlreadyExists        ALREADY_EXISTS
+    ├── PermissionDenied     PERMISSION_DENIED  (the caller may not do this; says no more)
     ├── FailedPrecondition   FAILED_PRECONDITION
     │   └── StaleGeneration  (a peer's region map changed under a transfer)
     ├── ResourceExhausted    RESOURCE_EXHAUSTED (a stated limit was hit)
@@ -14,7 +15,7 @@
         └── TransferError    (NIXL reported a failed transfer or call)
 
 The codes are named like gRPC's status codes but are ours, so the core imports
-no grpc; PERMISSION_DENIED has no class yet (reserved for caller checks).
+no grpc.
 ``status_of`` says what any exception reports to a caller (code and bounded
 message); ``kvmap.daemon.api.status.grpc_status`` is the one place that turns
 that into a status on the wire, through the table in
@@ -48,6 +49,10 @@ class KvmapError(Exception):
     """Base of every error the daemon reports to a caller."""
 
     code: ErrorCode = ErrorCode.UNKNOWN
+    # A machine-readable reason beside the code, for the few errors a caller
+    # must tell apart from others with the same code (sent as trailing
+    # metadata ``kvmap-reason``, like google.rpc.ErrorInfo.reason).
+    reason: str = ""
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -76,11 +81,28 @@ class AlreadyExists(KvmapError):
     code = ErrorCode.ALREADY_EXISTS
 
 
+class PermissionDenied(KvmapError):
+    """The caller is not allowed to do this. The message is deliberately generic:
+    it must not tell a stranger which of the checks it failed."""
+
+    code = ErrorCode.PERMISSION_DENIED
+
+
 class FailedPrecondition(KvmapError):
     code = ErrorCode.FAILED_PRECONDITION
 
 
-class StaleGeneration(FailedPrecondition):
+# The reason of every error that a fresh handshake cures.
+HANDSHAKE_AGAIN = "HANDSHAKE_AGAIN"
+
+
+class HandshakeAgain(FailedPrecondition):
+    """The peer's daemon or worker changed since the caller's handshake."""
+
+    reason = HANDSHAKE_AGAIN
+
+
+class StaleGeneration(HandshakeAgain):
     """A transfer was planned against a generation that is no longer current."""
 
     def __init__(self, worker: str, expected: int, current: int) -> None:

@@ -37,6 +37,10 @@ from kvmap.daemon.core.transfer_pieces import Int64Array, PieceTable, Side
 # A 1M-token request at 16 tokens per block; bounds the index arrays a single
 # request can make the daemon build (x pieces x 4 bytes each).
 MAX_BLOCKS_PER_TRANSFER = 1 << 16
+# Groups in one request: a few per worker (MLA, indexer), or one per layer
+# selection. Each is planned (and its pieces prepared and cached), so even a
+# request of few blocks may not name groups without bound.
+MAX_GROUPS_PER_TRANSFER = 1024
 
 Int32Array = npt.NDArray[np.int32]
 
@@ -111,6 +115,30 @@ def _first_repeat(ids: Int64Array) -> tuple[int, int] | None:
     return int(order[t]), int(order[t - 1])
 
 
+def check_group_count(count: int) -> None:
+    if count > MAX_GROUPS_PER_TRANSFER:
+        raise InvalidArgument(
+            "groups", f"{count} transfer groups exceed the limit of {MAX_GROUPS_PER_TRANSFER}"
+        )
+
+
+def check_sizes(groups: Sequence[GroupPairs]) -> None:
+    """The limits that need no region map, checked before anything is
+    planned, prepared or cached for a request."""
+    check_group_count(len(groups))
+    total = sum(len(g.local_block_ids) for g in groups)
+    if total > MAX_BLOCKS_PER_TRANSFER:
+        raise InvalidArgument(
+            "groups", f"{total} block pairs exceed the limit of {MAX_BLOCKS_PER_TRANSFER}"
+        )
+    for i, g in enumerate(groups):
+        if len(g.remote_block_ids) != len(g.local_block_ids):
+            raise InvalidArgument(
+                f"groups[{i}].remote_block_ids",
+                f"{len(g.remote_block_ids)} ids for {len(g.local_block_ids)} local ids",
+            )
+
+
 def _validate(
     table: PieceTable, groups: Sequence[GroupPairs], destination: Side
 ) -> list[tuple[Int64Array, Int64Array]]:
@@ -120,11 +148,7 @@ def _validate(
         # The caller builds the table from the same request groups; a mismatch
         # is a bug in the daemon, not bad input.
         raise ValueError("groups do not match the piece table's selections")
-    total = sum(len(g.local_block_ids) for g in groups)
-    if total > MAX_BLOCKS_PER_TRANSFER:
-        raise InvalidArgument(
-            "groups", f"{total} block pairs exceed the limit of {MAX_BLOCKS_PER_TRANSFER}"
-        )
+    check_sizes(groups)
     out: list[tuple[Int64Array, Int64Array]] = []
     for i, g in enumerate(groups):
         local, remote = _ids(g.local_block_ids), _ids(g.remote_block_ids)

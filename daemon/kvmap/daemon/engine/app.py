@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,19 +25,27 @@ from kvmap.daemon.adapters.metrics import Metrics
 from kvmap.daemon.adapters.nixl_agent import NixlAgent
 from kvmap.daemon.adapters.nixl_port import AgentFactory, NixlPort
 from kvmap.daemon.adapters.nixl_thread import NixlThread
-from kvmap.daemon.adapters.peer_client import PeerClient, peer_credentials
-from kvmap.daemon.adapters.state_store import StateStore
+from kvmap.daemon.adapters.peer_client import PeerClient
+from kvmap.daemon.adapters.state_store import StateStore, StateStoreError
 from kvmap.daemon.core import convert
 from kvmap.daemon.core import planner as planners
 from kvmap.daemon.core.config import DaemonConfig
-from kvmap.daemon.core.errors import NotFound, Unavailable
+from kvmap.daemon.core.errors import (
+    FailedPrecondition,
+    HandshakeAgain,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
 from kvmap.daemon.core.geometry import WorkerKey
-from kvmap.daemon.engine.leases import LeaseTable, token_of
+from kvmap.daemon.core.grants import Grant
+from kvmap.daemon.engine.grants import GrantTable
+from kvmap.daemon.engine.leases import DEFAULT_LEASE_S, Lease, LeaseTable, token_of
 from kvmap.daemon.engine.progress import Progress
 from kvmap.daemon.engine.registration import Registrar
 from kvmap.daemon.engine.transfers import Peers, TransferEngine
 from kvmap.daemon.engine.workers import WorkerRecord, WorkerTable
-from kvmap.v1 import admin_pb2, registry_pb2
+from kvmap.v1 import admin_pb2, peer_pb2, registry_pb2
 
 log = structlog.get_logger("kvmapd")
 
@@ -58,7 +66,7 @@ class Adapters:
         """The real ones: NIXL, gRPC to peers (mTLS when configured)."""
         return cls(
             create_agent=NixlAgent.create,
-            peers=PeerClient(config.connect_timeout_s, peer_credentials(config)),
+            peers=PeerClient.for_config(config),
             shm=ShmImporter(),
             cuda=CudaIpcImporter(),
         )
@@ -88,9 +96,13 @@ class DaemonApp:
         self._progress: Progress | None = None
         self.leases = LeaseTable()
         self.store = StateStore(config.state_dir)
+        # Per-request capabilities, persisted: a restart keeps them.
+        self.grants = GrantTable(self.store)
         # Workers known before a restart whose memory only their client can
         # hand over again, until when they are expected back.
         self._awaiting: dict[WorkerKey, float] = {}
+        # Registered workers not attached yet, each with a timer running.
+        self._unattached: set[WorkerKey] = set()
         for key, generation in self.store.generations().items():
             self.table.seed_generation(key, generation)
         self.counters = admin_pb2.TransferCounters()
@@ -143,6 +155,8 @@ class DaemonApp:
             retire_timeout_s=self.config.transfer_timeout_s,
             on_retire=self._engine.forget_local,
             store=self.store,
+            max_workers=self.config.max_workers,
+            max_registered_bytes=self.config.max_registered_bytes,
         )
         self._spawn(self._expire_leases())
         await self._restore()
@@ -161,6 +175,8 @@ class DaemonApp:
                     time.monotonic() + self.config.restore_attach_grace_s
                 )
                 continue
+            # Same memory, new plan: the worker's grants still mean its blocks.
+            self.grants.rebind(record.key, record.generation)
             log.info(
                 "worker_restored",
                 worker=str(record.key),
@@ -172,13 +188,22 @@ class DaemonApp:
             self._spawn(self._expect_attach(record.key, record.generation))
         self.update_gauges()
 
-    async def _expect_attach(self, key: WorkerKey, generation: int) -> None:
-        """A restored worker whose client never comes back is gone."""
-        await asyncio.sleep(self.config.restore_attach_grace_s)
+    async def _expect_attach(
+        self, key: WorkerKey, generation: int, grace_s: float | None = None, what: str = "restored"
+    ) -> None:
+        """A restored (or newly registered) worker whose client never
+        attaches is gone."""
+        await asyncio.sleep(self.config.restore_attach_grace_s if grace_s is None else grace_s)
         record = self.table.find(key)
         if record is not None and self.table.subscriber_count(key) == 0:
-            log.warning("restored_worker_never_attached", worker=str(key), generation=generation)
+            log.warning(f"{what}_worker_never_attached", worker=str(key), generation=generation)
             await self.worker_gone(key)
+
+    async def _expect_first_attach(self, key: WorkerKey, generation: int) -> None:
+        try:
+            await self._expect_attach(key, generation, self.config.attach_grace_s, "registered")
+        finally:
+            self._unattached.discard(key)
 
     def _spawn(self, coro: Coroutine[Any, Any, object]) -> None:
         task: asyncio.Task[object] = asyncio.get_running_loop().create_task(coro)
@@ -190,10 +215,11 @@ class DaemonApp:
         for peer, messages in notifs.items():
             for message in messages:
                 token = token_of(message)
-                lease = self.leases.finish(token) if token else None
+                lease = self.leases.finish_from(token, peer) if token else None
                 if lease is None:
-                    log.info("notif_unmatched", peer=peer, message=message[:64])
+                    self._unmatched_notif(peer, message, token)
                     continue
+                self.grants.complete(lease.grant)
                 self.counters.served_done += 1
                 self.counters.served_blocks += lease.blocks
                 direction = (
@@ -208,14 +234,115 @@ class DaemonApp:
                 )
                 # Persisted until an Attach stream has sent it: a restart
                 # between the notification and the worker loses nothing.
-                event_id = self.store.add_event(lease.record.key, event)
-                self.table.publish(lease.record.key, event, event_id)
+                self.table.publish(lease.record.key, event, self._persist_event(lease, event))
+
+    def _persist_event(self, lease: Lease, event: registry_pb2.AttachResponse) -> int:
+        """The event's id in the store; 0 (sent live only) when the store
+        cannot take it: the progress loop must go on whatever the disk does."""
+        try:
+            return self.store.add_event(lease.record.key, event)
+        except StateStoreError as err:
+            log.error("event_not_stored", worker=str(lease.record.key), error=str(err))
+            return 0
+
+    def _unmatched_notif(self, peer: str, message: bytes, token: str | None) -> None:
+        holder = self.leases.holder(token) if token else None
+        if holder is not None:
+            # A live lease's token from an agent that does not hold it: a
+            # forged (or misrouted) "done"; the lease and its blocks stay.
+            log.warning("notif_from_other_agent", peer=peer, holder=holder)
+        else:
+            log.info("notif_unmatched", peer=peer, message=message[:64])
+
+    # Capabilities and leases (the owner's side of a transfer) ---------------
+
+    def grant_transfer(
+        self,
+        key: WorkerKey,
+        *,
+        request_id: str,
+        groups: Sequence[tuple[int, Sequence[int]]],
+        ttl_ms: int,
+        max_uses: int,
+    ) -> tuple[str, Grant]:
+        """Registry.GrantTransfer: a capability for one request's blocks of an
+        attached worker (its transfer_finished event must reach someone)."""
+        if self.draining:
+            raise Unavailable("kvmapd is shutting down")
+        record = self.table.get(key)
+        if self.table.subscriber_count(key) == 0:
+            raise FailedPrecondition(f"worker {key} has no Attach stream open")
+        return self.grants.grant(
+            record, request_id=request_id, groups=groups, ttl_ms=ttl_ms, max_uses=max_uses
+        )
+
+    def revoke_transfer(self, key: WorkerKey, request_id: str) -> None:
+        """Registry.RevokeTransfer: idempotent for a known worker."""
+        self.table.get(key)
+        self.grants.revoke(key, request_id)
+
+    def begin_transfer(self, req: peer_pb2.BeginTransferRequest) -> Lease:
+        """Peer.BeginTransfer: every check (arguments, capability, agent,
+        worker, generation, limits) before the lease and the grant's claim."""
+        if req.blocks < 0 or req.bytes < 0:
+            # Arguments first: they are wrong whatever the daemon's state.
+            raise InvalidArgument("blocks" if req.blocks < 0 else "bytes", "must not be negative")
+        if not req.peer_agent:
+            # The claim and the completion notification are bound to it.
+            raise InvalidArgument("peer_agent", "must not be empty")
+        if self.draining:
+            raise Unavailable("kvmapd is shutting down")
+        # No capability, no answer about workers or agents.
+        self.grants.find(req.capability)
+        if req.agent_name and req.agent_name != self.agent_name:
+            raise HandshakeAgain(
+                f"transfer planned against agent {req.agent_name}; this daemon runs "
+                f"{self.agent_name} (it restarted): handshake again"
+            )
+        record = self.worker_for_peer(convert.requested_worker(req.worker, "worker"))
+        grant = self.grants.admit(
+            req.capability,
+            record=record,
+            request_id=req.request_id,
+            groups=[(g.transfer_group, g.block_ids) for g in req.groups],
+            peer_agent=req.peer_agent,
+        )
+        lease = self.leases.begin(
+            record,
+            generation=req.generation,
+            request_id=req.request_id,
+            peer_agent=req.peer_agent,
+            write=req.write,
+            blocks=req.blocks,
+            nbytes=req.bytes,
+            lease_s=(req.lease_ms / 1000) if req.lease_ms else DEFAULT_LEASE_S,
+            grant=grant.digest,
+        )
+        self.grants.claim(grant, req.peer_agent)
+        return lease
+
+    def end_lease(self, token: str) -> Lease | None:
+        """A peer gave up on a transfer (EndTransfer): the pin goes, and the
+        capability may be tried again."""
+        lease = self.leases.finish(token)
+        if lease is not None:
+            self.grants.release(lease.grant)
+        return lease
+
+    def expire_leases(self, now: float | None = None) -> list[Lease]:
+        """End leases that ran out (their capabilities may be tried again)
+        and forget long-expired grants."""
+        gone = self.leases.expire(now)
+        for lease in gone:
+            self.grants.release(lease.grant)
+            log.warning("lease_expired", request_id=lease.request_id, peer=lease.peer_agent)
+        self.grants.sweep()
+        return gone
 
     async def _expire_leases(self) -> None:
         while True:
             await asyncio.sleep(0.5)
-            for lease in self.leases.expire():
-                log.warning("lease_expired", request_id=lease.request_id, peer=lease.peer_agent)
+            self.expire_leases()
 
     def _transfers_in_flight(self) -> bool:
         return bool(self._engine and self._engine.in_flight) or len(self.leases) > 0
@@ -239,7 +366,7 @@ class DaemonApp:
         if self._progress is not None:
             await self._progress.stop()
         for record in self.table.records():
-            await self.registrar.deregister(record.key)
+            await self.registrar.deregister(record.key, forget_unsaved=True)
         await self.fds.close()
         if self._agent is not None:
             await self.nixl(self._agent.close)
@@ -258,7 +385,15 @@ class DaemonApp:
         return self.table.get(key)
 
     def registered(self, record: WorkerRecord) -> None:
+        # New (or replaced) memory: block ids granted before may now hold
+        # other requests' KV.
+        self.grants.drop_worker(record.key)
         self._awaiting.pop(record.key, None)
+        if self.table.subscriber_count(record.key) == 0 and record.key not in self._unattached:
+            # Released after attach_grace_s unless its worker attaches; one
+            # timer per worker however often it registers meanwhile.
+            self._unattached.add(record.key)
+            self._spawn(self._expect_first_attach(record.key, record.generation))
         self.update_gauges()
         self.publish_map_changed(record)
 
@@ -266,9 +401,11 @@ class DaemonApp:
         """The worker's Attach stream ended: release everything it had."""
         log.info("worker_gone", worker=str(key))
         try:
-            await self.registrar.deregister(key)
+            # Released even when the store cannot record it: its client is gone.
+            await self.registrar.deregister(key, forget_unsaved=True)
         except NotFound:
             return  # deregistered meanwhile
+        self.grants.drop_worker(key)
         self.update_gauges()
 
     def stats(self) -> admin_pb2.GetStatsResponse:
@@ -313,6 +450,7 @@ class DaemonApp:
         records = await self.registrar.replan(planner)
         self.planner = planner
         for record in records:
+            self.grants.rebind(record.key, record.generation)
             self.publish_map_changed(record)
         self.update_gauges()
         log.info("replanned", planner=planner.info.name, workers=len(records))

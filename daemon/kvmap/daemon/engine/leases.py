@@ -23,6 +23,11 @@ DEFAULT_LEASE_S = 60.0
 MAX_LEASE_S = 600.0
 
 
+# SHA-256 digest of a capability (engine.grants); named here because a Lease
+# field is called ``bytes``.
+GrantDigest = bytes
+
+
 @dataclass
 class Lease:
     token: str
@@ -33,6 +38,8 @@ class Lease:
     blocks: int
     bytes: int
     expires_at: float
+    # Digest of the capability (engine.grants) the lease holds a claim on.
+    grant: GrantDigest = b""
 
 
 def notification(token: str) -> bytes:
@@ -64,6 +71,7 @@ class LeaseTable:
         blocks: int,
         nbytes: int,
         lease_s: float,
+        grant: GrantDigest = b"",
     ) -> Lease:
         if generation != record.generation:
             raise StaleGeneration(str(record.key), generation, record.generation)
@@ -83,6 +91,7 @@ class LeaseTable:
             blocks=blocks,
             bytes=nbytes,
             expires_at=time.monotonic() + min(max(lease_s, 0.001), MAX_LEASE_S),
+            grant=grant,
         )
         record.pin()
         self._leases[lease.token] = lease
@@ -99,6 +108,19 @@ class LeaseTable:
             else:
                 del self._per_peer[lease.peer_agent]
         return lease
+
+    def finish_from(self, token: str, sender: str) -> Lease | None:
+        """End a lease on a completion notification, only if it came from the
+        agent that holds the lease: another agent that learnt a token cannot
+        make the owner free a request's blocks."""
+        lease = self._leases.get(token)
+        if lease is None or lease.peer_agent != sender:
+            return None
+        return self.finish(token)
+
+    def holder(self, token: str) -> str | None:
+        lease = self._leases.get(token)
+        return None if lease is None else lease.peer_agent
 
     def expire(self, now: float | None = None) -> list[Lease]:
         now = time.monotonic() if now is None else now

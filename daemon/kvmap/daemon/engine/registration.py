@@ -24,10 +24,19 @@ from kvmap.daemon.adapters.fd_handoff import FdHandoffServer
 from kvmap.daemon.adapters.memory import MappedMemory, ShmImporter
 from kvmap.daemon.adapters.nixl_port import MemoryType, NixlPort, Registration
 from kvmap.daemon.adapters.nixl_thread import NixlRunner
-from kvmap.daemon.adapters.state_store import Reopen, StateStore, StoredWorker
+from kvmap.daemon.adapters.state_store import (
+    Reopen,
+    StateStore,
+    StateStoreError,
+    StoredWorker,
+)
 from kvmap.daemon.core import convert
-from kvmap.daemon.core.config import MAX_REGION_MAP_BYTES
-from kvmap.daemon.core.errors import InvalidArgument, KvmapError
+from kvmap.daemon.core.config import (
+    DEFAULT_MAX_REGISTERED_BYTES,
+    DEFAULT_MAX_WORKERS,
+    MAX_REGION_MAP_BYTES,
+)
+from kvmap.daemon.core.errors import InvalidArgument, KvmapError, ResourceExhausted
 from kvmap.daemon.core.geometry import Plan, RegionMapModel, WorkerGeometry, WorkerKey
 from kvmap.daemon.core.planner import Planner
 from kvmap.daemon.engine.workers import AttachedMemory, WorkerRecord, WorkerTable
@@ -68,6 +77,8 @@ class Registrar:
         retire_timeout_s: float,
         on_retire: Callable[[WorkerKey, int], Awaitable[None]],
         store: StateStore,
+        max_workers: int = DEFAULT_MAX_WORKERS,
+        max_registered_bytes: int = DEFAULT_MAX_REGISTERED_BYTES,
     ) -> None:
         self._table = table
         self._agent = agent
@@ -79,6 +90,26 @@ class Registrar:
         # Drops what the transfer engine prepared over the retired record.
         self._on_retire = on_retire
         self._store = store
+        self._max_workers = max_workers
+        self._max_registered_bytes = max_registered_bytes
+
+    def _check_caps(self, req: registry_pb2.RegisterWorkerRequest, key: WorkerKey) -> None:
+        """Refuse a registration over the daemon's caps before anything is
+        mapped. A worker registering again replaces itself: its current
+        record does not count."""
+        others = [r for r in self._table.records() if r.key != key]
+        if len(others) >= self._max_workers:
+            raise ResourceExhausted(
+                f"max_workers ({self._max_workers}) would be exceeded: "
+                f"{len(others)} workers are registered"
+            )
+        used = sum(r.memory.size_bytes for r in others)
+        wanted = sum(a.size_bytes for a in req.allocations)
+        if used + wanted > self._max_registered_bytes:
+            raise ResourceExhausted(
+                f"max_registered_bytes ({self._max_registered_bytes}) would be exceeded: "
+                f"{used} bytes are registered and this worker asks for {wanted}"
+            )
 
     # Memory ---------------------------------------------------------------
 
@@ -236,18 +267,17 @@ class Registrar:
                 os.close(fd)
             raise
         async with self._table.lock:
+            try:
+                self._check_caps(req, geometry.worker)
+            except BaseException:
+                for fd in preopened.values():
+                    os.close(fd)
+                raise
             mapped, reopen = self._import(
                 req, preopened, {k: r for k, (_, r) in (restored or {}).items()}
             )
             mem = await self._attach(mapped)
-            try:
-                record = await self._make_record(geometry, plan, mem)
-                self._store.save_worker(
-                    req, geometry.worker, reopen, plan.planner.name, record.generation
-                )
-            except BaseException:
-                await self._release_memory(mem)
-                raise
+            record = await self._commit(req, geometry, plan, mem, reopen)
             old = self._table.put(record)
         for alloc in req.allocations:
             # The claimed fds were duplicated and are mapped now; the batch's
@@ -266,10 +296,47 @@ class Registrar:
             await self.retire(old)
         return record
 
-    async def deregister(self, key: WorkerKey) -> WorkerRecord:
+    async def _commit(
+        self,
+        req: registry_pb2.RegisterWorkerRequest,
+        geometry: WorkerGeometry,
+        plan: Plan,
+        mem: AttachedMemory,
+        reopen: dict[str, Reopen],
+    ) -> WorkerRecord:
+        """Make the record and persist it before the table sees it: when
+        either fails (a full or read-only store) everything the attempt made
+        is released and the daemon is as it was."""
+        try:
+            record = await self._make_record(geometry, plan, mem)
+        except BaseException:
+            await self._release_memory(mem)
+            raise
+        try:
+            self._store.save_worker(
+                req, geometry.worker, reopen, plan.planner.name, record.generation
+            )
+        except BaseException:
+            await self._nixl(partial(self._agent.release_dlist, record.local_dlist))
+            await self._release_memory(mem)
+            raise
+        return record
+
+    async def deregister(self, key: WorkerKey, *, forget_unsaved: bool = False) -> WorkerRecord:
+        """Forget a worker, in the store first: a store that cannot take the
+        write leaves it registered (DeregisterWorker fails, changing nothing).
+        With ``forget_unsaved`` (its client is gone, or the daemon stops) it
+        is released even so; its stale row goes at the next start, when its
+        memory cannot be re-opened or its client never attaches again."""
         async with self._table.lock:
+            self._table.get(key)  # NOT_FOUND before any write
+            try:
+                self._store.delete_worker(key)
+            except StateStoreError as err:
+                if not forget_unsaved:
+                    raise
+                log.error("worker_forgotten_unsaved", worker=str(key), error=str(err))
             record = self._table.pop(key)
-            self._store.delete_worker(key)
         await self.retire(record)
         log.info("worker_deregistered", worker=str(key), generation=record.generation)
         return record

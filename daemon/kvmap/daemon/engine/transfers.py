@@ -3,10 +3,16 @@ worker and generation), plan descriptors from the common refinement of both
 region maps, announce the transfer to the owner, post it, wait for NIXL to
 complete it and notify the owner.
 
-The only state here is caches: remote agents per target, and prepared
-descriptor lists per (local generation, remote generation, layer selection).
-A changed remote agent or generation drops what was prepared against it
-before anything new is posted.
+The only state here is caches: handshakes (and the remote agents they
+loaded) per target and worker, and prepared descriptor lists per (local
+generation, remote generation, layer selection). Each is an LRU of a stated
+size, and a request's limits are checked, and its transfer planned, before
+anything is cached for it. A changed remote agent or generation drops what
+was prepared against it before anything new is posted.
+
+Handshakes are single-flight per (target, worker) and never hold a lock
+while they wait for the network: a slow or silent peer delays only the
+pulls to that peer, and at most ``MAX_HANDSHAKES_IN_FLIGHT`` wait at once.
 """
 
 from __future__ import annotations
@@ -30,13 +36,14 @@ from kvmap.daemon.adapters.nixl_port import (
     XferState,
 )
 from kvmap.daemon.adapters.nixl_thread import NixlRunner
-from kvmap.daemon.adapters.peer_client import PeerHandshake
+from kvmap.daemon.adapters.peer_client import MAX_CHANNELS, PeerHandshake
 from kvmap.daemon.core.config import DaemonConfig
 from kvmap.daemon.core.convert import requested_worker, worker_id_to_proto
 from kvmap.daemon.core.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
+    PermissionDenied,
     StaleGeneration,
     TransferError,
     Unavailable,
@@ -46,17 +53,32 @@ from kvmap.daemon.core.transfer_pieces import LayerSelection, PieceTable, Side, 
 from kvmap.daemon.core.transfer_plan import (
     GroupPairs,
     TransferPlan,
+    check_group_count,
+    check_sizes,
     piece_dlist_rows,
     plan_transfer,
     run_dlist_rows,
 )
+from kvmap.daemon.engine.bounded import Lru, SingleFlight
 from kvmap.daemon.engine.leases import notification
 from kvmap.daemon.engine.progress import Progress
 from kvmap.daemon.engine.remote_agents import RemoteAgents
 from kvmap.daemon.engine.workers import WorkerRecord, WorkerTable
-from kvmap.v1 import admin_pb2, peer_pb2, transfers_pb2
+from kvmap.v1 import admin_pb2, peer_pb2, transfers_pb2, types_pb2
 
 log = structlog.get_logger("kvmapd.transfers")
+
+# Handshakes waiting for a remote daemon at once. Each holds a peer channel;
+# staying under the client's channel limit means a new handshake never
+# closes the channel of one in flight, and leaves channels for healthy peers
+# while dead targets time out (connect_timeout_s).
+MAX_HANDSHAKES_IN_FLIGHT = MAX_CHANNELS // 2
+# (target, worker) handshakes kept; a target none of them names is detached,
+# so this bounds the loaded remote agents too.
+MAX_CACHED_HANDSHAKES = 1024
+# Prepared (piece table, local and remote lists) entries kept: a few per
+# (local worker, remote worker) pair and layer selection in use.
+MAX_PREPARED = 256
 
 
 class Peers(Protocol):
@@ -109,6 +131,8 @@ class Request:
     pairs: tuple[GroupPairs, ...]
     expected_generation: int
     timeout_s: float
+    # The owner's grant for this request (kv_transfer_params "kvmap_capability").
+    capability: str
 
     @classmethod
     def parse(cls, spec: transfers_pb2.TransferSpec, default_timeout_s: float) -> Request:
@@ -118,6 +142,16 @@ class Request:
             raise InvalidArgument("spec.remote_target", "expected HOST:PORT")
         if not spec.groups:
             raise InvalidArgument("spec.groups", "at least one transfer group is required")
+        check_group_count(len(spec.groups))
+        pairs = tuple(
+            GroupPairs(g.transfer_group, list(g.local_block_ids), list(g.remote_block_ids))
+            for g in spec.groups
+        )
+        check_sizes(pairs)
+        if not spec.capability:
+            # Refused here, before any peer is dialled: a pull built from
+            # params without a capability is never anyone's legitimate pull.
+            raise PermissionDenied("spec.capability: a transfer needs the owner's capability")
         return cls(
             request_id=spec.request_id[:256],
             local=requested_worker(spec.local_worker, "spec.local_worker"),
@@ -126,12 +160,10 @@ class Request:
             selections=tuple(
                 LayerSelection(g.transfer_group, tuple(g.layer_names)) for g in spec.groups
             ),
-            pairs=tuple(
-                GroupPairs(g.transfer_group, list(g.local_block_ids), list(g.remote_block_ids))
-                for g in spec.groups
-            ),
+            pairs=pairs,
             expected_generation=spec.remote_generation,
             timeout_s=spec.timeout_ms / 1000 if spec.timeout_ms else default_timeout_s,
+            capability=spec.capability,
         )
 
 
@@ -167,14 +199,29 @@ class TransferEngine:
         self._counters = counters
         self.peers = peers
         self._agents = RemoteAgents(agent, nixl, self._agent_changed)
-        self._handshakes: dict[tuple[str, WorkerKey], PeerHandshake] = {}
-        self._prepared: dict[tuple[Any, ...], Prepared] = {}
-        self._lock = asyncio.Lock()  # cache mutations (handshake, prepare)
+        self._handshakes: Lru[tuple[str, WorkerKey], PeerHandshake] = Lru(MAX_CACHED_HANDSHAKES)
+        self._handshaking: SingleFlight[tuple[str, WorkerKey], PeerHandshake] = SingleFlight(
+            MAX_HANDSHAKES_IN_FLIGHT, "handshakes with remote daemons"
+        )
+        self._prepared: Lru[tuple[Any, ...], Prepared] = Lru(MAX_PREPARED)
+        # Cache mutations (a handshake's result, prepare); never held while
+        # waiting for a remote daemon.
+        self._lock = asyncio.Lock()
+        self._learning: set[asyncio.Future[PeerHandshake]] = set()
         self.in_flight = 0
 
     @property
     def remote_agent_count(self) -> int:
         return len(self._agents)
+
+    def cache_sizes(self) -> dict[str, int]:
+        """Entries of each cache (what a rejected request must not change)."""
+        return {
+            "handshakes": len(self._handshakes),
+            "handshakes_in_flight": len(self._handshaking),
+            "prepared": len(self._prepared),
+            "remote_agents": len(self._agents),
+        }
 
     # Caches ---------------------------------------------------------------
 
@@ -183,9 +230,13 @@ class TransferEngine:
         transfer using them has posted."""
         for key in keys:
             p = self._prepared.pop(key)
-            p.stale = True
-            if p.users == 0:
-                await self._free(p)
+            if p is not None:
+                await self._retire(p)
+
+    async def _retire(self, p: Prepared) -> None:
+        p.stale = True
+        if p.users == 0:
+            await self._free(p)
 
     async def _free(self, p: Prepared) -> None:
         await self._nixl(partial(self._agent.release_dlist, p.local_dlist))
@@ -197,18 +248,33 @@ class TransferEngine:
             await self._release([k for k in self._prepared if k[0] == key and k[1] == generation])
 
     async def _handshake(self, target: str, remote: WorkerKey) -> PeerHandshake:
+        """Ask the remote daemon (no lock held: other targets go on), then
+        apply its answer to the caches, shielded: a handshake whose callers
+        all gave up is cancelled while it waits, never halfway through."""
         hs = await self.peers.handshake(target, remote)
-        if self._agents.agent_of(target) not in (None, hs.agent_name):
-            # The remote daemon restarted: every list prepared against its
-            # old agent goes before anything new is posted.
-            await self._release([k for k in self._prepared if k[2] == target])
-            self._handshakes = {k: v for k, v in self._handshakes.items() if k[0] != target}
-        await self._agents.load(target, hs.agent_name, hs.daemon_instance, hs.agent_metadata)
-        self._metrics.remote_agents.set(len(self._agents))
-        old = self._handshakes.get((target, remote))
-        if old is not None and old.generation != hs.generation:
-            await self._release([k for k in self._prepared if k[2] == target and k[3] == remote])
-        self._handshakes[(target, remote)] = hs
+        learn = asyncio.ensure_future(self._learn(target, remote, hs))
+        self._learning.add(learn)  # a shielded task must stay referenced
+        learn.add_done_callback(self._learning.discard)
+        return await asyncio.shield(learn)
+
+    async def _learn(self, target: str, remote: WorkerKey, hs: PeerHandshake) -> PeerHandshake:
+        async with self._lock:
+            if self._agents.agent_of(target) not in (None, hs.agent_name):
+                # The remote daemon restarted: every list prepared against
+                # its old agent goes before anything new is posted.
+                await self._release([k for k in self._prepared if k[2] == target])
+                for key in [k for k in self._handshakes if k[0] == target]:
+                    self._handshakes.pop(key)
+            await self._agents.load(target, hs.agent_name, hs.daemon_instance, hs.agent_metadata)
+            old = self._handshakes.peek((target, remote))
+            if old is not None and old.generation != hs.generation:
+                await self._release(
+                    [k for k in self._prepared if k[2] == target and k[3] == remote]
+                )
+            for (gone, _), _hs in self._handshakes.put((target, remote), hs):
+                if not any(k[0] == gone for k in self._handshakes):
+                    await self._agents.detach(gone)  # its lists go with its agent
+            self._metrics.remote_agents.set(len(self._agents))
         return hs
 
     async def _agent_changed(self, name: str) -> None:
@@ -216,17 +282,22 @@ class TransferEngine:
         await self._release([k for k in self._prepared if k[5] == name])
 
     async def _remote(self, req: Request, refresh: bool) -> tuple[PeerHandshake, bool]:
-        async with self._lock:
-            hs = self._handshakes.get((req.target, req.remote))
-            if (
-                hs is None
-                or refresh
-                or (req.expected_generation and req.expected_generation != hs.generation)
-            ):
-                return await self._handshake(req.target, req.remote), True
-            return hs, False
+        """The cached handshake, or one shared with every concurrent pull to
+        the same target and worker."""
+        key = (req.target, req.remote)
+        hs = self._handshakes.get(key)
+        if (
+            hs is None
+            or refresh
+            or (req.expected_generation and req.expected_generation != hs.generation)
+        ):
+            hs = await self._handshaking.run(key, partial(self._handshake, *key))
+            return hs, True
+        return hs, False
 
-    async def _prepare(self, local: WorkerRecord, hs: PeerHandshake, req: Request) -> Prepared:
+    async def _prepare(
+        self, local: WorkerRecord, hs: PeerHandshake, req: Request, write: bool
+    ) -> Prepared:
         key = (
             local.key,
             local.generation,
@@ -244,6 +315,10 @@ class TransferEngine:
             table = build_piece_table(local.model, hs.model, req.selections)
             local_mem = side_memory(local.model, "local worker")
             remote_mem = side_memory(hs.model, "remote worker")
+            # Every check of the request against the table, before anything
+            # is prepared or cached for it: a rejected request leaves the
+            # caches as they were (the caller plans again, from the cache).
+            plan_transfer(table, req.pairs, destination=Side.REMOTE if write else Side.LOCAL)
             local_rows = piece_dlist_rows(table, Side.LOCAL, local_mem[0])
             remote_rows = piece_dlist_rows(table, Side.REMOTE, remote_mem[0])
             local_dl = await self._nixl(partial(self._agent.prep_local, local_rows, local_mem[1]))
@@ -251,7 +326,8 @@ class TransferEngine:
                 partial(self._agent.prep_remote, hs.agent_name, remote_rows, remote_mem[1])
             )
             prepared = Prepared(table, local_dl, remote_dl, local_mem, remote_mem, users=1)
-            self._prepared[key] = prepared
+            for _, evicted in self._prepared.put(key, prepared):
+                await self._retire(evicted)
             return prepared
 
     async def _done_with(self, p: Prepared) -> None:
@@ -332,7 +408,7 @@ class TransferEngine:
         generation and ``retry`` allows one more handshake."""
         if req.expected_generation and req.expected_generation != hs.generation:
             raise StaleGeneration(str(req.remote), req.expected_generation, hs.generation)
-        prepared = await self._prepare(record, hs, req)
+        prepared = await self._prepare(record, hs, req, write)
         try:
             plan = plan_transfer(
                 prepared.table, req.pairs, destination=Side.REMOTE if write else Side.LOCAL
@@ -359,6 +435,14 @@ class TransferEngine:
             lease_ms=int(req.timeout_s * 1000) + 1000,
             blocks=plan.blocks,
             bytes=plan.bytes,
+            capability=req.capability,
+            # The owner's blocks this transfer touches: each must be granted.
+            groups=[
+                types_pb2.BlockGrant(
+                    transfer_group=p.transfer_group, block_ids=list(p.remote_block_ids)
+                )
+                for p in req.pairs
+            ],
         )
 
     async def _carry_out(

@@ -3,8 +3,10 @@
 isort:skip_file
 """
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 from kvmap.v1 import types_pb2 as _types_pb2
 import builtins as _builtins
 import sys
@@ -82,6 +84,8 @@ class BeginTransferRequest(_message.Message):
     LEASE_MS_FIELD_NUMBER: _builtins.int
     BLOCKS_FIELD_NUMBER: _builtins.int
     BYTES_FIELD_NUMBER: _builtins.int
+    CAPABILITY_FIELD_NUMBER: _builtins.int
+    GROUPS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     generation: _builtins.int
     agent_name: _builtins.str
@@ -92,8 +96,16 @@ class BeginTransferRequest(_message.Message):
     blocks: _builtins.int
     """Size of the transfer, for the owner's statistics."""
     bytes: _builtins.int
+    capability: _builtins.str
+    """Capability from Registry.GrantTransfer on the owner's side."""
     @_builtins.property
     def worker(self) -> _types_pb2.WorkerId: ...
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.BlockGrant]:
+        """The remote (owner's) block ids the caller will read or write, per group;
+        each must be inside the grant.
+        """
+
     def __init__(
         self,
         *,
@@ -106,10 +118,12 @@ class BeginTransferRequest(_message.Message):
         lease_ms: _builtins.int = ...,
         blocks: _builtins.int = ...,
         bytes: _builtins.int = ...,
+        capability: _builtins.str = ...,
+        groups: _abc.Iterable[_types_pb2.BlockGrant] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["worker", b"worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "blocks", b"blocks", "bytes", b"bytes", "generation", b"generation", "lease_ms", b"lease_ms", "peer_agent", b"peer_agent", "request_id", b"request_id", "worker", b"worker", "write", b"write"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "blocks", b"blocks", "bytes", b"bytes", "capability", b"capability", "generation", b"generation", "groups", b"groups", "lease_ms", b"lease_ms", "peer_agent", b"peer_agent", "request_id", b"request_id", "worker", b"worker", "write", b"write"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

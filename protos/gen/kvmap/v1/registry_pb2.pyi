@@ -267,3 +267,105 @@ class AttachResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
 Global___AttachResponse: _TypeAlias = AttachResponse  # noqa: Y015
+
+@_typing.final
+class GrantTransferRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    GROUPS_FIELD_NUMBER: _builtins.int
+    TTL_MS_FIELD_NUMBER: _builtins.int
+    MAX_USES_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    ttl_ms: _builtins.int
+    """Lifetime of the capability; 0 means the daemon's default."""
+    max_uses: _builtins.int
+    """How many completed transfers the capability allows; 0 means 1."""
+    @_builtins.property
+    def worker(self) -> _types_pb2.WorkerId: ...
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.BlockGrant]:
+        """Exact block ids per transfer group the peer may touch."""
+
+    def __init__(
+        self,
+        *,
+        worker: _types_pb2.WorkerId | None = ...,
+        request_id: _builtins.str = ...,
+        groups: _abc.Iterable[_types_pb2.BlockGrant] | None = ...,
+        ttl_ms: _builtins.int = ...,
+        max_uses: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["worker", b"worker"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "max_uses", b"max_uses", "request_id", b"request_id", "ttl_ms", b"ttl_ms", "worker", b"worker"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GrantTransferRequest: _TypeAlias = GrantTransferRequest  # noqa: Y015
+
+@_typing.final
+class GrantTransferResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CAPABILITY_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _builtins.int
+    capability: _builtins.str
+    """Secret the decode side presents in Peer.BeginTransfer."""
+    generation: _builtins.int
+    """Generation of the worker the grant is bound to."""
+    expires_unix_ms: _builtins.int
+    def __init__(
+        self,
+        *,
+        capability: _builtins.str = ...,
+        generation: _builtins.int = ...,
+        expires_unix_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "expires_unix_ms", b"expires_unix_ms", "generation", b"generation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GrantTransferResponse: _TypeAlias = GrantTransferResponse  # noqa: Y015
+
+@_typing.final
+class RevokeTransferRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    @_builtins.property
+    def worker(self) -> _types_pb2.WorkerId: ...
+    def __init__(
+        self,
+        *,
+        worker: _types_pb2.WorkerId | None = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["worker", b"worker"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "worker", b"worker"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokeTransferRequest: _TypeAlias = RevokeTransferRequest  # noqa: Y015
+
+@_typing.final
+class RevokeTransferResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokeTransferResponse: _TypeAlias = RevokeTransferResponse  # noqa: Y015

@@ -50,6 +50,16 @@ class RegistryStub:
                 request_serializer=kvmap_dot_v1_dot_registry__pb2.AttachRequest.SerializeToString,
                 response_deserializer=kvmap_dot_v1_dot_registry__pb2.AttachResponse.FromString,
                 _registered_method=True)
+        self.GrantTransfer = channel.unary_unary(
+                '/kvmap.v1.Registry/GrantTransfer',
+                request_serializer=kvmap_dot_v1_dot_registry__pb2.GrantTransferRequest.SerializeToString,
+                response_deserializer=kvmap_dot_v1_dot_registry__pb2.GrantTransferResponse.FromString,
+                _registered_method=True)
+        self.RevokeTransfer = channel.unary_unary(
+                '/kvmap.v1.Registry/RevokeTransfer',
+                request_serializer=kvmap_dot_v1_dot_registry__pb2.RevokeTransferRequest.SerializeToString,
+                response_deserializer=kvmap_dot_v1_dot_registry__pb2.RevokeTransferResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer:
@@ -78,6 +88,25 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GrantTransfer(self, request, context):
+        """Mint a capability that lets one peer read (or write) exactly the given
+        blocks of this worker for one request, until it expires or is used.
+        Peer.BeginTransfer must present it. The worker hands it to the decode
+        side (kv_transfer_params); the daemon stores only its hash.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeTransfer(self, request, context):
+        """Withdraw every grant of a request (its blocks are being freed for a
+        reason other than a completed pull), so a late capability can never
+        read reused blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +124,16 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.Attach,
                     request_deserializer=kvmap_dot_v1_dot_registry__pb2.AttachRequest.FromString,
                     response_serializer=kvmap_dot_v1_dot_registry__pb2.AttachResponse.SerializeToString,
+            ),
+            'GrantTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.GrantTransfer,
+                    request_deserializer=kvmap_dot_v1_dot_registry__pb2.GrantTransferRequest.FromString,
+                    response_serializer=kvmap_dot_v1_dot_registry__pb2.GrantTransferResponse.SerializeToString,
+            ),
+            'RevokeTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeTransfer,
+                    request_deserializer=kvmap_dot_v1_dot_registry__pb2.RevokeTransferRequest.FromString,
+                    response_serializer=kvmap_dot_v1_dot_registry__pb2.RevokeTransferResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +218,60 @@ class Registry:
             '/kvmap.v1.Registry/Attach',
             kvmap_dot_v1_dot_registry__pb2.AttachRequest.SerializeToString,
             kvmap_dot_v1_dot_registry__pb2.AttachResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GrantTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmap.v1.Registry/GrantTransfer',
+            kvmap_dot_v1_dot_registry__pb2.GrantTransferRequest.SerializeToString,
+            kvmap_dot_v1_dot_registry__pb2.GrantTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmap.v1.Registry/RevokeTransfer',
+            kvmap_dot_v1_dot_registry__pb2.RevokeTransferRequest.SerializeToString,
+            kvmap_dot_v1_dot_registry__pb2.RevokeTransferResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -42,6 +42,17 @@ class RegistryStub:
     """Server stream the worker keeps open for as long as it lives. The daemon
     pushes events on it; its end means the worker is gone.
     """
+    GrantTransfer: _grpc.UnaryUnaryMultiCallable[_registry_pb2.GrantTransferRequest, _registry_pb2.GrantTransferResponse]
+    """Mint a capability that lets one peer read (or write) exactly the given
+    blocks of this worker for one request, until it expires or is used.
+    Peer.BeginTransfer must present it. The worker hands it to the decode
+    side (kv_transfer_params); the daemon stores only its hash.
+    """
+    RevokeTransfer: _grpc.UnaryUnaryMultiCallable[_registry_pb2.RevokeTransferRequest, _registry_pb2.RevokeTransferResponse]
+    """Withdraw every grant of a request (its blocks are being freed for a
+    reason other than a completed pull), so a late capability can never
+    read reused blocks.
+    """
 
 @_typing.type_check_only
 class RegistryAsyncStub(RegistryStub):
@@ -56,6 +67,17 @@ class RegistryAsyncStub(RegistryStub):
     Attach: _aio.UnaryStreamMultiCallable[_registry_pb2.AttachRequest, _registry_pb2.AttachResponse]  # type: ignore[assignment]
     """Server stream the worker keeps open for as long as it lives. The daemon
     pushes events on it; its end means the worker is gone.
+    """
+    GrantTransfer: _aio.UnaryUnaryMultiCallable[_registry_pb2.GrantTransferRequest, _registry_pb2.GrantTransferResponse]  # type: ignore[assignment]
+    """Mint a capability that lets one peer read (or write) exactly the given
+    blocks of this worker for one request, until it expires or is used.
+    Peer.BeginTransfer must present it. The worker hands it to the decode
+    side (kv_transfer_params); the daemon stores only its hash.
+    """
+    RevokeTransfer: _aio.UnaryUnaryMultiCallable[_registry_pb2.RevokeTransferRequest, _registry_pb2.RevokeTransferResponse]  # type: ignore[assignment]
+    """Withdraw every grant of a request (its blocks are being freed for a
+    reason other than a completed pull), so a late capability can never
+    read reused blocks.
     """
 
 class RegistryServicer(metaclass=_abc_1.ABCMeta):
@@ -86,6 +108,29 @@ class RegistryServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_registry_pb2.AttachResponse], _abc.AsyncIterator[_registry_pb2.AttachResponse]]:
         """Server stream the worker keeps open for as long as it lives. The daemon
         pushes events on it; its end means the worker is gone.
+        """
+
+    @_abc_1.abstractmethod
+    def GrantTransfer(
+        self,
+        request: _registry_pb2.GrantTransferRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_registry_pb2.GrantTransferResponse, _abc.Awaitable[_registry_pb2.GrantTransferResponse]]:
+        """Mint a capability that lets one peer read (or write) exactly the given
+        blocks of this worker for one request, until it expires or is used.
+        Peer.BeginTransfer must present it. The worker hands it to the decode
+        side (kv_transfer_params); the daemon stores only its hash.
+        """
+
+    @_abc_1.abstractmethod
+    def RevokeTransfer(
+        self,
+        request: _registry_pb2.RevokeTransferRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_registry_pb2.RevokeTransferResponse, _abc.Awaitable[_registry_pb2.RevokeTransferResponse]]:
+        """Withdraw every grant of a request (its blocks are being freed for a
+        reason other than a completed pull), so a late capability can never
+        read reused blocks.
         """
 
 def add_RegistryServicer_to_server(servicer: RegistryServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -85,6 +85,7 @@ class TransferSpec(_message.Message):
     GROUPS_FIELD_NUMBER: _builtins.int
     REMOTE_GENERATION_FIELD_NUMBER: _builtins.int
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    CAPABILITY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     remote_target: _builtins.str
     """Remote daemon's peer address, "host:port"."""
@@ -92,6 +93,10 @@ class TransferSpec(_message.Message):
     """Generation of the remote worker the caller expects; 0 accepts the current."""
     timeout_ms: _builtins.int
     """Overall deadline for handshake, post and completion; 0 means the daemon's default."""
+    capability: _builtins.str
+    """Capability the remote worker's daemon granted for this request
+    (kv_transfer_params "kvmap_capability"); required.
+    """
     @_builtins.property
     def local_worker(self) -> _types_pb2.WorkerId: ...
     @_builtins.property
@@ -108,10 +113,11 @@ class TransferSpec(_message.Message):
         groups: _abc.Iterable[Global___GroupBlocks] | None = ...,
         remote_generation: _builtins.int = ...,
         timeout_ms: _builtins.int = ...,
+        capability: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["local_worker", b"local_worker", "remote_worker", b"remote_worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "local_worker", b"local_worker", "remote_generation", b"remote_generation", "remote_target", b"remote_target", "remote_worker", b"remote_worker", "request_id", b"request_id", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "groups", b"groups", "local_worker", b"local_worker", "remote_generation", b"remote_generation", "remote_target", b"remote_target", "remote_worker", b"remote_worker", "request_id", b"request_id", "timeout_ms", b"timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -518,3 +518,30 @@ class RegionMap(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RegionMap: _TypeAlias = RegionMap  # noqa: Y015
+
+@_typing.final
+class BlockGrant(_message.Message):
+    """The blocks of one transfer group that a capability lets a peer read (or
+    write): exact block ids, not a range.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSFER_GROUP_FIELD_NUMBER: _builtins.int
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    transfer_group: _builtins.int
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        transfer_group: _builtins.int = ...,
+        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "transfer_group", b"transfer_group"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BlockGrant: _TypeAlias = BlockGrant  # noqa: Y015

@@ -267,17 +267,33 @@ class Pair:
 
     def pull(self, name: str, req: Request, remote: str = "") -> dict[str, Any]:
         """Decode worker ``name`` pulls ``req`` from prefill worker ``remote``
-        (default: the prefill worker of the same name)."""
+        (default: the prefill worker of the same name), with the capability
+        that worker granted for exactly those blocks (outside the timing)."""
         self.pulls += 1
+        owner = remote or name
+        request_id = f"bench-{name}-{self.pulls}"
+        blocks: dict[int, dict[int, None]] = {}
+        for g, ids in zip(req.groups, req.remote, strict=True):
+            blocks.setdefault(g, {}).update(dict.fromkeys(ids))
+        grant = _call(
+            self.pw,
+            {
+                "cmd": "grant",
+                "name": owner,
+                "request_id": request_id,
+                "groups": [{"group": g, "blocks": list(ids)} for g, ids in blocks.items()],
+            },
+        )
         return _call(
             self.dw,
             {
                 "cmd": "pull",
                 "name": name,
-                "request_id": f"bench-{name}-{self.pulls}",
+                "request_id": request_id,
                 "remote_target": self.prefill.tcp_target,
-                "remote_engine_id": f"prefill-{remote or name}",
+                "remote_engine_id": f"prefill-{owner}",
                 "groups": req.spec(),
+                "capability": grant["capability"],
             },
         )
 

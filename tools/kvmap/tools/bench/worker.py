@@ -225,6 +225,8 @@ class BenchWorker:
             local_worker=reg.worker,
             remote_target=cmd["remote_target"],
             remote_worker=types_pb2.WorkerId(engine_id=cmd["remote_engine_id"]),
+            # The remote owner's grant (its ``grant`` command).
+            capability=cmd.get("capability", ""),
         )
         for g in cmd["groups"]:
             spec.groups.add(
@@ -237,6 +239,19 @@ class BenchWorker:
             return {"ok": False, "code": err.code.name, "message": err.message}
         wall = time.perf_counter() - start
         return {"ok": True, "wall_seconds": wall, "stats": dict(result.__dict__)}
+
+    def grant(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Worker ``name`` (the owner) lets a peer pull exactly the blocks of
+        ``groups`` ([{"group", "blocks"}]) for ``request_id``, as a vLLM
+        prefill worker does; the answer's capability goes into the pull."""
+        reg = self.workers[cmd["name"]]
+        blocks: dict[int, list[int]] = {}
+        for g in cmd["groups"]:
+            blocks.setdefault(int(g["group"]), []).extend(int(b) for b in g["blocks"])
+        grant = self.client.grant_transfer(
+            reg.worker, cmd["request_id"], blocks, max_uses=int(cmd.get("max_uses", 0))
+        )
+        return {"ok": True, "capability": grant.capability}
 
     def contact(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """Time the steps of a first contact with a remote daemon (bench.contact)."""
@@ -268,7 +283,7 @@ class BenchWorker:
             reg.close()
 
 
-COMMANDS = ("register", "fill", "zero", "verify", "pull", "contact", "events")
+COMMANDS = ("register", "fill", "zero", "verify", "grant", "pull", "contact", "events")
 
 
 def handle(w: BenchWorker, cmd: dict[str, Any]) -> dict[str, Any]:

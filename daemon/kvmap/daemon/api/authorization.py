@@ -1,0 +1,111 @@
+"""Who may call kvmap's services on the TCP port: a server interceptor that
+answers only authorized peers (``kvmap.daemon.core.peer_policy`` decides).
+
+Everything of ``kvmap.v1`` on TCP is guarded: ``Peer`` hands out the NIXL
+agent metadata (with it, a NIXL agent can READ every registered byte) and
+``RegionMaps`` reveals the addresses of registered memory. Health and
+reflection stay open for probes. A refused caller gets PERMISSION_DENIED with
+one message, before its request is even parsed, so it learns nothing about
+the daemon's workers.
+
+Installed inside ``ErrorsAndContext`` (listed after it), so a refusal is
+logged and counted like any other rejected RPC.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import structlog
+from grpc import aio
+
+from kvmap.daemon.api.rpc import _parser
+from kvmap.daemon.core.errors import PermissionDenied
+from kvmap.daemon.core.peer_policy import INBOUND_DENIED, PeerPolicy, grpc_peer_address
+
+log = structlog.get_logger("kvmapd.authorization")
+
+Ctx = aio.ServicerContext[Any, Any]
+
+# auth_context() keys under which grpcio reports the client certificate's DNS
+# and URI SANs (grpcio 1.85; pinned by tests/security/test_peer_authorization.py).
+SAN_KEYS = ("peer_dns", "peer_uri")
+
+if TYPE_CHECKING:
+    _Interceptor = aio.ServerInterceptor[Any, Any]
+else:
+    _Interceptor = aio.ServerInterceptor
+
+
+def certificate_identities(context: Ctx) -> list[str]:
+    """The DNS and URI SANs of the client certificate (empty without one)."""
+    auth = context.auth_context() or {}
+    return [v.decode("utf-8", "replace") for key in SAN_KEYS for v in auth.get(key, ())]
+
+
+class PeerAuthorization(_Interceptor):
+    """With mutual TLS, by certificate identity; otherwise by source address."""
+
+    def __init__(self, policy: PeerPolicy, mutual_tls: bool) -> None:
+        self._policy = policy
+        self._mutual_tls = mutual_tls
+
+    def authorized(self, context: Ctx) -> bool:
+        if self._mutual_tls:
+            return self._policy.accepts_identities(certificate_identities(context))
+        return self._policy.accepts_address(grpc_peer_address(context.peer()))
+
+    def check(self, context: Ctx) -> None:
+        if not self.authorized(context):
+            log.warning("peer_refused", peer=context.peer())
+            raise PermissionDenied(INBOUND_DENIED)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]
+        ],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith("/kvmap.v1."):
+            return handler
+        # The request is parsed only once the caller is authorized: a stranger's
+        # bytes are never decoded (and it sees no INVALID_ARGUMENT either).
+        parse = _parser(handler.request_deserializer)
+        unary, stream = handler.unary_unary, handler.unary_stream
+        if unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._guard_unary(unary, parse), response_serializer=handler.response_serializer
+            )
+        if stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._guard_stream(stream, parse), response_serializer=handler.response_serializer
+            )
+        # No streaming-request RPC is served on TCP: one added later must not
+        # slip through unguarded, so it is refused until it is guarded here.
+        return grpc.unary_unary_rpc_method_handler(self._refuse)
+
+    async def _refuse(self, request: Any, context: Ctx) -> Any:
+        raise PermissionDenied(INBOUND_DENIED)
+
+    def _guard_unary(
+        self, behavior: Callable[..., Any], parse: Callable[[bytes], Any]
+    ) -> Callable[[bytes, Ctx], Awaitable[Any]]:
+        async def call(raw: bytes, context: Ctx) -> Any:
+            self.check(context)
+            return await behavior(parse(raw), context)
+
+        return call
+
+    def _guard_stream(
+        self, behavior: Callable[..., Any], parse: Callable[[bytes], Any]
+    ) -> Callable[[bytes, Ctx], AsyncIterator[Any]]:
+        async def call(raw: bytes, context: Ctx) -> AsyncIterator[Any]:
+            self.check(context)
+            async for item in behavior(parse(raw), context):
+                yield item
+
+        return call

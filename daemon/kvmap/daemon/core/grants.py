@@ -1,0 +1,189 @@
+"""Per-request capabilities, the pure part: what a grant is, how a grant
+request is validated against a worker's geometry, and whether an announced
+transfer stays inside a grant.
+
+A prefill worker asks its daemon for a grant (Registry.GrantTransfer) when a
+request's KV is kept for a decode; the daemon answers with a random secret,
+the capability, and keeps only its SHA-256 digest, so the table never holds
+the secret in a form a lookup could compare byte by byte (timing). A peer's
+Peer.BeginTransfer presents the capability and the owner's block ids it will
+touch; every check runs before anything changes and every refusal but expiry
+reads the same (``DENIED``), so a stranger learns nothing about which check
+failed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvmap.daemon.core.errors import InvalidArgument, PermissionDenied
+from kvmap.daemon.core.geometry import RegionMapModel, WorkerKey
+
+Int64Array = npt.NDArray[np.int64]
+# Block ids as a request carries them (a protobuf repeated field, a list) or
+# as the transfer planner holds them.
+BlockIds = Sequence[int] | Int64Array
+
+# vLLM keeps a finished prefill request's blocks for a decode for 480 s by
+# default (VLLM_NIXL_ABORT_REQUEST_TIMEOUT): a grant lives as long unless the
+# worker says otherwise, and never longer than an hour.
+DEFAULT_TTL_MS = 480_000
+MAX_TTL_MS = 3_600_000
+# Completed transfers one capability allows at most (a decode that re-pulls
+# the same blocks, e.g. after a preemption).
+MAX_USES = 64
+MAX_REQUEST_ID = 256
+# Stated limits on what the table holds: grants per worker and in all, block
+# ids per grant and in all (16M ids are 128 MiB of int64).
+MAX_GRANTS_PER_WORKER = 16_384
+MAX_GRANTS = 65_536
+MAX_GRANT_BLOCKS = 1 << 20
+MAX_GRANTED_BLOCKS = 1 << 24
+# An expired grant is kept this long before it is swept, so its holder hears
+# "expired" (FAILED_PRECONDITION) instead of "unknown" (PERMISSION_DENIED).
+EXPIRED_KEPT_MS = 60_000
+
+# The one message of every refusal: it does not say which check failed.
+DENIED = "capability does not allow this transfer"
+
+
+def digest(capability: str) -> bytes:
+    """What the table stores and looks grants up by, never the capability."""
+    return hashlib.sha256(capability.encode("utf-8", errors="surrogatepass")).digest()
+
+
+@dataclass(frozen=True)
+class Grant:
+    """One capability's binding. ``blocks`` holds, per transfer group, the
+    granted block ids sorted and distinct; ``uses`` counts completed transfers."""
+
+    digest: bytes
+    worker: WorkerKey
+    generation: int
+    request_id: str
+    blocks: Mapping[int, Int64Array]
+    expires_unix_ms: int
+    max_uses: int
+    uses: int = 0
+
+    @property
+    def block_count(self) -> int:
+        return sum(len(ids) for ids in self.blocks.values())
+
+    def expired(self, now_ms: int) -> bool:
+        return now_ms >= self.expires_unix_ms
+
+    def allows(self, groups: Iterable[tuple[int, BlockIds]]) -> bool:
+        """Whether every (group, block id) named is inside the grant. Naming
+        no block at all is not allowed: the owner must know what is read."""
+        named = False
+        for group, ids in groups:
+            granted = self.blocks.get(group)
+            if granted is None:
+                return False
+            if not len(ids):
+                continue
+            named = True
+            wanted = np.asarray(ids, dtype=np.int64)
+            at = np.searchsorted(granted, wanted)
+            inside = at < len(granted)
+            if not inside.all() or not (granted[at] == wanted).all():
+                return False
+        return named
+
+
+def group_limits(model: RegionMapModel) -> dict[int, int]:
+    """Block ids valid in each transfer group of a worker: those every
+    region of the group has."""
+    limits: dict[int, int] = {}
+    for region in model.regions:
+        g = region.transfer_group
+        limits[g] = min(limits.get(g, region.num_blocks), region.num_blocks)
+    return limits
+
+
+def granted_blocks(
+    groups: Sequence[tuple[int, BlockIds]], limits: Mapping[int, int]
+) -> dict[int, Int64Array]:
+    """Validate the groups of a grant request against the worker's group
+    limits: each group exists and appears once, block ids are distinct and in
+    range, at least one block, at most ``MAX_GRANT_BLOCKS``."""
+    if not groups:
+        raise InvalidArgument("groups", "at least one transfer group is required")
+    total = sum(len(ids) for _, ids in groups)
+    if total == 0:
+        raise InvalidArgument("groups", "at least one block is required")
+    if total > MAX_GRANT_BLOCKS:
+        raise InvalidArgument("groups", f"{total} block ids; at most {MAX_GRANT_BLOCKS}")
+    out: dict[int, Int64Array] = {}
+    for i, (group, ids) in enumerate(groups):
+        at = f"groups[{i}]"
+        if group not in limits:
+            raise InvalidArgument(f"{at}.transfer_group", f"worker has no group {group}")
+        if group in out:
+            raise InvalidArgument(f"{at}.transfer_group", f"group {group} appears twice")
+        arr = np.asarray(ids, dtype=np.int64)
+        bad = np.flatnonzero((arr < 0) | (arr >= limits[group]))
+        if len(bad):
+            j = int(bad[0])
+            raise InvalidArgument(
+                f"{at}.block_ids[{j}]", f"block {arr[j]} out of range [0, {limits[group]})"
+            )
+        arr = np.sort(arr)
+        if len(arr) > 1 and (arr[1:] == arr[:-1]).any():
+            raise InvalidArgument(f"{at}.block_ids", "block ids must be distinct")
+        out[group] = arr
+    return out
+
+
+def check_ttl(ttl_ms: int) -> int:
+    """The grant's lifetime in ms: 0 means the default; more than the maximum
+    is refused rather than cut, so the worker knows what it got."""
+    if ttl_ms == 0:
+        return DEFAULT_TTL_MS
+    if ttl_ms > MAX_TTL_MS:
+        raise InvalidArgument("ttl_ms", f"{ttl_ms} ms; at most {MAX_TTL_MS}")
+    return ttl_ms
+
+
+def check_max_uses(max_uses: int) -> int:
+    if max_uses == 0:
+        return 1
+    if max_uses > MAX_USES:
+        raise InvalidArgument("max_uses", f"{max_uses}; at most {MAX_USES}")
+    return max_uses
+
+
+def check_request_id(request_id: str, field: str = "request_id") -> str:
+    if not request_id:
+        raise InvalidArgument(field, "must not be empty")
+    if len(request_id) > MAX_REQUEST_ID:
+        raise InvalidArgument(field, f"{len(request_id)} characters; at most {MAX_REQUEST_ID}")
+    return request_id
+
+
+def check_binding(
+    grant: Grant | None,
+    *,
+    worker: WorkerKey,
+    generation: int,
+    request_id: str,
+    groups: Iterable[tuple[int, BlockIds]],
+) -> Grant:
+    """The grant a BeginTransfer presented, if it allows exactly this: the
+    worker at its current generation, this request, these blocks. Anything
+    else is one generic PermissionDenied."""
+    if (
+        grant is None
+        or grant.worker != worker
+        or grant.generation != generation
+        or grant.request_id != request_id
+        or not grant.allows(groups)
+    ):
+        raise PermissionDenied(DENIED)
+    return grant

@@ -1,0 +1,251 @@
+"""The owner's table of per-request capabilities (see ``core.grants``).
+
+A grant is minted for one worker's request (Registry.GrantTransfer, Unix
+socket only), persisted so that it survives a daemon restart, claimed by the
+first peer agent whose BeginTransfer it allows, consumed when that transfer's
+completion notification arrives, and released for a retry when the transfer
+fails or its lease runs out. Claims live only in memory: leases do not
+survive a restart either, and a peer re-announces after one.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Protocol
+
+import structlog
+
+from kvmap.daemon.core import grants as core
+from kvmap.daemon.core.errors import (
+    FailedPrecondition,
+    KvmapError,
+    PermissionDenied,
+    ResourceExhausted,
+)
+from kvmap.daemon.core.geometry import WorkerKey
+from kvmap.daemon.core.grants import BlockIds, Grant
+from kvmap.daemon.engine.workers import WorkerRecord
+
+log = structlog.get_logger("kvmapd.grants")
+
+
+class GrantStore(Protocol):
+    """Where grants outlive the daemon (``state_store.StateStore``)."""
+
+    def save_grant(self, grant: Grant) -> None: ...
+    def update_grant(self, grant: Grant) -> None: ...
+    def delete_grants(self, digests: Sequence[bytes]) -> None: ...
+    def grants(self) -> list[Grant]: ...
+
+
+def wall_ms() -> int:
+    # Wall clock, not monotonic: expiries are persisted and reported to the
+    # worker (expires_unix_ms), so they must mean the same after a restart.
+    return time.time_ns() // 1_000_000
+
+
+@dataclass
+class _Entry:
+    grant: Grant
+    # The peer agent whose transfers hold the grant now, and how many.
+    claimed_by: str = ""
+    active: int = 0
+
+
+class GrantTable:
+    def __init__(self, store: GrantStore, clock: Callable[[], int] = wall_ms) -> None:
+        self._store = store
+        self._clock = clock
+        self._entries: dict[bytes, _Entry] = {}
+        self._per_worker: dict[WorkerKey, int] = {}
+        self._blocks = 0
+        for grant in store.grants():
+            self._add(grant)
+        self.sweep()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def granted_blocks(self) -> int:
+        return self._blocks
+
+    def _add(self, grant: Grant) -> None:
+        self._entries[grant.digest] = _Entry(grant)
+        self._per_worker[grant.worker] = self._per_worker.get(grant.worker, 0) + 1
+        self._blocks += grant.block_count
+
+    def _persist(self, action: str, write: Callable[[], None]) -> None:
+        """A change the table has already made in memory, written through.
+        Withdrawing, consuming and re-binding must take effect even when the
+        store cannot keep it (full disk, read-only): refusing more is safe,
+        so the table goes ahead and says loudly what a restart may bring back."""
+        try:
+            write()
+        except KvmapError as err:
+            log.error("grant_change_not_stored", action=action, error=str(err))
+
+    def _remove(self, digests: Sequence[bytes]) -> None:
+        if not digests:
+            return
+        for d in digests:
+            grant = self._entries.pop(d).grant
+            left = self._per_worker[grant.worker] - 1
+            if left:
+                self._per_worker[grant.worker] = left
+            else:
+                del self._per_worker[grant.worker]
+            self._blocks -= grant.block_count
+        self._persist("delete", partial(self._store.delete_grants, digests))
+
+    # Minting and withdrawing --------------------------------------------------
+
+    def grant(
+        self,
+        record: WorkerRecord,
+        *,
+        request_id: str,
+        groups: Sequence[tuple[int, BlockIds]],
+        ttl_ms: int,
+        max_uses: int,
+    ) -> tuple[str, Grant]:
+        """Mint a capability for ``record``'s worker; the caller checked that
+        the worker is attached. Returns the capability (the only copy) and
+        its grant."""
+        request_id = core.check_request_id(request_id)
+        ttl_ms = core.check_ttl(ttl_ms)
+        max_uses = core.check_max_uses(max_uses)
+        blocks = core.granted_blocks(groups, core.group_limits(record.model))
+        self._check_room(record.key, sum(len(ids) for ids in blocks.values()))
+        capability = new_capability()
+        grant = Grant(
+            digest=core.digest(capability),
+            worker=record.key,
+            generation=record.generation,
+            request_id=request_id,
+            blocks=blocks,
+            expires_unix_ms=self._clock() + ttl_ms,
+            max_uses=max_uses,
+        )
+        self._store.save_grant(grant)  # first: a failed write leaves nothing behind
+        self._add(grant)
+        return capability, grant
+
+    def _check_room(self, worker: WorkerKey, blocks: int) -> None:
+        def full() -> str:
+            if self._per_worker.get(worker, 0) >= core.MAX_GRANTS_PER_WORKER:
+                return f"worker {worker} has {core.MAX_GRANTS_PER_WORKER} grants (the limit)"
+            if len(self._entries) >= core.MAX_GRANTS:
+                return f"{core.MAX_GRANTS} grants outstanding in all (the limit)"
+            if self._blocks + blocks > core.MAX_GRANTED_BLOCKS:
+                return f"{core.MAX_GRANTED_BLOCKS} granted block ids in all (the limit)"
+            return ""
+
+        if full():
+            self.sweep()  # expired grants make room before anything is refused
+            why = full()
+            if why:
+                raise ResourceExhausted(why)
+
+    def revoke(self, worker: WorkerKey, request_id: str) -> int:
+        """Withdraw every grant of a request; how many there were."""
+        gone = [
+            d
+            for d, e in self._entries.items()
+            if e.grant.worker == worker and e.grant.request_id == request_id
+        ]
+        self._remove(gone)
+        return len(gone)
+
+    def drop_worker(self, worker: WorkerKey) -> None:
+        """The worker's memory is gone or replaced: none of its grants holds."""
+        self._remove([d for d, e in self._entries.items() if e.grant.worker == worker])
+
+    def rebind(self, worker: WorkerKey, generation: int) -> None:
+        """The worker was re-planned over the same memory (replan, restore
+        after a restart): its block ids still mean the same blocks."""
+        for entry in self._entries.values():
+            if entry.grant.worker == worker and entry.grant.generation != generation:
+                entry.grant = replace(entry.grant, generation=generation)
+                self._persist("rebind", partial(self._store.update_grant, entry.grant))
+
+    def sweep(self) -> int:
+        """Forget grants expired more than ``EXPIRED_KEPT_MS`` ago."""
+        cutoff = self._clock() - core.EXPIRED_KEPT_MS
+        gone = [d for d, e in self._entries.items() if e.grant.expires_unix_ms <= cutoff]
+        self._remove(gone)
+        if gone:
+            log.info("grants_expired", count=len(gone), left=len(self._entries))
+        return len(gone)
+
+    # Peers --------------------------------------------------------------------
+
+    def find(self, capability: str) -> Grant:
+        """The grant of a presented capability; PermissionDenied when there
+        is none. Looked up by digest: the secret is never compared."""
+        entry = self._entries.get(core.digest(capability)) if capability else None
+        if entry is None:
+            raise PermissionDenied(core.DENIED)
+        return entry.grant
+
+    def admit(
+        self,
+        capability: str,
+        *,
+        record: WorkerRecord,
+        request_id: str,
+        groups: Iterable[tuple[int, BlockIds]],
+        peer_agent: str,
+    ) -> Grant:
+        """Every check of a BeginTransfer's capability, changing nothing."""
+        grant = core.check_binding(
+            self.find(capability),
+            worker=record.key,
+            generation=record.generation,
+            request_id=request_id,
+            groups=groups,
+        )
+        entry = self._entries[grant.digest]
+        if entry.claimed_by not in ("", peer_agent) or entry.active + grant.uses >= grant.max_uses:
+            raise PermissionDenied(core.DENIED)
+        if grant.expired(self._clock()):
+            raise FailedPrecondition(f"capability for request {request_id} expired")
+        return grant
+
+    def claim(self, grant: Grant, peer_agent: str) -> None:
+        """A lease now holds the grant for ``peer_agent`` (after ``admit``)."""
+        entry = self._entries[grant.digest]
+        entry.claimed_by = peer_agent
+        entry.active += 1
+
+    def release(self, digest: bytes) -> None:
+        """A transfer under the grant ended without completing: the claim goes,
+        and the grant may be used again until it expires."""
+        entry = self._entries.get(digest)
+        if entry is None:
+            return  # revoked or swept meanwhile
+        entry.active = max(0, entry.active - 1)
+        if entry.active == 0:
+            entry.claimed_by = ""
+
+    def complete(self, digest: bytes) -> None:
+        """A transfer under the grant completed: one use is spent."""
+        entry = self._entries.get(digest)
+        if entry is None:
+            return
+        self.release(digest)
+        grant = replace(entry.grant, uses=entry.grant.uses + 1)
+        if grant.uses >= grant.max_uses:
+            self._remove([digest])
+            return
+        entry.grant = grant
+        self._persist("use", partial(self._store.update_grant, grant))
+
+
+def new_capability() -> str:
+    """256 random bits, URL-safe: it travels in kv_transfer_params (JSON)."""
+    return secrets.token_urlsafe(32)

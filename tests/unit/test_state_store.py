@@ -1,0 +1,197 @@
+"""The state store's faults, each made real in SQLite: a full database
+(``max_page_count``), a read-only connection (``query_only``), a file that is
+not a database, a damaged page, a state dir that cannot be made. The adapter
+is the one place that maps them: RESOURCE_EXHAUSTED / UNAVAILABLE with one
+line naming the database, the store unchanged, and a damaged store moved
+aside on open."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
+
+from kvmap.daemon.adapters.state_store import (
+    DB_NAME,
+    StateStore,
+    StoreFull,
+    StoreUnavailable,
+    store_error,
+)
+from kvmap.daemon.core.errors import ErrorCode, status_of
+from kvmap.daemon.core.geometry import WorkerKey
+from kvmap.v1 import registry_pb2
+
+W1 = WorkerKey("one", 0, 0, 0)
+W2 = WorkerKey("two", 0, 0, 0)
+
+
+def _request(engine: str, padding: int = 0) -> registry_pb2.RegisterWorkerRequest:
+    # The layout string only makes the stored blob as big as a test needs.
+    return registry_pb2.RegisterWorkerRequest(kv_cache_layout="x" * padding or "BLHNC")
+
+
+def _saved(path: Path) -> StateStore:
+    store = StateStore(str(path))
+    store.save_worker(_request("one"), W1, {}, "coalesce", 1)
+    return store
+
+
+def _contents(store: StateStore) -> tuple[object, ...]:
+    return (
+        [(s.worker, s.generation, s.planner) for s in store.workers()],
+        store.generations(),
+        store.pending_events(W1),
+    )
+
+
+def _fill(store: StateStore) -> None:
+    """Cap the database at the pages it has: the next page it needs is a
+    real SQLITE_FULL."""
+    pages = store._db.execute("PRAGMA page_count").fetchone()[0]
+    store._db.execute(f"PRAGMA max_page_count={pages}")
+
+
+def test_a_full_store_is_resource_exhausted_and_keeps_what_it_had(tmp_path: Path) -> None:
+    """SQLITE_FULL during a write: StoreFull (RESOURCE_EXHAUSTED) with one line naming the
+    database, and the rolled-back transaction left the store as it was; a write that fits still
+    works afterwards."""
+    store = _saved(tmp_path)
+    before = _contents(store)
+    _fill(store)
+    with pytest.raises(StoreFull) as caught:
+        store.save_worker(_request("two", padding=200_000), W2, {}, "coalesce", 1)
+    code, message = status_of(caught.value)
+    assert code is ErrorCode.RESOURCE_EXHAUSTED
+    assert message == f"state store {tmp_path / DB_NAME} is full: database or disk is full"
+    assert "\n" not in message
+    assert _contents(store) == before
+    store.save_generation(W1, 2)  # fits in the pages it has
+    assert store.generations()[W1] == 2
+    store.close()
+
+
+def test_a_read_only_store_is_unavailable_and_keeps_what_it_had(tmp_path: Path) -> None:
+    """SQLITE_READONLY on every kind of write (worker, generation, delete, event): StoreUnavailable
+    (UNAVAILABLE) saying the store is read-only, and nothing changed."""
+    store = _saved(tmp_path)
+    before = _contents(store)
+    store._db.execute("PRAGMA query_only=1")
+    writes = [
+        lambda: store.save_worker(_request("two"), W2, {}, "coalesce", 1),
+        lambda: store.save_generation(W1, 9),
+        lambda: store.delete_worker(W1),
+        lambda: store.add_event(W1, registry_pb2.AttachResponse()),
+    ]
+    for write in writes:
+        with pytest.raises(StoreUnavailable) as caught:
+            write()
+        code, message = status_of(caught.value)
+        assert code is ErrorCode.UNAVAILABLE
+        assert message == (
+            f"state store {tmp_path / DB_NAME} is read-only: attempt to write a readonly database"
+        )
+    assert _contents(store) == before
+    store.close()
+
+
+def test_an_ack_the_store_cannot_take_is_logged_and_the_event_stays(tmp_path: Path) -> None:
+    """Delivery is at least once: an ack on a read-only store does not raise (an Attach stream
+    must not end over it), is logged, and the event stays pending for the next stream."""
+    store = _saved(tmp_path)
+    event_id = store.add_event(W1, registry_pb2.AttachResponse())
+    store._db.execute("PRAGMA query_only=1")
+    with capture_logs() as logs:
+        store.ack_event(event_id)
+    assert [e["event"] for e in logs] == ["event_ack_not_stored"]
+    assert [i for i, _ in store.pending_events(W1)] == [event_id]
+    store.close()
+
+
+def test_bugs_are_not_mapped_to_faults(tmp_path: Path) -> None:
+    """A constraint violation is a bug, not a fault of the disk: store_error leaves it alone (it
+    reports INTERNAL as any bug does)."""
+    db = sqlite3.connect(":memory:")
+    db.execute("CREATE TABLE t (x INTEGER PRIMARY KEY)")
+    db.execute("INSERT INTO t VALUES (1)")
+    with pytest.raises(sqlite3.IntegrityError) as caught:
+        db.execute("INSERT INTO t VALUES (1)")
+    assert store_error("p", caught.value) is None
+
+
+def test_a_file_that_is_not_a_database_is_moved_aside(tmp_path: Path) -> None:
+    """Garbage where the database should be: on open it is renamed to
+    <name>.corrupt-<UTC time> with its bytes intact, one error log line names both paths, and the
+    store starts empty and writable."""
+    garbage = os.urandom(3 * 4096)
+    (tmp_path / DB_NAME).write_bytes(garbage)
+    with capture_logs() as logs:
+        store = StateStore(str(tmp_path))
+    (aside,) = tmp_path.glob(f"{DB_NAME}.corrupt-*")
+    assert aside.name.endswith("Z") and aside.read_bytes() == garbage
+    (line,) = [e for e in logs if e["event"] == "state_store_corrupt"]
+    assert line["log_level"] == "error"
+    assert (line["path"], line["moved_to"]) == (str(tmp_path / DB_NAME), str(aside))
+    assert "file is not a database" in line["error"]
+    assert _contents(store) == ([], {}, [])
+    store.save_worker(_request("one"), W1, {}, "coalesce", 1)
+    assert store.generations() == {W1: 1}
+    store.close()
+
+
+def test_a_damaged_page_is_found_on_open_and_moved_aside(tmp_path: Path) -> None:
+    """A valid header over a damaged table page (a malformed image, which no start-up query
+    needs to read): the integrity check on open finds it and the store is moved aside, its WAL
+    with it, rather than failing some later RPC."""
+    store = _saved(tmp_path)
+    for i in range(50):
+        store.save_worker(_request(f"w{i}", padding=3000), WorkerKey(f"w{i}", 0, 0, 0), {}, "c", 1)
+    store.close()  # the last connection checkpoints the WAL into the database
+    db = tmp_path / DB_NAME
+    assert db.stat().st_size > 40 * 4096
+    with open(db, "r+b") as f:  # page 21 of 4 KiB: a page of the workers table
+        f.seek(20 * 4096)
+        f.write(b"\xff" * 4096)
+    with capture_logs() as logs:
+        store = StateStore(str(tmp_path))
+    assert [e["event"] for e in logs] == ["state_store_corrupt"]
+    assert len(list(tmp_path.glob(f"{DB_NAME}.corrupt-*"))) >= 1
+    assert _contents(store) == ([], {}, [])
+    store.close()
+
+
+def test_a_state_dir_under_a_file_is_one_line_naming_it(tmp_path: Path) -> None:
+    """A state dir that cannot be created (under a regular file) or that is a file: StoreUnavailable
+    naming the directory, one line."""
+    (tmp_path / "file").write_text("")
+    with pytest.raises(StoreUnavailable) as caught:
+        StateStore(str(tmp_path / "file" / "state"))
+    assert str(caught.value) == (
+        f"state directory {tmp_path / 'file' / 'state'} cannot be created: Not a directory"
+    )
+    with pytest.raises(StoreUnavailable) as caught:
+        StateStore(str(tmp_path / "file"))
+    assert str(caught.value) == f"state directory {tmp_path / 'file'} is not a directory"
+
+
+def test_a_newer_schema_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A store written by a newer kvmapd is not touched: StoreUnavailable naming it and both
+    schema versions."""
+    store = _saved(tmp_path)
+    store._db.execute("UPDATE meta SET value = '99' WHERE key = 'schema'")
+    store.close()
+    with pytest.raises(StoreUnavailable, match=r"schema 99 is newer than this kvmapd \(1\)$"):
+        StateStore(str(tmp_path))
+    assert not list(tmp_path.glob("*.corrupt-*"))
+
+
+def test_without_a_state_dir_the_store_is_in_memory() -> None:
+    """No state dir: an in-memory database with the same behaviour (the daemon has one path)."""
+    store = StateStore("")
+    assert not store.persistent
+    store.save_worker(_request("one"), W1, {}, "coalesce", 1)
+    assert store.generations() == {W1: 1}
+    store.close()
