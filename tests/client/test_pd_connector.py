@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvmap.client.client import KvmapClient
-from kvmap.client.errors import Unavailable
+from kvmap.client.errors import PermissionDenied, Unavailable
 from kvmap.client.geometry import LayerSpec, build_registration
 from kvmap.client.pd import (
     CAPABILITY_KEY,
@@ -499,3 +499,85 @@ def test_options_from_extra_config() -> None:
     ]:
         with pytest.raises(ValueError, match=message):
             ConnectorOptions.from_extra_config(extra, producer=True)
+
+
+def test_a_pull_broken_by_its_own_daemon_restarting_is_issued_again(
+    pair: tuple[Side, Side],
+) -> None:
+    """The decode daemon goes down while a pull runs (its stream breaks UNAVAILABLE): the load is
+    not failed; once the daemon is back (restarted, the worker registered again by its session)
+    the pull is issued again with the same capability and the right bytes land, the load counts
+    as received, and the prefill side frees its blocks on the one transfer_finished."""
+    p, d = pair
+    kv = prefill_request(p, "req-p", [4, 5], tokens=20)
+    seen: list[transfers_pb2.TransferSpec] = []
+    broke = threading.Event()
+
+    def break_first(spec: transfers_pb2.TransferSpec) -> None:
+        seen.append(spec)
+        if len(seen) == 1:
+            d.daemon.stop()
+            broke.set()
+            raise Unavailable("UNAVAILABLE: Socket closed")
+
+    d.daemon.pull_hook = break_first
+    d.sched.after_alloc("req-d", dict(kv), [[9, 10]], 20)
+    d.worker.start(d.sched.build_meta())
+    assert broke.wait(5)
+    r = d.worker.poll()
+    assert not r.finished_recving and d.worker.pending_loads == 1
+    d.daemon.restart()
+    r = step(d)
+    assert r.finished_recving == {"req-d"} and not r.failed_recving
+    assert len(seen) == 2 and seen[0].capability == seen[1].capability
+    assert torch.equal(d.kv[LAYERS[0]][9], p.kv[LAYERS[0]][4])
+    assert torch.equal(d.kv[LAYERS[1]][10], p.kv[LAYERS[1]][5])
+    assert step(p).finished_sending == {"req-p"}
+    assert d.worker.session is not None and d.worker.session.registrations == 2
+
+
+def test_a_daemon_that_stays_down_fails_the_load_at_its_timeout(pair: tuple[Side, Side]) -> None:
+    """When the decode daemon goes down under a pull and does not come back, the pull is issued
+    again only until the load's transfer_timeout_s has passed (the test moves the worker's
+    clock past it): then the load fails with the daemon's UNAVAILABLE, before the watchdog."""
+    p, d = pair
+    kv = prefill_request(p, "req-p", [3], tokens=8)
+    tries: list[int] = []
+    broke = threading.Event()
+
+    def break_it(spec: transfers_pb2.TransferSpec) -> None:
+        tries.append(1)
+        d.daemon.stop()
+        broke.set()
+        raise Unavailable("UNAVAILABLE: Socket closed")
+
+    d.daemon.pull_hook = break_it
+    d.sched.after_alloc("req-d", dict(kv), [[6]], 8)
+    d.worker.start(d.sched.build_meta())
+    assert broke.wait(5)
+    d.clock.now += d.worker.options.transfer_timeout_s
+    r = step(d)
+    assert r.finished_recving == r.failed_recving == {"req-d"}
+    assert "UNAVAILABLE" in d.worker.loads[-1].error and len(tries) == 1
+    assert "no answer from kvmapd" not in d.worker.loads[-1].error
+
+
+def test_a_refused_pull_is_not_issued_again(pair: tuple[Side, Side]) -> None:
+    """A pull its daemon refuses (PERMISSION_DENIED) fails the load after one attempt, and so does
+    a peer's UNAVAILABLE reported by a daemon that did not restart."""
+    p, d = pair
+    tries: list[str] = []
+
+    def refuse(spec: transfers_pb2.TransferSpec) -> None:
+        tries.append(spec.request_id)
+        if spec.request_id == "req-p1":
+            raise PermissionDenied("PERMISSION_DENIED: capability does not allow this transfer")
+        raise Unavailable("UNAVAILABLE: remote daemon unreachable")
+
+    d.daemon.pull_hook = refuse
+    for i in (1, 2):
+        kv = prefill_request(p, f"req-p{i}", [i], tokens=8)
+        d.sched.after_alloc(f"req-d{i}", dict(kv), [[i]], 8)
+        r = step(d)
+        assert r.finished_recving == r.failed_recving == {f"req-d{i}"}
+    assert tries == ["req-p1", "req-p2"]

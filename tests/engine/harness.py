@@ -9,7 +9,7 @@ import asyncio
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,9 +24,10 @@ from kvmap.daemon.adapters.metrics import Metrics
 from kvmap.daemon.adapters.peer_client import PeerHandshake
 from kvmap.daemon.core import convert
 from kvmap.daemon.core.config import DaemonConfig
-from kvmap.daemon.core.errors import FailedPrecondition, StaleGeneration, Unavailable
+from kvmap.daemon.core.errors import HandshakeAgain, StaleGeneration, Unavailable
 from kvmap.daemon.core.geometry import WorkerKey
 from kvmap.daemon.engine.app import Adapters, DaemonApp
+from kvmap.daemon.engine.transfers import Pacing
 from kvmap.daemon.engine.workers import EventQueue, WorkerRecord
 from kvmap.v1 import peer_pb2, registry_pb2, transfers_pb2, types_pb2
 
@@ -44,8 +45,9 @@ def no_cuda() -> CudaDriver:
 class FakePeers:
     """The Peer service calls between daemons of one process: what
     ``PeerClient`` sends and ``PeerService`` answers, without gRPC
-    (``PeerClient`` reports the owner's FAILED_PRECONDITION as a stale
-    generation, and so does this)."""
+    (``PeerClient`` reports the owner's FAILED_PRECONDITION with the reason
+    HANDSHAKE_AGAIN as a stale generation, and so does this; any other error
+    passes through as it is)."""
 
     def __init__(self, directory: dict[str, DaemonApp]) -> None:
         self._directory = directory
@@ -99,7 +101,7 @@ class FakePeers:
         try:
             # What PeerService.BeginTransfer runs.
             lease = app.begin_transfer(req)
-        except FailedPrecondition:
+        except HandshakeAgain:
             raise StaleGeneration(str(req.worker), req.generation, 0) from None
         self.tokens.append(lease.token)
         return lease.token
@@ -110,6 +112,32 @@ class FakePeers:
 
     async def close(self) -> None:
         pass
+
+
+class VirtualClock:
+    """The clock of a transfer's retries, moved only by its sleeps: backoff
+    costs no real time and deadlines are exact. ``on_sleep`` (awaited with
+    the number of the sleep, from 1) lets a test act during a pause, as a
+    restart happens while a puller waits to try again."""
+
+    def __init__(self, on_sleep: Callable[[int], Awaitable[None]] | None = None) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+        self.on_sleep = on_sleep
+
+    def time(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+        if self.on_sleep is not None:
+            await self.on_sleep(len(self.sleeps))
+        await asyncio.sleep(0)
+
+    def pacing(self) -> Pacing:
+        """Backoff on this clock, without jitter (every draw 0)."""
+        return Pacing(now=self.time, sleep=self.sleep, draw=lambda: 0.0)
 
 
 @dataclass
@@ -286,10 +314,13 @@ class Cluster:
     workers: list[Worker] = field(default_factory=list)
     dirs: list[str] = field(default_factory=list)
 
-    async def node(self, name: str, instance: str = "", **config: float) -> Node:
+    async def node(
+        self, name: str, instance: str = "", pacing: Pacing | None = None, **config: float
+    ) -> Node:
         """Start a daemon reachable as ``<name>:1``; its agent is
         ``kvmapd-<instance>`` (``instance`` defaults to the name: a restarted
-        daemon has a new one)."""
+        daemon has a new one); its transfers retry on ``pacing`` (the real
+        clock by default)."""
         # Short: a Unix socket path has a 108-byte limit.
         tmp = tempfile.mkdtemp(prefix="kvm-")
         self.dirs.append(tmp)
@@ -299,6 +330,7 @@ class Cluster:
             peers=peers,
             shm=ShmImporter(),
             cuda=CudaIpcImporter(no_cuda),
+            pacing=pacing or Pacing(),
         )
         # A failed test must not wait the default 30 s for a pinned record.
         config.setdefault("transfer_timeout_s", 5.0)
@@ -317,6 +349,11 @@ class Cluster:
             w.fill(seed)
         self.workers.append(w)
         return w
+
+    def crash(self, node: Node) -> None:
+        """The daemon stops answering peers without closing anything (a
+        ``kill -9``: nothing it holds is released or deregistered)."""
+        self.directory.pop(node.target, None)
 
     async def stop(self, node: Node) -> None:
         self.directory.pop(node.target, None)

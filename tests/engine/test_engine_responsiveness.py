@@ -12,6 +12,7 @@ import pytest
 from harness import BLOCKS, SIZE, Cluster, Node, Worker, cluster, run, spec
 
 from kvmap.daemon.core.errors import InvalidArgument, ResourceExhausted, Unavailable
+from kvmap.daemon.core.retry import RetryPolicy
 from kvmap.daemon.core.transfer_plan import MAX_GROUPS_PER_TRANSFER
 from kvmap.daemon.engine import transfers
 from kvmap.v1 import transfers_pb2
@@ -22,8 +23,10 @@ DONE = transfers_pb2.TRANSFER_STATE_DONE
 HANDSHAKING = transfers_pb2.TRANSFER_STATE_HANDSHAKING
 
 
-async def two(c: Cluster) -> tuple[Node, Worker, Node, Worker]:
-    a, b = await c.node("a"), await c.node("b")
+async def two(
+    c: Cluster, pacing: transfers.Pacing | None = None
+) -> tuple[Node, Worker, Node, Worker]:
+    a, b = await c.node("a", pacing=pacing), await c.node("b")
     wa, wb = c.worker("decode", seed=5), c.worker("prefill", seed=3)
     await a.register(wa)
     await b.register(wb)
@@ -112,11 +115,13 @@ def test_concurrent_pulls_to_one_target_share_one_handshake() -> None:
 
 def test_a_failed_handshake_is_shared_but_not_kept() -> None:
     """Two pulls sharing a handshake with a target where nothing listens both fail UNAVAILABLE
-    from one handshake; once a daemon listens there, the next pull handshakes again and works."""
+    from one handshake (the puller's backoff leaves no time for a retry); once a daemon listens
+    there, the next pull handshakes again and works."""
+    no_time_to_retry = transfers.Pacing(policy=RetryPolicy(initial_s=3600.0, max_s=3600.0))
 
     async def main() -> None:
         async with cluster() as c:
-            a, wa, b, wb = await two(c)
+            a, wa, b, wb = await two(c, no_time_to_retry)
             release = a.peers.hold("late:1")
             failing = [
                 pull_to(a, spec(wa, b, wb, [(i, i)], request_id=f"f{i}"), "late:1")

@@ -7,9 +7,21 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from harness import BLOCKS, ROW, Cluster, Node, Worker, cluster, next_event, run, spec
+from harness import (
+    BLOCKS,
+    ROW,
+    Cluster,
+    Node,
+    VirtualClock,
+    Worker,
+    cluster,
+    next_event,
+    run,
+    spec,
+)
 
 from kvmap.daemon.core.errors import DeadlineExceeded, NotFound, StaleGeneration, Unavailable
+from kvmap.daemon.engine.transfers import Pacing
 from kvmap.v1 import registry_pb2, transfers_pb2
 
 pytestmark = pytest.mark.timeout(60)
@@ -18,9 +30,10 @@ DONE = transfers_pb2.TRANSFER_STATE_DONE
 HANDSHAKING = transfers_pb2.TRANSFER_STATE_HANDSHAKING
 
 
-async def two(c: Cluster) -> tuple[Node, Worker, Node, Worker]:
-    """Daemon a with decode worker wa (seed 5), daemon b with prefill worker wb (seed 3)."""
-    a, b = await c.node("a"), await c.node("b")
+async def two(c: Cluster, pacing: Pacing | None = None) -> tuple[Node, Worker, Node, Worker]:
+    """Daemon a (retrying on ``pacing``) with decode worker wa (seed 5), daemon
+    b with prefill worker wb (seed 3)."""
+    a, b = await c.node("a", pacing=pacing), await c.node("b")
     wa, wb = c.worker("decode", seed=5), c.worker("prefill", seed=3)
     await a.register(wa)
     await b.register(wb)
@@ -154,13 +167,15 @@ def test_unknown_remote_worker_is_not_found() -> None:
 
 
 def test_remote_that_died_in_flight_fails_and_ends_the_lease() -> None:
-    """A remote daemon whose agent vanishes while the pull is in flight makes
-    it Unavailable; the owner is told the transfer did not complete, and
+    """A remote daemon whose agent vanishes while the pull is in flight (and
+    never comes back) makes it Unavailable once its retries have used the
+    deadline; the owner is told of each attempt that it did not complete, and
     nothing stays pinned or posted on the puller."""
 
     async def main() -> None:
         async with cluster() as c:
-            a, wa, b, wb = await two(c)
+            clock = VirtualClock()
+            a, wa, b, wb = await two(c, clock.pacing())
             net = a.agent.network
             net.hold()
             pull = asyncio.create_task(a.transfer(spec(wa, b, wb, [(0, 1)])))
@@ -169,7 +184,8 @@ def test_remote_that_died_in_flight_fails_and_ends_the_lease() -> None:
             net.release_held()
             with pytest.raises(Unavailable):
                 await pull
-            assert [completed for _, completed in a.peers.ended] == [False]
+            assert clock.sleeps, "a remote that disconnects is tried again"
+            assert [completed for _, completed in a.peers.ended] == [False] * len(a.peers.tokens)
             assert len(b.app.leases) == 0 and b.app.table.get(wb.key).pins == 0
             assert a.app.table.get(wa.key).pins == 0 and a.agent.in_flight == ()
 

@@ -29,8 +29,10 @@ decode (those params, with ``do_remote_prefill: true``)
     well-formed capability never become a pull. A pull that fails (or is
     never sent), or does not finish within
     ``transfer_timeout_s`` (plus a grace period), is reported as a failed
-    load: vLLM recomputes the prompt (``kv_load_failure_policy: recompute``)
-    or fails the request (``fail``, vLLM's default), and never waits forever.
+    load (a pull that broke because this pod's own kvmapd restarted under it
+    is first issued again, with backoff, until that timeout): vLLM recomputes
+    the prompt (``kv_load_failure_policy: recompute``) or fails the request
+    (``fail``, vLLM's default), and never waits forever.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import concurrent.futures
 import logging
 import os
 import queue
+import random
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -47,8 +50,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvmap.client.client import KvmapClient
-from kvmap.client.errors import KvmapClientError
+from kvmap.client.errors import KvmapClientError, NotFound, Unavailable
 from kvmap.client.session import Backoff, WorkerSession
+from kvmap.daemon.core.retry import RetryPolicy
 from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
 
 log = logging.getLogger("kvmap.client.pd")
@@ -584,13 +588,64 @@ class WorkerCore:
             log.warning("request %s: cannot load remote KV: %s", task.request_id, err)
             self._loading[task.request_id] = _Load(task, None, None, now, deadline, str(err))
             return
-        future = self._pool.submit(self._pull, spec)
+        future = self._pool.submit(self._pull, spec, now + self.options.transfer_timeout_s)
         self._loading[task.request_id] = _Load(task, spec, future, now, deadline)
 
-    def _pull(self, spec: transfers_pb2.TransferSpec) -> int:
-        # The gRPC deadline sits a little past the daemon's own deadline.
-        result = self.client.pull(spec, timeout_s=self.options.transfer_timeout_s + 2.0)
-        return result.bytes
+    def _pull(self, spec: transfers_pb2.TransferSpec, deadline: float) -> int:
+        """Pull; a pull that broke because this pod's kvmapd restarted under
+        it is issued again (same capability: the owner's grant outlives a
+        failed attempt) after a backoff, while ``deadline`` allows."""
+        opts = self.options
+        policy = RetryPolicy(
+            opts.reconnect_initial_s, max(opts.reconnect_max_s, opts.reconnect_initial_s)
+        )
+        attempt = 0
+        while True:
+            before = self._daemon_instance()
+            try:
+                # The gRPC deadline sits a little past the daemon's own deadline.
+                timeout_s = spec.timeout_ms / 1000 + 2.0
+                return self.client.pull(spec, timeout_s=timeout_s).bytes
+            except KvmapClientError as err:
+                remaining = deadline - self.clock()
+                pause = None
+                if self._local_daemon_restarted(err, before):
+                    pause = policy.next_delay(attempt, random.random(), remaining)
+                if pause is None:
+                    raise
+                log.info(
+                    "request %s: pull broke as kvmapd restarted (%s); again in %.2fs",
+                    spec.request_id,
+                    err.message,
+                    pause,
+                )
+            time.sleep(pause)
+            attempt += 1
+            # The daemon's deadline is what is left of the load's.
+            spec = _with_timeout(spec, deadline - self.clock())
+
+    def _daemon_instance(self) -> str:
+        """The kvmapd instance this worker is attached to ("" before any)."""
+        return self.session.daemon_instance if self.session is not None else ""
+
+    def _local_daemon_restarted(self, err: KvmapClientError, before: str) -> bool:
+        """Whether a failed pull met this pod's own kvmapd restarting: the
+        decode side's one classification of a failed pull. Its UNAVAILABLE or
+        NOT_FOUND (the restarted daemon does not know the worker yet) count
+        only when the daemon is down now or is another instance than the one
+        the worker was attached to when the pull began; from the same
+        instance they are the peer's (the daemon already retried those) or
+        final. Everything else (PERMISSION_DENIED, INVALID_ARGUMENT, ...)
+        never is."""
+        if not isinstance(err, Unavailable | NotFound):
+            return False
+        try:
+            now = self.client.get_stats().daemon_instance
+        except Unavailable:
+            return True  # still down: restarting (the deadline bounds the wait)
+        except KvmapClientError:
+            return False
+        return bool(before) and now != before
 
     def poll(self) -> TransferResults:
         """What finished since the last call (vLLM's ``get_finished``)."""
@@ -712,6 +767,13 @@ def _revoke(client: KvmapClient, worker: types_pb2.WorkerId, request_id: str) ->
         client.revoke_transfer(worker, request_id)
     except KvmapClientError as err:
         log.warning("request %s: revoking its transfer grant failed: %s", request_id, err.message)
+
+
+def _with_timeout(spec: transfers_pb2.TransferSpec, seconds: float) -> transfers_pb2.TransferSpec:
+    out = transfers_pb2.TransferSpec()
+    out.CopyFrom(spec)
+    out.timeout_ms = max(1, int(seconds * 1000))
+    return out
 
 
 def _describe(exc: BaseException) -> str:

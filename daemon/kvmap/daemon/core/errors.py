@@ -6,7 +6,9 @@
     ├── AlreadyExists        ALREADY_EXISTS
     ├── PermissionDenied     PERMISSION_DENIED  (the caller may not do this; says no more)
     ├── FailedPrecondition   FAILED_PRECONDITION
-    │   └── StaleGeneration  (a peer's region map changed under a transfer)
+    │   └── HandshakeAgain   (reason HANDSHAKE_AGAIN: a fresh handshake cures it)
+    │       └── StaleGeneration  (a peer's region map changed under a transfer)
+    │           └── RequestedGenerationGone (the spec's generation; no cure)
     ├── ResourceExhausted    RESOURCE_EXHAUSTED (a stated limit was hit)
     ├── Unavailable          UNAVAILABLE        (a peer or the daemon is unreachable / draining)
     ├── DeadlineExceeded     DEADLINE_EXCEEDED
@@ -111,6 +113,12 @@ class StaleGeneration(HandshakeAgain):
         )
         self.expected = expected
         self.current = current
+
+
+class RequestedGenerationGone(StaleGeneration):
+    """A transfer spec pins a remote generation that a fresh handshake shows
+    is not current: asking again cannot bring it back, so it is never retried
+    (``core.retry``)."""
 
 
 class ResourceExhausted(KvmapError):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import structlog
@@ -43,7 +43,7 @@ from kvmap.daemon.engine.grants import GrantTable
 from kvmap.daemon.engine.leases import DEFAULT_LEASE_S, Lease, LeaseTable, token_of
 from kvmap.daemon.engine.progress import Progress
 from kvmap.daemon.engine.registration import Registrar
-from kvmap.daemon.engine.transfers import Peers, TransferEngine
+from kvmap.daemon.engine.transfers import Pacing, Peers, TransferEngine
 from kvmap.daemon.engine.workers import WorkerRecord, WorkerTable
 from kvmap.v1 import admin_pb2, peer_pb2, registry_pb2
 
@@ -60,6 +60,8 @@ class Adapters:
     # shares) what it has open in the process.
     shm: ShmImporter
     cuda: CudaIpcImporter
+    # The clock and backoff of a transfer's retries (tests: a virtual clock).
+    pacing: Pacing = field(default_factory=Pacing)
 
     @classmethod
     def for_config(cls, config: DaemonConfig) -> Adapters:
@@ -144,6 +146,7 @@ class DaemonApp:
             peers=self.adapters.peers,
             metrics=self.metrics,
             counters=self.counters,
+            pacing=self.adapters.pacing,
         )
         self._registrar = Registrar(
             table=self.table,

@@ -13,14 +13,22 @@ was prepared against it before anything new is posted.
 Handshakes are single-flight per (target, worker) and never hold a lock
 while they wait for the network: a slow or silent peer delays only the
 pulls to that peer, and at most ``MAX_HANDSHAKES_IN_FLIGHT`` wait at once.
+
+A transfer whose attempt fails because the owner's daemon or worker is
+restarting (``core.retry.retryable``: UNAVAILABLE, HANDSHAKE_AGAIN) is tried
+again from a fresh handshake, after a backoff (``Pacing``), for as long as
+its deadline allows; then it fails with the last error. A stale generation
+is first re-handshaken at once, without waiting: the owner is up.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import random
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
@@ -43,12 +51,15 @@ from kvmap.daemon.core.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
+    KvmapError,
     PermissionDenied,
+    RequestedGenerationGone,
     StaleGeneration,
     TransferError,
     Unavailable,
 )
 from kvmap.daemon.core.geometry import DeviceKind, RegionMapModel, WorkerKey
+from kvmap.daemon.core.retry import RetryPolicy, retryable
 from kvmap.daemon.core.transfer_pieces import LayerSelection, PieceTable, Side, build_piece_table
 from kvmap.daemon.core.transfer_plan import (
     GroupPairs,
@@ -88,6 +99,18 @@ class Peers(Protocol):
     async def begin(self, target: str, req: peer_pb2.BeginTransferRequest) -> str: ...
     async def end(self, target: str, token: str, completed: bool) -> None: ...
     async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Pacing:
+    """The backoff between a transfer's attempts: its policy, and the clock,
+    sleep and random draws it runs on (an engine test hands in a virtual
+    clock whose sleep only moves it, so deadlines are exact and instant)."""
+
+    policy: RetryPolicy = field(default_factory=RetryPolicy)
+    now: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+    draw: Callable[[], float] = random.random
 
 
 def side_memory(model: RegionMapModel, who: str) -> tuple[int, MemoryType]:
@@ -188,8 +211,10 @@ class TransferEngine:
         peers: Peers,
         metrics: Metrics,
         counters: admin_pb2.TransferCounters,
+        pacing: Pacing | None = None,
     ) -> None:
         self._config = config
+        self._pacing = pacing or Pacing()
         self._table = table
         self._agent = agent
         self._agent_name = agent_name
@@ -346,8 +371,9 @@ class TransferEngine:
         record.pin()
         self.in_flight += 1
         try:
+            deadline = self._pacing.now() + req.timeout_s
             async with asyncio.timeout(req.timeout_s):
-                async for item in self._run(req, record, write):
+                async for item in self._retried(req, record, write, deadline):
                     yield item
             self._metrics.transfers.labels(direction, "done").inc()
             if write:
@@ -368,12 +394,45 @@ class TransferEngine:
             self.in_flight -= 1
             record.unpin()
 
-    async def _run(
-        self, req: Request, record: WorkerRecord, write: bool
+    async def _retried(
+        self, req: Request, record: WorkerRecord, write: bool, deadline: float
     ) -> AsyncIterator[transfers_pb2.TransferStatus]:
+        """Attempts of one transfer until one succeeds, one fails for good, or
+        the time left cannot hold the next pause (then the last error)."""
+        pacing = self._pacing
         handshaked = False
+        for attempt in itertools.count():
+            try:
+                async for item in self._run(req, record, write, attempt > 0, handshaked):
+                    handshaked |= item.state == transfers_pb2.TRANSFER_STATE_HANDSHAKING
+                    yield item
+                return
+            except KvmapError as err:
+                pause = (
+                    pacing.policy.next_delay(attempt, pacing.draw(), deadline - pacing.now())
+                    if retryable(err)
+                    else None
+                )
+                if pause is None:
+                    raise
+                log.info(
+                    "transfer_retry",
+                    request_id=req.request_id,
+                    target=req.target,
+                    worker=str(req.remote),
+                    attempt=attempt + 1,
+                    pause_s=round(pause, 3),
+                    error=str(err),
+                )
+            await pacing.sleep(pause)
+
+    async def _run(
+        self, req: Request, record: WorkerRecord, write: bool, renew: bool, handshaked: bool
+    ) -> AsyncIterator[transfers_pb2.TransferStatus]:
+        """One attempt; ``renew`` asks the owner for a fresh handshake (a
+        failed attempt may have met its restart)."""
         for attempt in (0, 1):
-            hs, fresh = await self._remote(req, refresh=attempt > 0)
+            hs, fresh = await self._remote(req, refresh=renew or attempt > 0)
             handshaked |= fresh
             if fresh:
                 yield status(
@@ -407,7 +466,7 @@ class TransferEngine:
         plan and the owner's lease token; None when the owner reports a stale
         generation and ``retry`` allows one more handshake."""
         if req.expected_generation and req.expected_generation != hs.generation:
-            raise StaleGeneration(str(req.remote), req.expected_generation, hs.generation)
+            raise RequestedGenerationGone(str(req.remote), req.expected_generation, hs.generation)
         prepared = await self._prepare(record, hs, req, write)
         try:
             plan = plan_transfer(
