@@ -16,8 +16,8 @@
 #               machine. The .venv that .ci/setup makes here does not do: its torch is the
 #               CPU build, and it is far larger than the 64 MiB a device run carries.
 # Installs nothing into the system: packages go to a temporary --target directory, and the
-# project goes on PYTHONPATH as a symlink tree of the layout pyproject.toml maps
-# (kvmap.daemon -> daemon/, kvmap.client -> client/, kvmap.v1 -> protos/gen/kvmap/v1).
+# project's source roots go on PYTHONPATH (daemon/, client/, protos/gen/, tools/: each
+# holds part of the kvmap namespace package in folders named as they are imported).
 #
 # Steps (each bounded by `timeout`; later steps run even when one fails):
 #   1. environment: GPU, driver, python, torch;
@@ -60,12 +60,10 @@ elif ! "$py" -c 'import nixl._api, structlog, grpc_health, grpc_reflection' 2>/d
     "grpcio>=1.85.1" grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
     "protobuf>=7.35.1" structlog prometheus-client
 fi
-mkdir -p "$work/src/kvmap"
-ln -s "$root/daemon" "$work/src/kvmap/daemon"
-ln -s "$root/client" "$work/src/kvmap/client"
-ln -s "$root/protos/gen/kvmap/v1" "$work/src/kvmap/v1"
+# The source roots of the kvmap namespace package (folders named as imported).
+src="$root/daemon:$root/client:$root/protos/gen:$root/tools"
 # Ours first, then the wheels (they replace an older grpcio/protobuf of the image).
-export PYTHONPATH="$work/src:$site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$src:$site${PYTHONPATH:+:$PYTHONPATH}"
 if ! "$py" -c '
 import torch, nixl._api, kvmap.daemon.api.server, kvmap.daemon.adapters.cuda_ipc, kvmap.v1.registry_pb2_grpc
 assert torch.cuda.is_available(), "torch sees no CUDA device"
