@@ -1,12 +1,16 @@
-"""A pull that starts while the owner's kvmapd is down (``kill -9``) lands
-once the daemon is back on the same state dir and port: the puller's daemon
-retries with backoff, the restarted owner still has the worker and the grant,
-and the owner's worker hears of the pull exactly once."""
+"""A pull that starts while the owner's kvmapd is down (``kill -9`` or a
+graceful SIGTERM, as in an upgrade) lands once the daemon is back on the same
+state dir and port: the puller's daemon retries with backoff (and counts the
+retries in its metrics), the restarted owner still has the worker and the
+grant, and the owner's worker hears of the pull exactly once."""
 
 from __future__ import annotations
 
+import re
+import socket
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -58,13 +62,36 @@ def _wait_for_retry(daemon: DaemonProc) -> None:
     raise AssertionError(f"the pull was never retried\n{daemon.log()}")
 
 
-def test_a_pull_started_while_the_owner_is_killed_lands_after_its_restart(tmp_path: Path) -> None:
-    """Grant, then ``kill -9`` the prefill daemon; the decode's pull starts during the gap and is
-    retried (its daemon logs transfer_retry) until the prefill daemon restarts on the same state
-    dir and port; the pull then succeeds with the grant minted before the kill. The prefill
-    worker, attaching to the restarted daemon, hears that pull's transfer_finished once: the next
-    event is a later pull's, not a repeat; and the spent capability admits nothing more. (Pins:
-    the decode daemon's retry, the persisted grant, one notification per completed pull.)"""
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+def _retries(metrics_port: int) -> float:
+    """The daemon's kvmap_transfer_retries for pulls that met UNAVAILABLE."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
+    found = re.search(
+        r'^kvmap_transfer_retries_total\{code="UNAVAILABLE",direction="pull"\} (\S+)$',
+        text.decode(),
+        re.M,
+    )
+    return float(found.group(1)) if found else 0.0
+
+
+@pytest.mark.parametrize("stop", ["kill -9", "SIGTERM"])
+def test_a_pull_started_while_the_owner_is_down_lands_after_its_restart(
+    tmp_path: Path, stop: str
+) -> None:
+    """Grant, then stop the prefill daemon (``kill -9``, or SIGTERM: it drains and exits 0 but
+    keeps the worker and grant in its state store); the decode's pull starts during the gap and
+    is retried (its daemon logs transfer_retry and counts it in kvmap_transfer_retries) until the
+    prefill daemon restarts on the same state dir and port; the pull then succeeds with the grant
+    minted before the stop. The prefill worker, attaching to the restarted daemon, hears that
+    pull's transfer_finished once: the next event is a later pull's, not a repeat; and the spent
+    capability admits nothing more. (Pins: the decode daemon's retry and its metric, the
+    persisted grant, one notification per completed pull.)"""
     kv_file = tmp_path / "kv.bin"
     kv_file.write_bytes(bytes(range(256)) * (16 * 3 * 32 * 656 // 256))
     state = tmp_path / "state"
@@ -74,9 +101,16 @@ def test_a_pull_started_while_the_owner_is_killed_lands_after_its_restart(tmp_pa
         registry.RegisterWorker(registration(kv_file), timeout=10)
         attach = _attach(ch)
         capability = _grant(registry, "gap", [5, 6])
-        prefill.kill()
+        if stop == "SIGTERM":
+            assert prefill.terminate() == 0, prefill.log()
+        else:
+            prefill.kill()
         attach.cancel()
-    decode = start_daemon(tmp_path / "q", name="decode")
+    metrics_port = _free_port()
+    decode = start_daemon(
+        tmp_path / "q", "--metrics-listen", f"127.0.0.1:{metrics_port}", name="decode"
+    )
+    assert _retries(metrics_port) == 0
     dw = start_worker(decode, "decode", *GEO, "--indexer-layers", "1")
     restarted: list[DaemonProc] = []
     result: dict[str, Any] = {}
@@ -98,6 +132,7 @@ def test_a_pull_started_while_the_owner_is_killed_lands_after_its_restart(tmp_pa
         puller.join(60)
         assert result.get("ok"), result
         assert result["stats"]["bytes"] > 0
+        assert _retries(metrics_port) >= 1
         _wait_until_no_lease(restarted[0])
         with restarted[0].channel() as ch:
             registry = registry_pb2_grpc.RegistryStub(ch)

@@ -40,6 +40,13 @@ class Metrics:
             "kvmap_transfers", "Transfers by direction and outcome", ["direction", "outcome"],
             registry=r,
         )  # fmt: skip
+        # Attempts of a transfer retried after its peer or this daemon met a
+        # restart: during an upgrade this rises while kvmap_transfers stays
+        # "done" (a failure there means the retries ran out of deadline).
+        self.transfer_retries = Counter(
+            "kvmap_transfer_retries", "Transfer attempts retried, by the error that ended them",
+            ["direction", "code"], registry=r,
+        )  # fmt: skip
         self.transfer_bytes = Counter("kvmap_transfer_bytes", "Bytes moved", registry=r)
         self.transfer_descriptors = Counter(
             "kvmap_transfer_descriptors", "Descriptors posted", registry=r

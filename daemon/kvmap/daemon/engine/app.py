@@ -369,7 +369,8 @@ class DaemonApp:
         if self._progress is not None:
             await self._progress.stop()
         for record in self.table.records():
-            await self.registrar.deregister(record.key, forget_unsaved=True)
+            # Kept in the store: the daemon that replaces this one restores it.
+            await self.registrar.release_kept(record.key)
         await self.fds.close()
         if self._agent is not None:
             await self.nixl(self._agent.close)

@@ -341,6 +341,15 @@ class Registrar:
         log.info("worker_deregistered", worker=str(key), generation=record.generation)
         return record
 
+    async def release_kept(self, key: WorkerKey) -> None:
+        """The daemon stops (SIGTERM, an upgrade): release the worker here but
+        keep its stored row, so that the next daemon on this state dir
+        restores it, its grants and pending events, as after a ``kill -9``."""
+        async with self._table.lock:
+            record = self._table.pop(key)
+        await self.retire(record)
+        log.info("worker_released_kept", worker=str(key), generation=record.generation)
+
     async def replan(self, planner: Planner) -> list[WorkerRecord]:
         """Re-plan every live worker over its existing registrations."""
         done: list[WorkerRecord] = []

@@ -415,6 +415,9 @@ class TransferEngine:
                 )
                 if pause is None:
                     raise
+                self._metrics.transfer_retries.labels(
+                    "push" if write else "pull", err.code.name
+                ).inc()
                 log.info(
                     "transfer_retry",
                     request_id=req.request_id,
