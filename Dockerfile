@@ -11,6 +11,8 @@
 #     -t ghcr.io/kvmap/vllm-kvmap:0.1.0 .
 # The build context is an allowlist (.dockerignore): pyproject.toml, README.md,
 # the package sources and the default config.
+# Without a Docker engine: deploy/image/build-and-check.sh builds this file
+# with buildah and checks the image against deploy/k8s (docs/image.md).
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG VLLM_IMAGE=vllm/vllm-openai:latest
@@ -50,10 +52,15 @@ RUN python3 -m pip install --no-cache-dir --no-deps /tmp/kvmap-src \
 # ---------------------------------------------------------------------------
 # Default target: the kvmapd sidecar.
 FROM ${PYTHON_IMAGE} AS kvmapd
-# rdma-core user space for UCX's RDMA transports (NIXL's UCX backend); the
-# CUDA driver comes from the host through the NVIDIA container runtime.
+# No rdma-core from Debian: the nixl wheels bundle UCX with its own rdma-core
+# user space (libibverbs, libmlx5, libnl). Debian's copies next to them put a
+# second libibverbs and libnl into the process (UCX's EFA transport loads
+# Debian's libefa, which links them), and kvmapd then segfaults at every exit
+# in the bundled libnl's destructor (found by deploy/image/build-and-check.sh,
+# see docs/image.md). libnuma1 is the system library the project is tested
+# with. The CUDA driver comes from the host through the NVIDIA container runtime.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends libibverbs1 ibverbs-providers librdmacm1 libnuma1 \
+ && apt-get install -y --no-install-recommends libnuma1 \
  && rm -rf /var/lib/apt/lists/*
 RUN groupadd --gid 10001 kvmap \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin kvmap \

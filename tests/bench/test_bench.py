@@ -4,6 +4,7 @@ each other (not timed: nothing here depends on how fast the machine is)."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from dataclasses import fields
@@ -22,6 +23,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path
     out = tmp_path_factory.mktemp("bench")
     png = out / "bench.png"
     args = ["--profile", "tiny", "--repeats", "2", "--memcpy-mib", "16", "--json", "--quiet"]
+    args += ["--concurrency-mib", "16", "--tp8-profile", "tiny"]
     proc = subprocess.run(
         [sys.executable, "-m", "kvmap.daemon.cli.kvmapd", "bench", *args, "--plot", str(png)],
         capture_output=True,
@@ -103,7 +105,10 @@ def test_figures_are_consistent(tiny: tuple[dict[str, Any], Path]) -> None:
         assert r["agent_metadata_bytes"] > 0 and r["region_map_bytes"] > 0, name
         # Every byte of every timed pull was checked, and it was right.
         assert r["verified"] and r["bad_blocks"] == 0, name
-        assert r["bytes_verified"] == r["pull_bytes"] + r["bytes_scattered"] + r["bytes_contiguous"]
+        assert r["bytes_verified"] == (
+            r["pull_bytes"] + r["bytes_scattered"] + r["bytes_contiguous"]
+            + _scaled_bytes(result["profile_info"]["tiny"])
+        ), name  # fmt: skip
         assert r["bytes_scattered"] == r["bytes_contiguous"] > 0, name
         assert r["owner_notified"] == r["pulls"], name
         assert r["first_contact_handshaked"], name
@@ -112,6 +117,7 @@ def test_figures_are_consistent(tiny: tuple[dict[str, Any], Path]) -> None:
         assert all(n > 0 for n in r["daemon_rss_bytes"].values()), name
         assert len(r["samples"]["scattered"]["post_seconds"]) == 2, name
     coalesce = result["profiles"]["tiny"]["coalesce"]
+    assert coalesce["post_us_per_descriptor"] > 0
     assert coalesce["regions"] == 2  # one full-row region per allocation
     assert coalesce["descriptors"] == 2 * blocks
     assert coalesce["descriptors_per_transfer_contiguous"] == 2  # one run per group
@@ -139,6 +145,70 @@ def test_typed_result_writes_the_same_json(tiny: tuple[dict[str, Any], Path]) ->
     assert json.dumps(typed.to_json(), indent=2) == json.dumps(result, indent=2)
     assert typed.verified
     assert typed.profiles["tiny"]["baseline"].vs_baseline is None
+
+
+def _scaled_bytes(info: dict[str, Any]) -> int:
+    """Bytes of the descriptor-cost request and of every concurrency request
+    at their page scales (each verified once)."""
+    profile = get_profile("tiny")
+    scattered, _ = runner.requests(profile)
+    desc = runner.request_bytes(profile.geometry(info["descriptor_cost_divisor"]), scattered)
+    pairs, reqs = runner.concurrent_requests(profile, max(results.CONCURRENCY))
+    assert pairs == info["concurrency_workers"]
+    conc = profile.geometry(info["concurrency_divisor"])
+    return desc + sum(runner.request_bytes(conc, req) for _, req in reqs)
+
+
+@pytest.mark.integration
+def test_concurrency_and_raw_nixl_figures(tiny: tuple[dict[str, Any], Path]) -> None:
+    """Every planner reports each concurrency level (percentiles ordered, one sample per pull of
+    every round, kvmap's and raw NIXL's), the descriptor cost per descriptor from its own samples,
+    and raw NIXL figures whose ratio to kvmap is the one reported."""
+    result, _ = tiny
+    levels = [str(n) for n in results.CONCURRENCY]
+    for name, r in result["profiles"]["tiny"].items():
+        assert list(r["concurrency"]) == levels, name
+        for n in levels:
+            c, lat = r["concurrency"][n], r["samples"]["concurrency"][n]
+            assert set(c) == {f.name for f in fields(results.Concurrency)}
+            assert 0 < c["post_p50_seconds"] <= c["post_p95_seconds"] <= c["post_max_seconds"]
+            assert 0 < c["pull_p50_seconds"] <= c["pull_p95_seconds"]
+            assert c["post_max_seconds"] == max(lat["post_seconds"])
+            for key in ("post_seconds", "pull_seconds", "raw_post_seconds", "raw_pull_seconds"):
+                assert len(lat[key]) == 2 * int(n), (name, n, key)  # 2 rounds of N pulls
+            # A pull waits for its own post: Pull-to-DONE covers it.
+            assert all(
+                p >= q for p, q in zip(lat["pull_seconds"], lat["post_seconds"], strict=True)
+            )
+        desc = r["samples"]["descriptor_cost"]
+        assert len(desc["post_seconds"]) == 2
+        per = statistics.median(desc["post_seconds"]) / r["descriptors_per_transfer_scattered"]
+        assert r["post_us_per_descriptor"] == pytest.approx(per * 1e6)
+        raw = r["raw_nixl"]
+        assert set(raw) == {"pull_seconds", "gbps", "post_seconds"}
+        assert raw["pull_seconds"] > 0 and raw["gbps"] > 0 and raw["post_seconds"] > 0
+        top = r["concurrency"][levels[-1]]["pull_p95_seconds"]
+        assert r["pull_vs_raw_nixl"] == pytest.approx(top / raw["pull_seconds"])
+        assert len(r["samples"]["raw_bandwidth_seconds"]) == 2
+
+
+@pytest.mark.integration
+def test_memcpy_and_tp_pod(tiny: tuple[dict[str, Any], Path]) -> None:
+    """The run reports single-thread and all-core memcpy, and a TP pod of 8 tiny workers on one
+    daemon: all ready, the slowest within the total, one agent for the pod, every region map."""
+    result, _ = tiny
+    assert result["memcpy_gbps"] > 0 and result["memcpy_all_cores_gbps"] > 0
+    tp8 = result["tp8"]
+    assert {"workers", "ready_seconds_total", "ready_seconds_max", "daemon_rss_bytes",
+            "agent_metadata_bytes", "first_contact_seconds"} <= set(tp8)  # fmt: skip
+    assert tp8["workers"] == 8 and tp8["profile"] == "tiny"
+    assert 0 < tp8["ready_seconds_max"] <= tp8["ready_seconds_total"]
+    assert tp8["daemon_rss_bytes"] > 0 and tp8["first_contact_seconds"] >= 0
+    single = result["profiles"]["tiny"][tp8["planner"]]
+    # One agent holds every worker's memory: more than one worker's metadata...
+    assert tp8["agent_metadata_bytes"] > single["agent_metadata_bytes"]
+    # ...and eight region maps of the same geometry (names differ by a digit).
+    assert tp8["region_map_bytes"] == pytest.approx(8 * single["region_map_bytes"], rel=0.05)
 
 
 # Pure parts: no processes. ------------------------------------------------------
@@ -201,3 +271,26 @@ def test_block_pool_model() -> None:
     fresh = blockpool.contiguous(4096, [10, 3])
     assert fresh == [list(range(1, 11)), [11, 12, 13]]
     assert blockpool.ascending_pairs(fresh[0]) == 1.0
+
+
+def test_concurrent_requests_have_distinct_blocks() -> None:
+    """Requests in flight at once never share a block on either side of the same worker pair,
+    each has the profile's block counts, and the pairs are as few as the pool allows."""
+    for name in ("glm53", "tiny", "hybrid"):
+        profile = get_profile(name)
+        pairs, reqs = runner.concurrent_requests(profile, 32)
+        counts, _ = runner._own_counts(profile)
+        assert pairs == -(-32 // blockpool.per_pool(profile.num_blocks, counts)), name
+        assert len(reqs) == 32 and {w for w, _ in reqs} == set(range(pairs))
+        for w in range(pairs):
+            for side in ("local", "remote"):
+                ids = [
+                    b for pw, r in reqs if pw == w for b in getattr(r, side)[0] + (
+                        getattr(r, side)[1] if profile.request_groups[-1].own_blocks else []
+                    )
+                ]  # fmt: skip
+                assert len(ids) == len(set(ids)), (name, w, side)
+        first = reqs[0][1]
+        assert [len(ids) for ids in first.local] == [
+            profile.group_blocks(g) for g in profile.request_groups
+        ]

@@ -13,6 +13,7 @@ Every call has a deadline and every wait is bounded.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import itertools
 import queue
@@ -903,6 +904,28 @@ def test_a_capability_is_used_up_by_its_pulls(world: World, pair: Pair) -> None:
         assert pair.events.next().transfer_finished.request_id == "twice"
     pair.decode.kv.zero_()
     assert _refused(world, pair, twice, PermissionDenied) == DENIED.format(t=target)
+
+
+def test_a_capability_for_several_readers_serves_each_once(world: World, pair: Pair) -> None:
+    """Decode ranks of another TP size share one prefill rank's capability
+    (granted for as many uses as ranks read it): two decode workers of one
+    daemon pull with it at once, each gets the bytes and the owner hears of
+    both; a third pull with it, by either, is refused."""
+    second = world.register("decode", "d2")
+    cap = grant(world, pair.prefill, "tp", {0: [3, 6]}, max_uses=2).capability
+    specs = [
+        make_spec(world, "tp", d, pair.prefill, [(0, [1, 2], [3, 6])], capability=cap)
+        for d in (pair.decode, second)
+    ]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        done = list(pool.map(lambda spec: run(world, "decode", spec), specs))
+    assert [states[-1].state for states in done] == [transfers_pb2.TRANSFER_STATE_DONE] * 2
+    for d in (pair.decode, second):
+        assert torch.equal(d.kv[[1, 2]], pair.prefill.kv[[3, 6]])
+    assert [pair.events.next().transfer_finished.request_id for _ in range(2)] == ["tp", "tp"]
+    pair.decode.kv.zero_()
+    target = specs[0].remote_target
+    assert _refused(world, pair, specs[0], PermissionDenied) == DENIED.format(t=target)
 
 
 def test_revoked_and_expired_capabilities_are_refused(world: World, pair: Pair) -> None:

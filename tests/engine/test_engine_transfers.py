@@ -40,6 +40,23 @@ async def two(c: Cluster, pacing: Pacing | None = None) -> tuple[Node, Worker, N
     return a, wa, b, wb
 
 
+def test_a_deadline_past_the_lease_field_still_pulls() -> None:
+    """A caller's deadline of 2^32-1 ms (the largest the wire carries) pulls
+    as any other: the owner's lease field is clamped, not overflowed (which
+    answered INTERNAL before)."""
+
+    async def main() -> None:
+        async with cluster() as c:
+            a, wa, b, wb = await two(c)
+            request = spec(wa, b, wb, [(0, 5)])
+            request.timeout_ms = 2**32 - 1
+            statuses = await a.transfer(request)
+            assert statuses[-1].state == DONE
+            assert wa.block(0) == wb.block(5)
+
+    run(main())
+
+
 def test_pull_copies_exactly_the_requested_blocks() -> None:
     """A pull of blocks 5, 1, 6 into 0, 2, 3 copies those rows (both the
     coalesced run and the single block) and leaves every other block of both

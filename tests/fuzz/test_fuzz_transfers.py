@@ -118,7 +118,7 @@ def valid_group(draw: st.DrawFn) -> dict[str, Any]:
 FAULTS = [
     "request_id", "local_worker", "target", "remote_worker", "group_id", "local_id",
     "remote_id", "lengths", "layers", "duplicate", "generation", "timeout", "no_groups",
-    "extra_group", "capability",
+    "extra_group", "capability", "num_tokens",
 ]  # fmt: skip
 
 
@@ -164,6 +164,14 @@ def _fault(draw: st.DrawFn, spec: dict[str, Any], fault: str) -> None:
         spec["groups"] = []
     elif fault == "extra_group":
         spec["groups"].append(dict(g))
+    elif fault == "num_tokens":
+        # Token mode (GroupBlocks.num_tokens) with a count no block list here
+        # can hold (4 tokens a block, with room for faults that add one), or
+        # out of range: always refused; in one group of two, also a mix of modes.
+        most = 4 * max(len(g["local"]), len(g["remote"]))
+        g["num_tokens"] = draw(
+            st.sampled_from([-1, -(2**63), 2**63 - 1, 2**40]) | st.integers(most + 64, 2**62)
+        )
     elif fault == "capability":
         spec["capability"] = draw(
             st.sampled_from(["", "<other-request>", "A" * 43, "x" * 5000]) | odd_strings
@@ -235,6 +243,7 @@ def build(c: Cluster, s: dict[str, Any]) -> transfers_pb2.TransferSpec:
             local_block_ids=g["local"],
             remote_block_ids=g["remote"],
             layer_names=g["layers"],
+            num_tokens=g.get("num_tokens", 0),
         )
     return spec
 

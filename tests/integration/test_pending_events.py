@@ -87,7 +87,7 @@ def test_finished_notification_survives_daemon_kill(tmp_path: Path) -> None:
         return restarts[-1]
 
     decode = start_daemon(tmp_path / "q", name="decode")
-    dw = start_worker(decode, "decode", *GEO, "--indexer-layers", "1")
+    dw = start_worker(decode, "decode", *GEO, "--indexer-layers", "0")
     try:
         away = restart()
         out = dw.call(

@@ -111,7 +111,7 @@ def test_a_pull_started_while_the_owner_is_down_lands_after_its_restart(
         tmp_path / "q", "--metrics-listen", f"127.0.0.1:{metrics_port}", name="decode"
     )
     assert _retries(metrics_port) == 0
-    dw = start_worker(decode, "decode", *GEO, "--indexer-layers", "1")
+    dw = start_worker(decode, "decode", *GEO, "--indexer-layers", "0")
     restarted: list[DaemonProc] = []
     result: dict[str, Any] = {}
     puller = threading.Thread(

@@ -186,9 +186,6 @@ def test_silent_peers_delay_only_the_pulls_to_them(c: Cluster) -> None:
     c.d.assert_healthy()
 
 
-WARM_ROUNDS, ROUNDS = 5, 15
-
-
 def _vm_rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -224,27 +221,31 @@ def _rejected_round(c: Cluster, round_no: int) -> None:
         assert code is Code.INVALID_ARGUMENT and "out of range" in msg, (code, msg)
 
 
-WARM_ROUNDS, ROUNDS = 3, 13
+ROUNDS, FLOOR_ROUNDS = 13, 5
 
 
 def test_rejected_requests_leave_the_daemons_memory_as_it_was(c: Cluster) -> None:
     """Pulls of ~20,000 groups are refused for the group limit; rounds of six pulls of ~1,000
     groups, each a new layer selection, refused only after planning, grow the decode daemon's RSS
-    by less than 4 MiB from round 3 to round 13 (before the fix each was prepared and cached:
-    megabytes per request, for good), and memory and workers are intact. (Pins: limits are
-    checked, and transfers planned, before anything is prepared or cached.)"""
+    by less than 4 MiB from rounds 2-6 to rounds 9-13, floor to floor (before the fix each was
+    prepared and cached: megabytes per request, for good), and memory and workers are intact.
+    (Pins: limits are checked, and transfers planned, before anything is prepared or cached.)"""
     assert _pull(c, granted(c, "warm-rss", [7]))[0] is Code.OK
     expect_transfer(c.dw, c.pw, 0, [0], [7])
     for k in range(6):
         _wide(c, f"wide-{k}")
     pid = c.d.daemon.proc.pid
-    for r in range(WARM_ROUNDS):
+    rss = []
+    for r in range(ROUNDS):
         _rejected_round(c, r)
-    warm = _vm_rss_kib(pid)
-    for r in range(WARM_ROUNDS, ROUNDS):
-        _rejected_round(c, r)
-    after = _vm_rss_kib(pid)
-    print(f"\ndecode daemon RSS: {warm} KiB after {WARM_ROUNDS} rounds, {after} KiB after {ROUNDS}")
-    assert after - warm < 4 * 1024, f"RSS grew {after - warm} KiB in {ROUNDS - WARM_ROUNDS} rounds"
+        rss.append(_vm_rss_kib(pid))
+    # Planning a refused request allocates transiently (hundreds of MiB that
+    # the allocator hands back in a cycle of about four rounds), so the
+    # floors of five rounds are compared: what is kept for good raises every
+    # later floor, a transient peak does not.
+    warm = min(rss[1 : 1 + FLOOR_ROUNDS])
+    after = min(rss[-FLOOR_ROUNDS:])
+    print(f"\ndecode daemon RSS per round (KiB): {rss}")
+    assert after - warm < 4 * 1024, f"RSS floor grew {after - warm} KiB"
     c.assert_all_intact("after the rejected requests")
     c.d.assert_healthy()

@@ -18,12 +18,26 @@ from kvmap.daemon.core.peer_policy import (
     grpc_peer_address,
     in_networks,
     parse_identity,
+    parse_network,
 )
 
 ipv4 = st.integers(0, 2**32 - 1).map(ipaddress.IPv4Address)
 ipv6 = st.integers(0, 2**128 - 1).map(ipaddress.IPv6Address)
 labels = st.from_regex(r"[a-z0-9]([a-z0-9-]{0,20}[a-z0-9])?", fullmatch=True)
-host_names = st.lists(labels, min_size=1, max_size=4).map(".".join)
+
+
+def _is_network(value: str) -> bool:
+    try:
+        parse_network(value)
+    except ValueError:
+        return False
+    return True
+
+
+# A dotted quad of digit labels ("0.0.0.0") is an address, not a host name.
+host_names = (
+    st.lists(labels, min_size=1, max_size=4).map(".".join).filter(lambda n: not _is_network(n))
+)
 
 
 def policy(

@@ -133,6 +133,15 @@ class Layer:
     group: int
     kind: CacheKind
     len: int
+    # Name of the layer whose cache this one shares (same bytes), or "".
+    alias: str = ""
+
+
+def with_aliases(views: list[ViewSpec], layers: Sequence[Layer]) -> list[ViewSpec]:
+    """``views`` plus, for each alias layer, a view of its target's bytes
+    under the alias's name (vLLM registers layers that share a KV cache)."""
+    by_name = {v.layer_name: v for v in views}
+    return views + [replace(by_name[ly.alias], layer_name=ly.name) for ly in layers if ly.alias]
 
 
 def block_outermost(
@@ -313,7 +322,10 @@ def models(draw: st.DrawFn, aligned: bool) -> tuple[list[list[Layer]], list[int]
     kinds = st.sampled_from([MLA, IDX]) if aligned else KINDS
     for g in range(draw(st.integers(1, 3))):
         n = draw(st.integers(1, 6))
-        groups.append([Layer(f"g{g}.l{j}", g, draw(kinds), draw(LENS)) for j in range(n)])
+        layers = [Layer(f"g{g}.l{j}", g, draw(kinds), draw(LENS)) for j in range(n)]
+        for target in draw(st.lists(st.sampled_from(layers), unique=True, max_size=2)):
+            layers.append(replace(target, name=f"{target.name}b", alias=target.name))
+        groups.append(layers)
         blocks.append(draw(st.integers(1, 12)))
     return groups, blocks
 
@@ -327,7 +339,9 @@ def layouts(draw: st.DrawFn, groups: list[list[Layer]], blocks: list[int], align
     views: list[ViewSpec] = []
     allocs: dict[str, tuple[int, int]] = {}
     gap_sizes = [0] if aligned else [0, 0, 0, 0, 0, 8]
-    for layers, nb in zip(groups, blocks, strict=True):
+    for all_layers, nb in zip(groups, blocks, strict=True):
+        layers = [ly for ly in all_layers if not ly.alias]
+        first_view = len(views)
         order = layers if aligned else draw(st.permutations(layers))
         cuts = []
         if len(order) > 1:
@@ -350,6 +364,7 @@ def layouts(draw: st.DrawFn, groups: list[list[Layer]], blocks: list[int], align
                 vs, size = layer_outermost(chunk, n, aid, pad, gap)
             views.extend(vs)
             allocs[aid] = ((len(allocs) + 1) << 20, size)
+        views[first_view:] = with_aliases(views[first_view:], all_layers)
     return Layout(tuple(views), allocs)
 
 
@@ -426,7 +441,11 @@ def test_coalesced_peers_split_only_where_either_side_cuts(scenario: tuple) -> N
     for sel, (a, b) in zip(sels, table.spans, strict=True):
         if sel.layer_names:
             continue
-        names = [v.layer_name for v in local.views if v.transfer_group == sel.transfer_group]
+        names = [
+            v.layer_name
+            for v in local.views
+            if v.transfer_group == sel.transfer_group and not v.layer_name.endswith("b")
+        ]  # aliases ("...b") ride in their target's piece
         cuts = sum((lreg[x], rreg[x]) != (lreg[y], rreg[y]) for x, y in itertools.pairwise(names))
         assert b - a == cuts + 1
     event(f"pieces with several layers: {any(len(p.layer_names) > 1 for p in table.pieces)}")
@@ -828,3 +847,64 @@ def test_glm_scale_plans_fast() -> None:
         f"{1e3 * (t2 - t1):.1f} ms; coalesced table {1e3 * (t3 - t2):.1f} ms, "
         f"consecutive plan {1e3 * (t4 - t3):.1f} ms"
     )
+
+
+# --- aliased views ---------------------------------------------------------------
+
+
+def _aliased(alias_on: tuple[bool, bool]) -> tuple[RegionMapModel, RegionMapModel]:
+    """Decode and prefill maps of layers l0, l1 (100 bytes a block each) and
+    l1b, which shares l1's bytes on the sides ``alias_on`` says and has bytes
+    of its own on the others."""
+    sides = []
+    for aliased in alias_on:
+        views, size = block_outermost(
+            [Layer("l0", 0, MHA, 100), Layer("l1", 0, MHA, 100), Layer("l1b", 0, MHA, 100)], 4, "a0"
+        )
+        if aliased:
+            views = with_aliases(views[:2], [Layer("l1b", 0, MHA, 100, alias="l1")])
+        sides.append(Layout(tuple(views), {"a0": (1 << 20, size)}))
+    return region_map(DECODE, sides[0], baseline), region_map(PREFILL, sides[1], baseline)
+
+
+def test_aliased_layer_moves_its_bytes_once() -> None:
+    """Layers l0, l1 and l1b of 100 bytes a block, where l1b aliases l1 on both sides, move 400
+    bytes for two block pairs (not 600): the alias rides with l1, whether every layer or the three
+    names are selected."""
+    local, remote = _aliased((True, True))
+    for sel in (LayerSelection(0), LayerSelection(0, ("l0", "l1", "l1b"))):
+        table = build_piece_table(local, remote, [sel])
+        plan = plan_transfer(table, [GroupPairs(0, [0, 2], [1, 3])])
+        assert (plan.bytes, plan.descriptors) == (400, 4)  # 2 block pairs x 2 distinct layers
+        assert [p.layer_names for p in table.pieces] == [("l0",), ("l1",)]
+
+
+def test_alias_on_the_destination_only_is_rejected() -> None:
+    """l1b aliasing l1 on the destination but not on the source would write each destination byte
+    of l1 twice from different source bytes: INVALID_ARGUMENT naming the two layers; as a source
+    the same alias is fine, and a pull without l1b is fine."""
+    local, remote = _aliased((True, False))
+    table = build_piece_table(local, remote, [LayerSelection(0)])
+    _raises(
+        InvalidArgument,
+        "groups[0].layer_names: layers 'l1' and 'l1b' cover common bytes on the local side: "
+        "each block would be written twice",
+        lambda: plan_transfer(table, [GroupPairs(0, [0], [0])]),
+    )
+    assert plan_transfer(table, [GroupPairs(0, [0], [0])], destination=Side.REMOTE).bytes == 300
+    assert plan_transfer(table, [GroupPairs(0, [], [])]).bytes == 0
+    only = build_piece_table(local, remote, [LayerSelection(0, ("l0", "l1"))])
+    assert plan_transfer(only, [GroupPairs(0, [0], [0])]).bytes == 200
+
+
+def test_aliases_in_two_groups_may_not_share_a_destination_block() -> None:
+    """Two request groups that select l1 and its alias l1b may not write one destination block."""
+    local, remote = _aliased((True, True))
+    sels = [LayerSelection(0, ("l1",)), LayerSelection(0, ("l1b",))]
+    table = build_piece_table(local, remote, sels)
+    _raises(
+        InvalidArgument,
+        "groups[1].local_block_ids[0]: block 2 is also written by groups[0] for the same layers",
+        lambda: plan_transfer(table, [GroupPairs(0, [1, 2], [0, 1]), GroupPairs(0, [2], [2])]),
+    )
+    assert plan_transfer(table, [GroupPairs(0, [1], [0]), GroupPairs(0, [2], [2])]).bytes == 200

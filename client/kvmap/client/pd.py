@@ -17,7 +17,8 @@ prefill (``kv_transfer_params = {"do_remote_decode": true}``)
     (``Registry.GrantTransfer``) for exactly those blocks of that request,
     for ``lease_seconds``; without it no daemon lets a peer read them. The
     blocks are freed when this worker's kvmapd reports that a peer finished
-    pulling them (``TransferFinishedEvent``), or when the lease runs out,
+    pulling them (``TransferFinishedEvent``; with ``decode_tp_size``, as many
+    pulls as decode ranks read this rank), or when the lease runs out,
     whichever comes first; the grant is revoked when they are freed for any
     reason but a finished pull. A grant that fails frees the blocks at once
     and the params carry no capability (the decode side recomputes).
@@ -49,9 +50,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvmap.client.client import KvmapClient
+from kvmap.client.client import KvmapClient, TransferResult
 from kvmap.client.errors import KvmapClientError, NotFound, Unavailable
 from kvmap.client.session import Backoff, WorkerSession
+from kvmap.client.stats import TransferStatsBook
+from kvmap.daemon.core.errors import SHUTTING_DOWN, KvmapError
+from kvmap.daemon.core.grants import MAX_USES
+from kvmap.daemon.core.reshard import rank_heads, source_ranks
 from kvmap.daemon.core.retry import RetryPolicy
 from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
 
@@ -61,17 +66,34 @@ log = logging.getLogger("kvmap.client.pd")
 PARAMS_VERSION = 1
 # A pull that has not ended this long after its own deadline is given up.
 WATCHDOG_GRACE_S = 5.0
+# The longest pause between two attempts of a pull that broke because this
+# pod's kvmapd restarted under it.
+PULL_RETRY_MAX_S = 1.0
 # kv_transfer_params key of the capability(ies) the prefill side granted.
 CAPABILITY_KEY = "kvmap_capability"
+# kv_transfer_params key of the decode TP size the prefill side's grants
+# (and its wait for pulls) were sized for; absent: the prefill's own TP size.
+READERS_TP_KEY = "kvmap_decode_tp_size"
 # The longest grant kvmapd gives (GrantTransferRequest.ttl_ms).
 MAX_GRANT_TTL_MS = 3_600_000
 # One capability per prefill tensor-parallel rank, in rank order, joined by
 # ".": each is kvmapd's URL-safe token. The bounds keep a hostile HTTP body
 # from making the connector carry (or log) anything big or odd.
+# Stands in ``kvmap_capability`` for a prefill rank that no decode rank
+# reads (so granted nothing); never a capability kvmapd issues.
+UNREAD_CAPABILITY = "-"
 _CAPABILITY = re.compile(r"[A-Za-z0-9_-]{1,128}(?:\.[A-Za-z0-9_-]{1,128})*")
 MAX_CAPABILITY_CHARS = 8192
 
+# kv_transfer_params mark of a prefill request whose prompt the connector
+# cut short (private: the params a prefill request returns are built anew).
+TRUNCATED_KEY = "_kvmap_prefill_truncated"
+
 BlockIds = tuple[tuple[int, ...], ...]
+# vLLM's null block: the placeholder its hybrid KV cache manager leaves where
+# a sliding-window group holds no block (tokens that fell out of the window);
+# it is shared by every request and never holds a request's KV.
+NULL_BLOCK_ID = 0
 
 
 def default_socket() -> str:
@@ -144,6 +166,11 @@ class ConnectorOptions:
     # Reconnection backoff after the daemon went away.
     reconnect_initial_s: float = 0.1
     reconnect_max_s: float = 5.0
+    # Tensor-parallel size of the decode engines that load this (prefill)
+    # engine's KV; 0: this engine's own. Each rank's grant admits exactly
+    # as many pulls as decode ranks read from it, and its blocks are freed
+    # once that many pulls finished (or the lease ran out).
+    decode_tp_size: int = 0
 
     @classmethod
     def from_extra_config(
@@ -172,6 +199,10 @@ class ConnectorOptions:
                 raise ValueError(f"kv_connector_extra_config.{key}: must be positive")
         if not self.socket:
             raise ValueError("kv_connector_extra_config.socket: must not be empty")
+        if not 0 <= self.decode_tp_size <= MAX_USES:
+            raise ValueError(
+                f"kv_connector_extra_config.decode_tp_size: must be in [0, {MAX_USES}]"
+            )
         if self.peer_address:
             _host_port(self.peer_address, "peer_address")
         elif producer:
@@ -202,6 +233,11 @@ class RemoteSource:
     num_tokens: int = 0
     # As received; checked (``rank_capability``) before any pull is built.
     capability: str = ""
+    # The prefill engine's block size in tokens; 0 from engines that do not
+    # say (then it must be this engine's).
+    block_size: int = 0
+    # The decode TP size the prefill side's grants were sized for (0: its own).
+    readers_tp_size: int = 0
 
     @classmethod
     def parse(cls, params: Mapping[str, Any]) -> RemoteSource:
@@ -231,6 +267,8 @@ class RemoteSource:
             tp_size=int(params.get("tp_size", 1)),
             num_tokens=int(params.get("remote_num_tokens", 0)),
             capability=_capability_text(params.get(CAPABILITY_KEY)),
+            block_size=int(params.get("remote_block_size", 0)),
+            readers_tp_size=int(params.get(READERS_TP_KEY, 0)),
         )
 
 
@@ -254,7 +292,154 @@ def rank_capability(capability: str, tp_size: int, tp_rank: int) -> str:
     parts = capability.split(".")
     if len(parts) != tp_size or not 0 <= tp_rank < tp_size:
         raise ValueError(f"{key}: {len(parts)} capabilities for tensor-parallel size {tp_size}")
+    if parts[tp_rank] == UNREAD_CAPABILITY:
+        raise ValueError(f"{key}: prefill rank {tp_rank} granted no transfer")
     return parts[tp_rank]
+
+
+def tp_readers(
+    kv_heads: int, src_tp: int, dst_tp: int, *, replicated: bool = False
+) -> tuple[int, ...]:
+    """Per source (prefill) rank, how many destination (decode) ranks read
+    from it (``reshard.source_ranks``): what its grant admits and how many
+    finished pulls free its blocks. Equal sizes need no head count: rank r
+    reads rank r; nor a replicated (MLA, indexer) cache, where a rank may
+    count 0. Raises ``ValueError`` for sizes the heads do not split over, and
+    where a head-split source rank would be read by no one (its blocks would
+    wait for the lease)."""
+    if src_tp == dst_tp:
+        return (1,) * src_tp
+    if replicated:
+        # MLA and indexer caches are whole on every rank: decode rank d reads
+        # all of it from one prefill rank; a rank no one reads counts 0 (it
+        # is granted nothing and frees its blocks at once).
+        return _replicated_readers(src_tp, dst_tp)
+    if kv_heads <= 0:
+        raise ValueError(
+            f"tensor-parallel sizes {src_tp} -> {dst_tp} need the model's KV head count"
+        )
+    counts = [0] * src_tp
+    try:
+        for r in range(dst_tp):
+            for p, _ in source_ranks(kv_heads, src_tp, dst_tp, r, replicated=replicated):
+                counts[p] += 1
+    except KvmapError as err:
+        raise ValueError(str(err)) from None
+    if 0 in counts:
+        raise ValueError(
+            f"with {kv_heads} KV heads, prefill rank {counts.index(0)} of tensor-parallel size "
+            f"{src_tp} holds no heads a decode rank of size {dst_tp} reads"
+        )
+    return tuple(counts)
+
+
+def _replicated_readers(src_tp: int, dst_tp: int) -> tuple[int, ...]:
+    counts = [0] * src_tp
+    try:
+        for r in range(dst_tp):
+            for p, _ in source_ranks(0, src_tp, dst_tp, r, replicated=True):
+                counts[p] += 1
+    except KvmapError as err:
+        raise ValueError(str(err)) from None
+    return tuple(counts)
+
+
+@dataclass(frozen=True)
+class GroupWindows:
+    """How many trailing blocks of each transfer group a transfer needs, in
+    transfer-group order: 0 for a group that needs all of them (full
+    attention). Empty (the default): no group is windowed.
+
+    With vLLM's hybrid KV cache manager a sliding-window group's block list
+    spans the whole sequence, the blocks that fell out of the window being
+    the null block; only the last ``cdiv(window, block_size) + 1`` blocks can
+    hold KV the window reads (the extra one because the window need not start
+    on a block boundary), as NixlConnector clips them.
+
+    ``states`` marks the state groups (Mamba / linear attention), whose
+    blocks hold a recurrent state rather than tokens: per transfer group the
+    speculative scratch slots vLLM allocates after the running-state slot,
+    None for a token group (empty: no state group). A transfer moves only
+    the running-state slot, as NixlConnector does."""
+
+    blocks: tuple[int, ...] = ()
+    states: tuple[int | None, ...] = ()
+
+    def __post_init__(self) -> None:
+        if any(n < 0 for n in self.blocks):
+            raise ValueError(f"negative window in {self.blocks}")
+        if self.states and len(self.states) != len(self.blocks):
+            raise ValueError(f"{len(self.states)} state marks for {len(self.blocks)} groups")
+        if any(n is not None and n < 0 for n in self.states):
+            raise ValueError(f"negative scratch slots in {self.states}")
+
+    @classmethod
+    def from_windows(
+        cls, windows: Sequence[tuple[int, int]], states: Sequence[int | None] = ()
+    ) -> GroupWindows:
+        """From (sliding window in tokens or 0, block size in tokens) per
+        group, and the state groups' scratch slots (see ``states``)."""
+        out = []
+        for window, block_size in windows:
+            if window < 0 or block_size <= 0:
+                raise ValueError(f"bad window {window} / block size {block_size}")
+            out.append(-(-window // block_size) + 1 if window else 0)
+        return cls(tuple(out), tuple(states) if any(n is not None for n in states) else ())
+
+    @property
+    def windowed(self) -> bool:
+        return any(self.blocks)
+
+    @property
+    def has_state(self) -> bool:
+        """Whether some group holds recurrent state (Mamba)."""
+        return bool(self.states)
+
+    def clip(self, block_ids: Sequence[Sequence[int]]) -> BlockIds:
+        """The blocks a transfer moves: each windowed group's last blocks,
+        each state group's running-state slot; with the hybrid manager's
+        lists (``blocks`` given) every group without its leading null
+        blocks. Unchanged when ``blocks`` is empty. Raises ``ValueError``
+        when the number of groups differs."""
+        groups = tuple(tuple(int(b) for b in g) for g in block_ids)
+        if not self.blocks or not groups:
+            return groups
+        if len(groups) != len(self.blocks):
+            raise ValueError(f"{len(groups)} KV cache groups, {len(self.blocks)} known")
+        states = self.states or (None,) * len(groups)
+        return tuple(
+            _state_slot(g, s) if s is not None else _strip_null(g[-n:] if n else g)
+            for g, n, s in zip(groups, self.blocks, states, strict=True)
+        )
+
+    def fit(self, local: BlockIds, remote: BlockIds) -> BlockIds:
+        """``local`` with each windowed group cut to at most as many (last)
+        blocks as the remote group has: a local block before the remote
+        window is out of the window (nothing to load into it). Full groups
+        are left for ``pair_blocks`` to check."""
+        if not self.windowed or len(local) != len(remote) or len(local) != len(self.blocks):
+            return local
+        return tuple(
+            lg[len(lg) - len(rg) :] if n and len(lg) > len(rg) else lg
+            for lg, rg, n in zip(local, remote, self.blocks, strict=True)
+        )
+
+
+def _state_slot(ids: tuple[int, ...], scratch: int) -> tuple[int, ...]:
+    """A state group's running-state slot: the last block before its
+    speculative scratch slots (vLLM's ``clip_ssm_state_blocks``); what comes
+    before it is null or a superseded state."""
+    if not ids:
+        return ids
+    kept = ids[: len(ids) - min(scratch, len(ids) - 1)]
+    return kept[-1:]
+
+
+def _strip_null(ids: tuple[int, ...]) -> tuple[int, ...]:
+    start = 0
+    while start < len(ids) and ids[start] == NULL_BLOCK_ID:
+        start += 1
+    return ids[start:]
 
 
 @dataclass(frozen=True)
@@ -289,12 +474,25 @@ class SchedulerCore:
         pp_rank: int = 0,
         tp_size: int = 1,
         client: KvmapClient | None = None,
+        windows: GroupWindows = GroupWindows(),
+        block_size: int = 0,
+        kv_heads: int = 0,
+        replicated: bool = False,
     ) -> None:
         self.engine_id = engine_id
         self.options = options
         self.dp_rank = dp_rank
         self.pp_rank = pp_rank
         self.tp_size = tp_size
+        # The decode ranks that read each rank's blocks (a bad pairing of
+        # sizes is a configuration error: raised here, at start-up).
+        self.decode_tp_size = options.decode_tp_size or tp_size
+        self.readers = tp_readers(kv_heads, tp_size, self.decode_tp_size, replicated=replicated)
+        # Offered with the KV, so a decode engine of another block size can
+        # map the two block grids (0: not said).
+        self.block_size = block_size
+        # Sliding-window groups: only their last blocks are offered and loaded.
+        self.windows = windows
         # This pod's kvmapd, which grants the transfers of kept blocks; None
         # on engines that only consume KV (they keep nothing).
         self.client = client
@@ -316,8 +514,47 @@ class SchedulerCore:
         except ValueError as err:
             log.warning("request %s: not loading remote KV: %s", request_id, err)
             return 0, False
-        count = num_prompt_tokens - num_computed_tokens
+        count = self.loaded_tokens(num_prompt_tokens) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    @property
+    def prefill_backoff(self) -> int:
+        """Trailing prompt tokens the prefill engine leaves uncomputed and
+        the decode engine computes: one where a group holds recurrent state.
+        vLLM computes a prompt's last token on the decode engine even when
+        every token's KV was loaded; rewriting an attention slot is harmless,
+        but a Mamba state holding the whole prompt would take that token a
+        second time. The prefill engine's state is h(N-1), from which the
+        decode engine derives h(N) (NixlConnector's rule)."""
+        return 1 if self.windows.has_state else 0
+
+    def loaded_tokens(self, num_prompt_tokens: int) -> int:
+        """Prompt tokens a decode request loads: all but the backoff."""
+        backoff = self.prefill_backoff
+        if backoff and num_prompt_tokens > backoff:
+            return num_prompt_tokens - backoff
+        return num_prompt_tokens
+
+    def prefill_truncation(
+        self, params: dict[str, Any] | None, num_prompt_tokens: int, *, reads_prefix_cache: bool
+    ) -> int:
+        """Trailing prompt tokens to drop from a new prefill request
+        (``do_remote_decode``) so it stops short by the backoff; 0 for any
+        other request, for one already cut (``params`` marked: a preempted
+        request comes back), and for one that skips reading the prefix cache
+        (prompt logprobs: its decode side recomputes the whole prompt)."""
+        backoff = self.prefill_backoff
+        if (
+            not backoff
+            or not params
+            or not params.get("do_remote_decode")
+            or params.get(TRUNCATED_KEY)
+            or num_prompt_tokens <= backoff
+            or not reads_prefix_cache
+        ):
+            return 0
+        params[TRUNCATED_KEY] = True
+        return backoff
 
     def after_alloc(
         self,
@@ -340,10 +577,25 @@ class SchedulerCore:
             except ValueError as err:  # num_new_matched_tokens said 0 already
                 log.warning("request %s: not loading remote KV: %s", request_id, err)
             else:
-                local = tuple(tuple(int(b) for b in g) for g in local_block_ids)
+                local = self._local_blocks(local_block_ids, source)
                 self._meta.recv.append(RecvTask(request_id, source, local))
         # One transfer per request, even when vLLM calls this again.
         params["do_remote_prefill"] = False
+
+    def _local_blocks(
+        self, local_block_ids: Sequence[Sequence[int]], source: RemoteSource
+    ) -> BlockIds:
+        """The allocated blocks the remote blocks load into: windowed groups
+        clipped as the prefill side clipped its own (a group count that does
+        not match is left for ``pair_blocks`` to refuse)."""
+        local = tuple(tuple(int(b) for b in g) for g in local_block_ids)
+        try:
+            local = self.windows.clip(local)
+        except ValueError:
+            return local
+        if source.block_size and self.block_size and source.block_size != self.block_size:
+            return local  # other block grids: the token mapping aligns the trailing blocks
+        return self.windows.fit(local, source.block_ids)
 
     def build_meta(self) -> ConnectorMeta:
         meta, self._meta = self._meta, ConnectorMeta()
@@ -373,7 +625,8 @@ class SchedulerCore:
                 log.error("request %s: no peer_address configured; not offering KV", request_id)
             self._meta.not_processed.add(request_id)
             return False, None
-        groups = [list(map(int, g)) for g in block_ids]
+        # Only the blocks a transfer needs are offered (and granted).
+        groups = [list(g) for g in self.windows.clip(block_ids)]
         capability = self._grant(request_id, groups) if any(groups) else ""
         # Blocks nobody may pull are not kept.
         keep = bool(capability)
@@ -397,13 +650,17 @@ class SchedulerCore:
             "remote_num_tokens": num_computed_tokens,
             "kvmap_params_version": PARAMS_VERSION,
         }
+        if self.decode_tp_size != self.tp_size:
+            offered[READERS_TP_KEY] = self.decode_tp_size
+        if self.block_size:
+            offered["remote_block_size"] = self.block_size
         if capability:
             offered[CAPABILITY_KEY] = capability
         return keep, offered
 
     def _rank_workers(self) -> list[types_pb2.WorkerId]:
         """This engine's workers that hold a request's blocks: one per
-        tensor-parallel rank (the decode rank r pulls from rank r)."""
+        tensor-parallel rank (read by ``readers[rank]`` decode ranks)."""
         return [
             types_pb2.WorkerId(
                 engine_id=self.engine_id, dp_rank=self.dp_rank, tp_rank=r, pp_rank=self.pp_rank
@@ -427,8 +684,20 @@ class SchedulerCore:
         capabilities: list[str] = []
         try:
             for worker in self._rank_workers():
+                if not self.readers[worker.tp_rank]:
+                    # No decode rank reads this rank (a replicated cache
+                    # read from fewer ranks): nothing to grant; its worker
+                    # frees the blocks at once.
+                    capabilities.append(UNREAD_CAPABILITY)
+                    continue
+                # Exactly as many completed pulls as decode ranks read this
+                # rank: a replayed capability beyond them is refused.
                 grant = self.client.grant_transfer(
-                    worker, request_id, blocks, ttl_ms=ttl_ms, max_uses=1
+                    worker,
+                    request_id,
+                    blocks,
+                    ttl_ms=ttl_ms,
+                    max_uses=self.readers[worker.tp_rank],
                 )
                 granted.append(worker)
                 capabilities.append(grant.capability)
@@ -469,7 +738,7 @@ class LoadRecord:
 class _Load:
     task: RecvTask
     spec: transfers_pb2.TransferSpec | None
-    future: concurrent.futures.Future[int] | None
+    future: concurrent.futures.Future[TransferResult] | None
     started: float
     deadline: float
     error: str = ""
@@ -490,6 +759,59 @@ def pair_blocks(local: BlockIds, remote: BlockIds) -> tuple[BlockIds, BlockIds]:
     return tuple(out_local), tuple(out_remote)
 
 
+def map_token_ranges(
+    local: BlockIds,
+    remote: BlockIds,
+    *,
+    num_tokens: int,
+    local_tokens: int,
+    remote_tokens: int,
+) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """Token-mode groups (local blocks, remote blocks, tokens to move)
+    between engines of different block sizes, for a ``num_tokens`` prompt.
+
+    Each list holds a group's trailing blocks (the leading ones are in the
+    local prefix cache, or out of a sliding window): they start where the
+    blocks that would hold the prompt run out. Both lists are cut to the
+    later of the two starts; a start inside a block of either engine cannot
+    be loaded into whole blocks and raises ``ValueError`` (the request is
+    recomputed), as do block lists that cannot end with the prompt."""
+    if len(local) != len(remote):
+        raise ValueError(f"{len(local)} local KV cache groups, {len(remote)} remote")
+    if num_tokens <= 0:
+        raise ValueError("kv_transfer_params.remote_num_tokens: needed when block sizes differ")
+    out: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+    for g, (lg, rg) in enumerate(zip(local, remote, strict=True)):
+        if not lg:
+            out.append(((), (), 0))
+            continue
+        l0 = (-(-num_tokens // local_tokens) - len(lg)) * local_tokens
+        r0 = (-(-num_tokens // remote_tokens) - len(rg)) * remote_tokens
+        if l0 < 0 or r0 < 0:
+            raise ValueError(
+                f"group {g}: {len(lg)} local blocks of {local_tokens} tokens and {len(rg)} "
+                f"remote blocks of {remote_tokens} do not end with a {num_tokens}-token prompt"
+            )
+        start = max(l0, r0)
+        if (start - l0) % local_tokens or (start - r0) % remote_tokens:
+            raise ValueError(
+                f"group {g}: the KV to load starts at token {start}, inside a block of "
+                f"{local_tokens if (start - l0) % local_tokens else remote_tokens} tokens"
+            )
+        lcut, rcut = lg[(start - l0) // local_tokens :], rg[(start - r0) // remote_tokens :]
+        out.append((tuple(lcut), tuple(rcut), num_tokens - start))
+    return out
+
+
+def _pulled_remote_blocks(load: _Load) -> BlockIds:
+    """The remote blocks a successful load read, per group."""
+    spec = load.spec
+    if spec is not None and any(g.num_tokens for g in spec.groups):
+        by_group = {g.transfer_group: tuple(g.remote_block_ids) for g in spec.groups}
+        return tuple(by_group.get(g, ()) for g in range(len(load.task.source.block_ids)))
+    return pair_blocks(load.task.local_block_ids, load.task.source.block_ids)[1]
+
+
 class WorkerCore:
     def __init__(
         self,
@@ -500,15 +822,29 @@ class WorkerCore:
         tp_size: int = 1,
         clock: Callable[[], float] = time.monotonic,
         history: int = 1024,
+        block_size: int = 0,
+        kv_heads: int = 0,
+        replicated: bool = False,
     ) -> None:
         self.client = client
         self.worker = worker
         self.options = options
         self.tp_size = tp_size
+        self.block_size = block_size
+        # The model's KV heads and whether the cache is replicated (MLA):
+        # which prefill ranks hold this rank's heads when TP sizes differ.
+        self.kv_heads = kv_heads
+        self.replicated = replicated
+        # Finished pulls that free a prefill request's blocks on this rank.
+        self.send_readers = tp_readers(
+            kv_heads, tp_size, options.decode_tp_size or tp_size, replicated=replicated
+        )[worker.tp_rank]
         self.clock = clock
         self.session: WorkerSession | None = None
         self.loads: collections.deque[LoadRecord] = collections.deque(maxlen=history)
         self.leases_expired = 0
+        # What loads and leases did since vLLM last took it (connector stats).
+        self.stats = TransferStatsBook()
         self._events: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=options.max_parallel_pulls, thread_name_prefix="kvmap-pull"
@@ -516,6 +852,10 @@ class WorkerCore:
         self._loading: dict[str, _Load] = {}
         self._to_process: set[str] = set()
         self._send_deadline: dict[str, float] = {}
+        # Pulls finished so far of prefill requests read by several ranks.
+        self._send_pulls: dict[str, int] = {}
+        # Kept requests of a rank no decode rank reads, freed at the next poll.
+        self._unread_sends: set[str] = set()
         self._load_errors: set[int] = set()
 
     # Registration ---------------------------------------------------------
@@ -546,20 +886,86 @@ class WorkerCore:
         self._to_process |= meta.in_batch
         for request_id in meta.not_processed:
             self._to_process.discard(request_id)
+            self._send_pulls.pop(request_id, None)
         for request_id, lease_s in meta.send.items():
+            if not self.send_readers:
+                # No decode rank reads this rank (granted nothing): its
+                # blocks are freed at the next poll.
+                self._to_process.discard(request_id)
+                self._unread_sends.add(request_id)
+                continue
             # A pull may already have finished: then it is no longer listed.
             if request_id in self._to_process:
                 self._send_deadline[request_id] = now + lease_s
 
-    def spec_for(self, task: RecvTask) -> transfers_pb2.TransferSpec:
+    def specs_for(self, task: RecvTask) -> list[transfers_pb2.TransferSpec]:
+        """The pulls of one load: one from each prefill rank holding some of
+        this rank's heads (``reshard.source_ranks``); one, from the same
+        rank, between equal TP sizes. Raises ``ValueError`` for params that
+        must not become a pull."""
         src = task.source
-        if src.tp_size != self.tp_size:
+        if (src.readers_tp_size or src.tp_size) != self.tp_size:
+            # The prefill side waits for as many pulls as it was told decode
+            # ranks: another count would hold its blocks until the lease.
             raise ValueError(
-                f"the prefill engine runs tensor-parallel size {src.tp_size}, this one "
-                f"{self.tp_size}: kvmap pulls between equal sizes only"
+                f"the prefill engine expects decode engines of tensor-parallel size "
+                f"{src.readers_tp_size or src.tp_size}, this one runs {self.tp_size}"
             )
-        capability = rank_capability(src.capability, src.tp_size, self.worker.tp_rank)
-        local, remote = pair_blocks(task.local_block_ids, src.block_ids)
+        if src.tp_size == self.tp_size:
+            return [self._spec(task, self.worker.tp_rank, token_mode=False)]
+        if not 1 <= src.tp_size <= MAX_USES:
+            # Hostile or broken params: never a division by zero further on.
+            raise ValueError(f"kv_transfer_params.tp_size: {src.tp_size} is not a TP size")
+        if self.replicated:
+            # Every prefill rank holds the whole cache: read it from one
+            # (``reshard.source_ranks`` spreads decode ranks over them), by
+            # blocks (by tokens where the block sizes differ).
+            ((rank, _),) = source_ranks(
+                0, src.tp_size, self.tp_size, self.worker.tp_rank, replicated=True
+            )
+            return [self._spec(task, rank, token_mode=False)]
+        if not self.block_size:
+            raise ValueError("tensor-parallel sizes differ: this engine's block size is needed")
+        if self.kv_heads <= 0:
+            raise ValueError(
+                "tensor-parallel sizes differ: the model's KV head count is needed "
+                "(a model mixing MLA with head-split layers needs equal TP sizes)"
+            )
+        try:
+            rank_heads(self.kv_heads, src.tp_size, 0)  # the heads split over it
+            pulls = source_ranks(
+                self.kv_heads,
+                src.tp_size,
+                self.tp_size,
+                self.worker.tp_rank,
+                replicated=self.replicated,
+            )
+        except KvmapError as err:
+            raise ValueError(str(err)) from None
+        # Token mode: kvmapd moves the heads both ranks hold (their published
+        # head layouts), each source rank's once.
+        return [self._spec(task, rank, token_mode=True) for rank, _ in pulls]
+
+    def _spec(
+        self, task: RecvTask, src_rank: int, *, token_mode: bool
+    ) -> transfers_pb2.TransferSpec:
+        """The pull from prefill rank ``src_rank``."""
+        src = task.source
+        capability = rank_capability(src.capability, src.tp_size, src_rank)
+        remote_tokens = src.block_size or self.block_size
+        if token_mode or (src.block_size and self.block_size and src.block_size != self.block_size):
+            # Token mode: kvmapd maps each token's bytes between the block
+            # grids with the head layouts both workers published.
+            token_ranges = map_token_ranges(
+                task.local_block_ids,
+                src.block_ids,
+                num_tokens=src.num_tokens,
+                local_tokens=self.block_size,
+                remote_tokens=remote_tokens,
+            )
+        else:
+            local, remote = pair_blocks(task.local_block_ids, src.block_ids)
+            token_ranges = [(lg, rg, 0) for lg, rg in zip(local, remote, strict=True)]
         spec = transfers_pb2.TransferSpec(
             request_id=src.request_id,
             local_worker=self.worker,
@@ -567,15 +973,17 @@ class WorkerCore:
             remote_worker=types_pb2.WorkerId(
                 engine_id=src.engine_id,
                 dp_rank=src.dp_rank,
-                tp_rank=self.worker.tp_rank,
+                tp_rank=src_rank,
                 pp_rank=src.pp_rank,
             ),
             timeout_ms=int(self.options.transfer_timeout_s * 1000),
             capability=capability,
         )
-        for g, (lg, rg) in enumerate(zip(local, remote, strict=True)):
+        for g, (lg, rg, n) in enumerate(token_ranges):
             if lg:
-                spec.groups.add(transfer_group=g, local_block_ids=lg, remote_block_ids=rg)
+                spec.groups.add(
+                    transfer_group=g, local_block_ids=lg, remote_block_ids=rg, num_tokens=n
+                )
         if not spec.groups:
             raise ValueError("no blocks to load")
         return spec
@@ -583,29 +991,51 @@ class WorkerCore:
     def _submit(self, task: RecvTask, now: float) -> None:
         deadline = now + self.options.transfer_timeout_s + WATCHDOG_GRACE_S
         try:
-            spec = self.spec_for(task)
+            specs = self.specs_for(task)
         except ValueError as err:
             log.warning("request %s: cannot load remote KV: %s", task.request_id, err)
             self._loading[task.request_id] = _Load(task, None, None, now, deadline, str(err))
             return
-        future = self._pool.submit(self._pull, spec, now + self.options.transfer_timeout_s)
-        self._loading[task.request_id] = _Load(task, spec, future, now, deadline)
+        until = now + self.options.transfer_timeout_s
+        if len(specs) == 1:
+            future = self._pool.submit(self._pull, specs[0], until)
+        else:
+            future = self._pool.submit(self._pull_all, specs, until)
+        self._loading[task.request_id] = _Load(task, specs[0], future, now, deadline)
 
-    def _pull(self, spec: transfers_pb2.TransferSpec, deadline: float) -> int:
+    def _pull_all(
+        self, specs: Sequence[transfers_pb2.TransferSpec], deadline: float
+    ) -> TransferResult:
+        """The pulls of one load from several prefill ranks, one after the
+        other within the load's deadline; the first failure fails the load."""
+        results = []
+        for spec in specs:
+            results.append(self._pull(_with_timeout(spec, deadline - self.clock()), deadline))
+        return TransferResult(
+            descriptors=sum(r.descriptors for r in results),
+            bytes=sum(r.bytes for r in results),
+            post_seconds=sum(r.post_seconds for r in results),
+            completion_seconds=sum(r.completion_seconds for r in results),
+            remote_generation=results[-1].remote_generation,
+            handshaked=any(r.handshaked for r in results),
+        )
+
+    def _pull(self, spec: transfers_pb2.TransferSpec, deadline: float) -> TransferResult:
         """Pull; a pull that broke because this pod's kvmapd restarted under
         it is issued again (same capability: the owner's grant outlives a
         failed attempt) after a backoff, while ``deadline`` allows."""
         opts = self.options
-        policy = RetryPolicy(
-            opts.reconnect_initial_s, max(opts.reconnect_max_s, opts.reconnect_initial_s)
-        )
+        # Asking this pod's own kvmapd again is cheap, and every second of
+        # pause past its return is latency the request pays: a short cap.
+        initial = min(opts.reconnect_initial_s, PULL_RETRY_MAX_S)
+        policy = RetryPolicy(initial, max(min(opts.reconnect_max_s, PULL_RETRY_MAX_S), initial))
         attempt = 0
         while True:
             before = self._daemon_instance()
             try:
                 # The gRPC deadline sits a little past the daemon's own deadline.
                 timeout_s = spec.timeout_ms / 1000 + 2.0
-                return self.client.pull(spec, timeout_s=timeout_s).bytes
+                return self.client.pull(spec, timeout_s=timeout_s)
             except KvmapClientError as err:
                 remaining = deadline - self.clock()
                 pause = None
@@ -633,12 +1063,16 @@ class WorkerCore:
         decode side's one classification of a failed pull. Its UNAVAILABLE or
         NOT_FOUND (the restarted daemon does not know the worker yet) count
         only when the daemon is down now or is another instance than the one
-        the worker was attached to when the pull began; from the same
-        instance they are the peer's (the daemon already retried those) or
-        final. Everything else (PERMISSION_DENIED, INVALID_ARGUMENT, ...)
-        never is."""
+        the worker was attached to when the pull began, and its UNAVAILABLE
+        counts when the daemon refused the pull because it is draining
+        (SIGTERM: it is about to be replaced); otherwise, from the same
+        instance, they are the peer's (the daemon already retried those
+        until the deadline) or final. Everything else (PERMISSION_DENIED,
+        INVALID_ARGUMENT, ...) never is."""
         if not isinstance(err, Unavailable | NotFound):
             return False
+        if isinstance(err, Unavailable) and SHUTTING_DOWN in err.message:
+            return True
         try:
             now = self.client.get_stats().daemon_instance
         except Unavailable:
@@ -650,7 +1084,8 @@ class WorkerCore:
     def poll(self) -> TransferResults:
         """What finished since the last call (vLLM's ``get_finished``)."""
         now = self.clock()
-        sending = self._pulled_sends() | self._expired_sends(now)
+        sending = self._pulled_sends() | self._expired_sends(now) | self._unread_sends
+        self._unread_sends = set()
         recving: set[str] = set()
         failed: set[str] = set()
         for request_id, load in list(self._loading.items()):
@@ -674,6 +1109,11 @@ class WorkerCore:
             except queue.Empty:
                 return done
             if request_id in self._to_process:
+                # Freed once every decode rank reading this rank has pulled.
+                pulls = self._send_pulls.pop(request_id, 0) + 1
+                if pulls < self.send_readers:
+                    self._send_pulls[request_id] = pulls
+                    continue
                 self._to_process.discard(request_id)
                 self._send_deadline.pop(request_id, None)
                 done.add(request_id)
@@ -694,22 +1134,31 @@ class WorkerCore:
             )
             del self._send_deadline[request_id]
             self._to_process.discard(request_id)
+            self._send_pulls.pop(request_id, None)
             _revoke(self.client, self.worker, request_id)
             self.leases_expired += 1
+            self.stats.record_kv_expired_req()
             expired.add(request_id)
         return expired
 
     def _outcome(self, load: _Load, now: float) -> tuple[str, int] | None:
-        """(error or "", bytes) of a load that ended, None while it runs."""
+        """(error or "", bytes) of a load that ended, None while it runs;
+        an ended load is counted in ``stats``."""
         if load.future is None:
+            self.stats.record_failed_transfer("INVALID_PARAMS")
             return load.error, 0
         if load.future.done():
             exc = load.future.exception()
             if exc is not None:
+                code = exc.code.name if isinstance(exc, KvmapClientError) else "UNKNOWN"
+                self.stats.record_failed_transfer(code)
                 return _describe(exc), 0
-            return "", load.future.result()
+            result = load.future.result()
+            self.stats.record_transfer(result)
+            return "", result.bytes
         if now >= load.deadline:
             load.future.cancel()
+            self.stats.record_failed_transfer("DEADLINE_EXCEEDED")
             return (
                 f"no answer from kvmapd within {self.options.transfer_timeout_s}s "
                 f"+ {WATCHDOG_GRACE_S}s"
@@ -733,7 +1182,7 @@ class WorkerCore:
                 request_id=load.task.request_id,
                 remote_request_id=load.task.source.request_id,
                 local_block_ids=local,
-                remote_block_ids=pair_blocks(local, remote)[1] if not error else remote,
+                remote_block_ids=_pulled_remote_blocks(load) if not error else remote,
                 ok=not error,
                 error=error,
                 seconds=now - load.started,

@@ -57,6 +57,11 @@ class DemoGeometry:
 
     @property
     def groups(self) -> tuple[GroupLayout, ...]:
+        # A group without layers has no memory to register (a model without
+        # an indexer): it is left out rather than registered empty.
+        return tuple(g for g in self._all_groups() if g.layers)
+
+    def _all_groups(self) -> tuple[GroupLayout, ...]:
         return (
             GroupLayout(
                 types_pb2.CACHE_KIND_MLA,
@@ -172,6 +177,9 @@ class DemoWorker:
         # (block-outermost: a block's layers are adjacent in one row).
         self.rows = self._allocate()
         self.seed = 0
+        # The engine's tensor-parallel size this rank registers with (ranks
+        # above 0 need it: kvmapd refuses tp_rank >= tp_size).
+        self.tp_size = 1
         self.events: list[dict[str, Any]] = []
         self.session: WorkerSession | None = None
         self._events_lock = threading.Lock()
@@ -184,7 +192,10 @@ class DemoWorker:
 
     def registration(self) -> tuple[registry_pb2.RegisterWorkerRequest, list[int]]:
         req = registry_pb2.RegisterWorkerRequest(
-            worker=self.worker, kv_cache_layout="BLHNC", block_size_tokens=self.geo.block_tokens
+            worker=self.worker,
+            kv_cache_layout="BLHNC",
+            block_size_tokens=self.geo.block_tokens,
+            tp_size=self.tp_size,
         )
         fds: list[int] = []
         for gi, (g, rows) in enumerate(zip(self.geo.groups, self.rows, strict=True)):
@@ -378,6 +389,7 @@ def worker_arguments(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--socket", required=True)
     p.add_argument("--engine-id", required=True)
     p.add_argument("--tp-rank", type=int, default=0)
+    p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--blocks", type=int, default=64)
     p.add_argument("--block-tokens", type=int, default=64)
     p.add_argument("--mla-layers", type=int, default=6)
@@ -397,6 +409,7 @@ def worker_id(args: argparse.Namespace) -> types_pb2.WorkerId:
 def main(argv: list[str] | None = None) -> int:
     args = worker_arguments("kvmap-demo-worker").parse_args(argv)
     w = DemoWorker(args.socket, worker_id(args), geometry(args))
+    w.tp_size = args.tp_size
     return serve_worker(w, fill=args.fill)
 
 

@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         prefill = Prefill(root)
         decode = start_daemon(root / "q", name="decode")
-        dw = start_worker(decode, "decode", *GEO, "--indexer-layers", "1")
+        dw = start_worker(decode, "decode", *GEO, "--indexer-layers", "0")
         try:
             for how in ("SIGTERM", "kill -9"):
                 result = measure(prefill, dw, how, args.pulls_before)

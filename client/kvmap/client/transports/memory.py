@@ -68,10 +68,12 @@ from kvmap.client.errors import (
 from kvmap.client.fd_handoff import SCM_MAX_FD
 from kvmap.daemon.core import convert, grants
 from kvmap.daemon.core import errors as core
+from kvmap.daemon.core.compat import check_compatible
 from kvmap.daemon.core.config import MAX_REGION_MAP_BYTES
 from kvmap.daemon.core.geometry import Plan, RegionMapModel, WorkerGeometry
 from kvmap.daemon.core.geometry import WorkerKey as CoreKey
 from kvmap.daemon.core.planner import get_planner
+from kvmap.daemon.core.token_plan import TokenGroup, plan_token_transfer, token_groups
 from kvmap.daemon.core.transfer_pieces import (
     Int64Array,
     LayerSelection,
@@ -327,6 +329,8 @@ class _Request:
     pairs: tuple[GroupPairs, ...]
     expected_generation: int
     capability: str
+    # Token-mode groups (wire num_tokens > 0), as kvmapd reads them.
+    tokens: tuple[TokenGroup, ...] = ()
 
     @classmethod
     def parse(cls, spec: transfers_pb2.TransferSpec) -> _Request:
@@ -340,7 +344,9 @@ class _Request:
             GroupPairs(g.transfer_group, list(g.local_block_ids), list(g.remote_block_ids))
             for g in spec.groups
         )
-        check_sizes(pairs)  # as kvmapd: before anything is planned for the request
+        tokens = token_groups(spec)
+        if not tokens:
+            check_sizes(pairs)  # as kvmapd: before anything is planned for the request
         if not spec.capability:
             raise core.PermissionDenied("spec.capability: a transfer needs the owner's capability")
         return cls(
@@ -354,6 +360,7 @@ class _Request:
             pairs=pairs,
             expected_generation=spec.remote_generation,
             capability=spec.capability,
+            tokens=tokens,
         )
 
 
@@ -376,17 +383,17 @@ def _descriptor_addresses(
 
 
 def _copies(
-    table: PieceTable, plan: TransferPlan, local: _Worker, remote: _Worker, write: bool
+    table: PieceTable | None, plan: TransferPlan, local: _Worker, remote: _Worker, write: bool
 ) -> list[tuple[memoryview, memoryview]]:
-    """(destination, source) windows of every planned descriptor."""
-    lidx = plan.local_indices.astype(np.int64)
-    ridx = plan.remote_indices.astype(np.int64)
-    laddr, lens = _descriptor_addresses(table.local, table.len_bytes, lidx)
-    raddr, _ = _descriptor_addresses(table.remote, table.len_bytes, ridx)
-    pairs = [
-        *zip(laddr.tolist(), raddr.tolist(), lens.tolist(), strict=True),
-        *(tuple(run) for run in plan.runs.tolist()),
-    ]
+    """(destination, source) windows of every planned descriptor (a
+    token-mode plan has no piece table: explicit descriptors only)."""
+    pairs = [tuple(run) for run in plan.runs.tolist()]
+    if table is not None:
+        lidx = plan.local_indices.astype(np.int64)
+        ridx = plan.remote_indices.astype(np.int64)
+        laddr, lens = _descriptor_addresses(table.local, table.len_bytes, lidx)
+        raddr, _ = _descriptor_addresses(table.remote, table.len_bytes, ridx)
+        pairs[:0] = zip(laddr.tolist(), raddr.tolist(), lens.tolist(), strict=True)
     lwin, rwin = _Windows(local.memory), _Windows(remote.memory)
     out = []
     for la, ra, n in pairs:
@@ -925,8 +932,15 @@ class MemoryDaemon:
             )
         if req.expected_generation and req.expected_generation != remote.generation:
             raise core.StaleGeneration(str(req.remote), req.expected_generation, remote.generation)
-        table = build_piece_table(local.model, remote.model, req.selections)
-        plan = plan_transfer(table, req.pairs, destination=Side.REMOTE if write else Side.LOCAL)
+        # As kvmapd: the two workers' KV caches must mean the same thing.
+        check_compatible(local.model, remote.model)
+        side = Side.REMOTE if write else Side.LOCAL
+        table = None
+        if req.tokens:
+            plan = plan_token_transfer(local.model, remote.model, req.tokens, destination=side)
+        else:
+            table = build_piece_table(local.model, remote.model, req.selections)
+            plan = plan_transfer(table, req.pairs, destination=side)
         grant = peer._admit(req, remote)
         for dst, src in _copies(table, plan, local, remote, write):
             dst[:] = src

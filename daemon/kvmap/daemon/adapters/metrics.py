@@ -7,6 +7,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from kvmap.daemon.core.config import parse_host_port
 
+# Peers that get their own label value; the rest share "other", so a daemon
+# that pulls from many prefill pods keeps a bounded number of series.
+MAX_PEER_LABELS = 64
+OTHER_PEERS = "other"
+_DESCRIPTOR_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
 _LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
     0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -60,6 +65,57 @@ class Metrics:
             registry=r,
         )  # fmt: skip
         self.remote_agents = Gauge("kvmap_remote_agents", "Loaded remote agents", registry=r)
+        self._add_peer_metrics(r)
+        self._peers: dict[str, str] = {}
+
+    def _add_peer_metrics(self, r: CollectorRegistry) -> None:
+        """Per-peer transfer series (bounded labels, ``peer_label``) and leases."""
+        self._peer_transfers = Counter(
+            "kvmap_peer_transfers", "Transfers by direction, peer (its address, at most "
+            f"{MAX_PEER_LABELS}, then '{OTHER_PEERS}') and status code (OK when done)",
+            ["direction", "peer", "code"], registry=r,
+        )  # fmt: skip
+        self._peer_seconds = Histogram(
+            "kvmap_peer_transfer_seconds", "Whole transfers that succeeded (handshake, "
+            "plan, post, completion), by direction and peer", ["direction", "peer"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self._peer_bytes = Counter(
+            "kvmap_peer_transfer_bytes", "Bytes moved, by direction and peer",
+            ["direction", "peer"], registry=r,
+        )  # fmt: skip
+        self._descriptors_per_transfer = Histogram(
+            "kvmap_transfer_descriptors_per_transfer", "Descriptors posted per transfer",
+            ["direction"], buckets=_DESCRIPTOR_BUCKETS, registry=r,
+        )  # fmt: skip
+        # Owner side: transfers peers announced and have not finished.
+        self.leases = Gauge("kvmap_leases", "Outstanding transfer leases", registry=r)
+        self.leases_expired = Counter(
+            "kvmap_leases_expired", "Leases that ran out before the peer finished", registry=r
+        )
+
+    def peer_label(self, target: str) -> str:
+        """``target`` as a label value: its own for the first
+        ``MAX_PEER_LABELS`` peers seen, ``other`` after that."""
+        label = self._peers.get(target)
+        if label is None:
+            label = target if len(self._peers) < MAX_PEER_LABELS else OTHER_PEERS
+            if label != OTHER_PEERS:
+                self._peers[target] = label
+        return label
+
+    def transfer_ended(
+        self, direction: str, target: str, code: str, seconds: float | None = None
+    ) -> None:
+        """One transfer's outcome; ``seconds`` for one that succeeded."""
+        peer = self.peer_label(target)
+        self._peer_transfers.labels(direction, peer, code).inc()
+        if seconds is not None:
+            self._peer_seconds.labels(direction, peer).observe(seconds)
+
+    def transfer_moved(self, direction: str, target: str, nbytes: int, descriptors: int) -> None:
+        self._peer_bytes.labels(direction, self.peer_label(target)).inc(nbytes)
+        self._descriptors_per_transfer.labels(direction).observe(descriptors)
 
     def serve(self, listen: str) -> None:
         host, port = parse_host_port(listen, "metrics_listen")

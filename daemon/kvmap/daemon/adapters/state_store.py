@@ -351,6 +351,26 @@ class StateStore:
     def close(self) -> None:
         self._db.close()
 
+    # This daemon's NIXL agents -------------------------------------------
+
+    @_mapped
+    def record_agent(self, agent: str, keep: int) -> list[str]:
+        """Store ``agent`` as the daemon's newest and return the ``keep``
+        before it, newest first (a restarted puller names them to owners
+        whose grants a dead one still claims)."""
+        row = self._db.execute("SELECT value FROM meta WHERE key='agents'").fetchone()
+        try:
+            stored = json.loads(row[0]) if row is not None else []
+        except ValueError:
+            stored = []
+        if not isinstance(stored, list):
+            stored = []
+        before = [a for a in stored if isinstance(a, str) and a and a != agent][:keep]
+        self._db.execute(
+            "INSERT OR REPLACE INTO meta VALUES ('agents', ?)", (json.dumps([agent, *before]),)
+        )
+        return before
+
     # Generations ----------------------------------------------------------
 
     @_mapped

@@ -14,6 +14,7 @@ logged and counted like any other rejected RPC.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,13 +22,11 @@ import grpc
 import structlog
 from grpc import aio
 
-from kvmap.daemon.api.rpc import _parser
+from kvmap.daemon.api.handlers import Ctx, is_kvmap_method, wrap_handler
 from kvmap.daemon.core.errors import PermissionDenied
 from kvmap.daemon.core.peer_policy import INBOUND_DENIED, PeerPolicy, grpc_peer_address
 
 log = structlog.get_logger("kvmapd.authorization")
-
-Ctx = aio.ServicerContext[Any, Any]
 
 # auth_context() keys under which grpcio reports the client certificate's DNS
 # and URI SANs (grpcio 1.85; pinned by tests/security/test_peer_authorization.py).
@@ -62,6 +61,11 @@ class PeerAuthorization(_Interceptor):
             log.warning("peer_refused", peer=context.peer())
             raise PermissionDenied(INBOUND_DENIED)
 
+    @contextlib.asynccontextmanager
+    async def _guard(self, context: Ctx) -> AsyncIterator[None]:
+        self.check(context)
+        yield
+
     async def intercept_service(
         self,
         continuation: Callable[
@@ -70,42 +74,16 @@ class PeerAuthorization(_Interceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any]:
         handler = await continuation(handler_call_details)
-        if handler is None or not handler_call_details.method.startswith("/kvmap.v1."):
+        if handler is None or not is_kvmap_method(handler_call_details):
             return handler
         # The request is parsed only once the caller is authorized: a stranger's
         # bytes are never decoded (and it sees no INVALID_ARGUMENT either).
-        parse = _parser(handler.request_deserializer)
-        unary, stream = handler.unary_unary, handler.unary_stream
-        if unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._guard_unary(unary, parse), response_serializer=handler.response_serializer
-            )
-        if stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._guard_stream(stream, parse), response_serializer=handler.response_serializer
-            )
+        wrapped = wrap_handler(handler, self._guard)
+        if wrapped is not None:
+            return wrapped
         # No streaming-request RPC is served on TCP: one added later must not
         # slip through unguarded, so it is refused until it is guarded here.
         return grpc.unary_unary_rpc_method_handler(self._refuse)
 
     async def _refuse(self, request: Any, context: Ctx) -> Any:
         raise PermissionDenied(INBOUND_DENIED)
-
-    def _guard_unary(
-        self, behavior: Callable[..., Any], parse: Callable[[bytes], Any]
-    ) -> Callable[[bytes, Ctx], Awaitable[Any]]:
-        async def call(raw: bytes, context: Ctx) -> Any:
-            self.check(context)
-            return await behavior(parse(raw), context)
-
-        return call
-
-    def _guard_stream(
-        self, behavior: Callable[..., Any], parse: Callable[[bytes], Any]
-    ) -> Callable[[bytes, Ctx], AsyncIterator[Any]]:
-        async def call(raw: bytes, context: Ctx) -> AsyncIterator[Any]:
-            self.check(context)
-            async for item in behavior(parse(raw), context):
-                yield item
-
-        return call

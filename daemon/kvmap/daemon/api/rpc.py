@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
-from google.protobuf.message import DecodeError
 from grpc import aio
 
 from kvmap.daemon.adapters.grpc_codes import reason_metadata
 from kvmap.daemon.adapters.metrics import Metrics
+from kvmap.daemon.api.handlers import is_kvmap_method, wrap_handler
 from kvmap.daemon.api.status import grpc_status
-from kvmap.daemon.core.errors import InvalidArgument, KvmapError
+from kvmap.daemon.core.errors import KvmapError
 
 log = structlog.get_logger("kvmapd.rpc")
 
@@ -75,25 +75,6 @@ class ErrorsAndContext(_Interceptor):
             structlog.contextvars.clear_contextvars()
         self._metrics.rpcs.labels(method, "OK").inc()
 
-    def _wrap_unary(
-        self, method: str, behavior: Callable[[Any, Any], Awaitable[Any]]
-    ) -> Callable[[Any, Any], Awaitable[Any]]:
-        async def call(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
-            async with self._scope(method, context):
-                return await behavior(request, context)
-
-        return call
-
-    def _wrap_stream(
-        self, method: str, behavior: Callable[[Any, Any], AsyncIterator[Any]]
-    ) -> Callable[[Any, Any], AsyncIterator[Any]]:
-        async def call(request: Any, context: aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-            async with self._scope(method, context):
-                async for item in behavior(request, context):
-                    yield item
-
-        return call
-
     async def intercept_service(
         self,
         continuation: Callable[
@@ -102,45 +83,8 @@ class ErrorsAndContext(_Interceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any]:
         handler = await continuation(handler_call_details)
-        # Health and reflection come from grpcio's own packages and report
-        # their own statuses; only kvmap's services are wrapped.
-        if handler is None or not handler_call_details.method.startswith("/kvmap.v1."):
+        if handler is None or not is_kvmap_method(handler_call_details):
             return handler
-        method = handler_call_details.method.rsplit("/", 1)[-1]
-        # Requests arrive as bytes and are parsed inside the wrapper, so bytes
-        # that are no valid message get INVALID_ARGUMENT (grpcio's own parse
-        # failure would answer UNKNOWN before any handler runs).
-        parse = _parser(handler.request_deserializer)
-        unary, stream = handler.unary_unary, handler.unary_stream
-
-        def parsed_unary(raw: bytes, ctx: Any) -> Any:
-            assert unary is not None
-            return unary(parse(raw), ctx)
-
-        def parsed_stream(raw: bytes, ctx: Any) -> Any:
-            assert stream is not None
-            return stream(parse(raw), ctx)
-
-        if unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(method, parsed_unary),
-                response_serializer=handler.response_serializer,
-            )
-        if stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._wrap_stream(method, parsed_stream),
-                response_serializer=handler.response_serializer,
-            )
-        return handler
-
-
-def _parser(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
-    def parse(raw: bytes) -> Any:
-        if deserialize is None:
-            return raw
-        try:
-            return deserialize(raw)
-        except DecodeError as err:
-            raise InvalidArgument("", f"request is not a valid message: {err}") from None
-
-    return parse
+        method = str(handler_call_details.method).rsplit("/", 1)[-1]
+        wrapped = wrap_handler(handler, lambda context: self._scope(method, context))
+        return handler if wrapped is None else wrapped

@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvmap.daemon.core import convert
 from kvmap.daemon.core import planner as planners
-from kvmap.daemon.core.errors import Unavailable
+from kvmap.daemon.core.errors import SHUTTING_DOWN, Unavailable
 from kvmap.daemon.core.geometry import WorkerKey
 from kvmap.daemon.engine.app import DaemonApp
 from kvmap.v1 import (
@@ -45,7 +45,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         self, request: registry_pb2.RegisterWorkerRequest, context: Ctx
     ) -> registry_pb2.RegisterWorkerResponse:
         if self.app.draining:
-            raise Unavailable("kvmapd is shutting down")
+            raise Unavailable(SHUTTING_DOWN)
         record = await self.app.registrar.register(request, self.app.planner)
         self.app.registered(record)
         return registry_pb2.RegisterWorkerResponse(
@@ -250,7 +250,7 @@ class TransfersService(transfers_pb2_grpc.TransfersServicer):
         self, request: transfers_pb2.PullRequest, context: Ctx
     ) -> AsyncIterator[transfers_pb2.PullResponse]:
         if self.app.draining:
-            raise Unavailable("kvmapd is shutting down")
+            raise Unavailable(SHUTTING_DOWN)
         async for s in self.app.engine.run(request.spec, write=False):
             yield transfers_pb2.PullResponse(status=s)
 
@@ -258,6 +258,6 @@ class TransfersService(transfers_pb2_grpc.TransfersServicer):
         self, request: transfers_pb2.PushRequest, context: Ctx
     ) -> AsyncIterator[transfers_pb2.PushResponse]:
         if self.app.draining:
-            raise Unavailable("kvmapd is shutting down")
+            raise Unavailable(SHUTTING_DOWN)
         async for s in self.app.engine.run(request.spec, write=True):
             yield transfers_pb2.PushResponse(status=s)

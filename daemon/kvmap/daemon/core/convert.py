@@ -31,6 +31,7 @@ from kvmap.daemon.core.geometry import (
     DeviceKind,
     DeviceRef,
     LayerPlacement,
+    ModelIdentity,
     PlacedAllocation,
     Plan,
     PlannerInfo,
@@ -40,6 +41,7 @@ from kvmap.daemon.core.geometry import (
     WorkerGeometry,
     WorkerKey,
 )
+from kvmap.daemon.core.head_layout import head_layout_from_proto, head_layout_to_proto
 from kvmap.daemon.core.validation import (
     MAX_ALLOCATIONS,
     MAX_BLOCKS,
@@ -66,6 +68,30 @@ def geometry_from_proto(req: registry_pb2.RegisterWorkerRequest) -> WorkerGeomet
         ),
         views=tuple(_view_from_proto(f"views[{i}]", v) for i, v in enumerate(req.views)),
         tp_size=req.tp_size or 1,
+        model=model_identity_from_proto(req.model),
+        heads=head_layout_from_proto(
+            "head_layout", req.head_layout, req.HasField("head_layout"), req.tp_size or 1
+        ),
+    )
+
+
+def model_identity_from_proto(msg: types_pb2.ModelIdentity) -> ModelIdentity:
+    return ModelIdentity(
+        name=msg.name,
+        revision=msg.revision,
+        dtype=msg.dtype,
+        kv_cache_dtype=msg.kv_cache_dtype,
+        config_digest=msg.config_digest,
+    )
+
+
+def model_identity_to_proto(model: ModelIdentity) -> types_pb2.ModelIdentity:
+    return types_pb2.ModelIdentity(
+        name=model.name,
+        revision=model.revision,
+        dtype=model.dtype,
+        kv_cache_dtype=model.kv_cache_dtype,
+        config_digest=model.config_digest,
     )
 
 
@@ -186,6 +212,8 @@ def model_from_plan(
         tp_size=geometry.tp_size,
         baseline_descriptor_count=plan.baseline_descriptor_count,
         view_count=len(geometry.views),
+        model=geometry.model,
+        heads=geometry.heads,
     )
 
 
@@ -214,6 +242,8 @@ def region_map_to_proto(model: RegionMapModel) -> types_pb2.RegionMap:
         block_size_tokens=model.block_size_tokens,
         tp_size=model.tp_size,
         view_count=model.view_count,
+        model=model_identity_to_proto(model.model),
+        head_layout=head_layout_to_proto(model.heads, model.tp_size) if model.heads else None,
     )
 
 
@@ -235,6 +265,7 @@ def _region_to_proto(r: Region) -> types_pb2.Region:
                 offset_in_region_bytes=p.offset_in_region,
                 len_bytes=p.len_bytes,
                 cache_kind=types_pb2.CacheKind.ValueType(p.cache_kind),
+                dtype=p.dtype,
             )
             for p in r.layers
         ],
@@ -281,6 +312,10 @@ def region_map_from_proto(msg: types_pb2.RegionMap) -> RegionMapModel:
             "baseline_descriptor_count", msg.baseline_descriptor_count, 0
         ),
         view_count=msg.view_count,
+        model=model_identity_from_proto(msg.model),
+        heads=head_layout_from_proto(
+            "head_layout", msg.head_layout, msg.HasField("head_layout"), msg.tp_size or 1
+        ),
     )
 
 
@@ -375,4 +410,5 @@ def _layer_from_proto(at: str, p: types_pb2.LayerSpan, region_len: int) -> Layer
         offset_in_region=offset,
         len_bytes=length,
         cache_kind=_cache_kind(f"{at}.cache_kind", int(p.cache_kind)),
+        dtype=p.dtype,
     )

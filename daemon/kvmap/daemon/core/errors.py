@@ -129,6 +129,11 @@ class Unavailable(KvmapError):
     code = ErrorCode.UNAVAILABLE
 
 
+# The message of what a draining daemon refuses (SIGTERM, an upgrade): its
+# own workers' clients retry it, as they retry the daemon being down.
+SHUTTING_DOWN = "kvmapd is shutting down"
+
+
 class DeadlineExceeded(KvmapError):
     code = ErrorCode.DEADLINE_EXCEEDED
 

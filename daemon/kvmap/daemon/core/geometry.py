@@ -30,6 +30,33 @@ class CacheKind(enum.IntEnum):
         return self in (CacheKind.MLA, CacheKind.INDEXER)
 
 
+class TokenLayout(enum.IntEnum):
+    """How heads and tokens lie within a block of a head-split view; values
+    equal the proto enum's."""
+
+    HEADS_OUTER = 1  # vLLM's HND: [heads, tokens, head_size]
+    TOKENS_OUTER = 2  # vLLM's NHD: [tokens, heads, head_size]
+    # [heads, K/V, tokens, head_size]: each head's K rows, then its V rows.
+    HEADS_KV_TOKENS = 3
+    # vLLM's CPU cache: a [blocks, heads, tokens, 2 x head_size] tensor whose
+    # kernels keep, per head, K transposed ([head_size, tokens]) and then V
+    # ([tokens, head_size]).
+    HEADS_KT_V = 4
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """How a worker's head-split (MHA) views hold heads and tokens (the wire
+    ``HeadLayout``): what a peer of another TP size or block size needs to
+    plan a transfer. Its rank's heads follow from ``total_kv_heads``, the
+    worker's TP size and rank (``core.reshard.rank_heads``)."""
+
+    total_kv_heads: int
+    head_size: int
+    head_bytes: int
+    token_layout: TokenLayout
+
+
 class DeviceKind(enum.IntEnum):
     """Memory type of an allocation; values equal the proto enum's."""
 
@@ -88,6 +115,18 @@ class ViewSpec:
 
 
 @dataclass(frozen=True)
+class ModelIdentity:
+    """What a worker's KV cache means (the wire ``ModelIdentity``); an empty
+    field is unknown and matches anything (``core.compat``)."""
+
+    name: str = ""
+    revision: str = ""
+    dtype: str = ""
+    kv_cache_dtype: str = ""
+    config_digest: str = ""
+
+
+@dataclass(frozen=True)
 class WorkerGeometry:
     """Everything a worker tells the daemon about its KV cache."""
 
@@ -97,6 +136,8 @@ class WorkerGeometry:
     allocations: tuple[AllocationSpec, ...]
     views: tuple[ViewSpec, ...]
     tp_size: int = 1
+    model: ModelIdentity = ModelIdentity()
+    heads: HeadLayout | None = None
 
     def allocation(self, allocation_id: str) -> AllocationSpec:
         for a in self.allocations:
@@ -113,6 +154,8 @@ class LayerPlacement:
     offset_in_region: int
     len_bytes: int
     cache_kind: CacheKind
+    # The view's dtype; "" when the map's publisher did not say.
+    dtype: str = ""
 
 
 @dataclass(frozen=True)
@@ -191,6 +234,8 @@ class RegionMapModel:
     tp_size: int = 1
     baseline_descriptor_count: int = 0
     view_count: int = 0
+    model: ModelIdentity = ModelIdentity()
+    heads: HeadLayout | None = None
 
     @property
     def descriptor_count(self) -> int:

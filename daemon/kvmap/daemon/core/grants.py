@@ -50,6 +50,10 @@ EXPIRED_KEPT_MS = 60_000
 
 # The one message of every refusal: it does not say which check failed.
 DENIED = "capability does not allow this transfer"
+# Agents of a restarted puller's daemon that one BeginTransfer may name as
+# replaced (its last few incarnations), and the length of each name.
+MAX_REPLACED_AGENTS = 4
+MAX_AGENT_NAME = 256
 
 
 def digest(capability: str) -> bytes:
@@ -165,6 +169,27 @@ def check_request_id(request_id: str, field: str = "request_id") -> str:
     if len(request_id) > MAX_REQUEST_ID:
         raise InvalidArgument(field, f"{len(request_id)} characters; at most {MAX_REQUEST_ID}")
     return request_id
+
+
+def check_replaced_agents(names: Sequence[str], peer_agent: str) -> frozenset[str]:
+    """The agents a BeginTransfer says its caller replaces (hostile input):
+    at most ``MAX_REPLACED_AGENTS`` non-empty names of at most
+    ``MAX_AGENT_NAME`` characters, never the caller itself (its own claim
+    needs no taking over)."""
+    if len(names) > MAX_REPLACED_AGENTS:
+        raise InvalidArgument(
+            "replaces_agents", f"{len(names)} names; at most {MAX_REPLACED_AGENTS}"
+        )
+    for i, name in enumerate(names):
+        if not name:
+            raise InvalidArgument(f"replaces_agents[{i}]", "must not be empty")
+        if len(name) > MAX_AGENT_NAME:
+            raise InvalidArgument(
+                f"replaces_agents[{i}]", f"{len(name)} characters; at most {MAX_AGENT_NAME}"
+            )
+        if name == peer_agent:
+            raise InvalidArgument(f"replaces_agents[{i}]", "names the caller's own agent")
+    return frozenset(names)
 
 
 def check_binding(

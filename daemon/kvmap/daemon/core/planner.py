@@ -83,6 +83,7 @@ def _region(run: Sequence[_AliasClass], fallback_reason: str) -> Region:
             offset_in_region=cls.offset_bytes - first.offset_bytes,
             len_bytes=v.block_len_bytes,
             cache_kind=v.cache_kind,
+            dtype=v.dtype,
         )
         for cls in run
         for v in cls.views

@@ -98,9 +98,24 @@ class PieceTable:
     # any region its pieces touch, on each side.
     local_limits: tuple[int, ...]
     remote_limits: tuple[int, ...]
+    # Where two pieces' bytes meet on a side (the same block id of both
+    # covers a common byte): what would be written twice were that side the
+    # destination. ``*_overlaps[i]`` names two layers of selection i that
+    # meet, or is ""; ``*_shared`` lists selection pairs (k, i), k < i, with
+    # meeting pieces, which may then not share a block id.
+    local_overlaps: tuple[str, ...] = ()
+    remote_overlaps: tuple[str, ...] = ()
+    local_shared: frozenset[tuple[int, int]] = frozenset()
+    remote_shared: frozenset[tuple[int, int]] = frozenset()
 
     def side(self, side: Side) -> SideRows:
         return self.local if side is Side.LOCAL else self.remote
+
+    def overlaps(self, side: Side) -> tuple[str, ...]:
+        return self.local_overlaps if side is Side.LOCAL else self.remote_overlaps
+
+    def shared(self, side: Side) -> frozenset[tuple[int, int]]:
+        return self.local_shared if side is Side.LOCAL else self.remote_shared
 
 
 @dataclass(frozen=True)
@@ -251,6 +266,7 @@ def _runs(i: int, sel: LayerSelection, li: _MapIndex, ri: _MapIndex) -> list[lis
     pairs = [_Pair(lg[n], rg[n]) for n in _selected_names(i, sel, li, ri)]
     for pair in pairs:
         _check_layer(pair.local, pair.remote, li, ri)
+    pairs = _without_aliases(pairs, li, ri)
     # Walk the layers in local row order; a layer extends the current piece
     # when it follows it directly in the same region on both sides.
     pairs.sort(key=lambda p: (p.local.region.id, p.local.layer.offset_in_region))
@@ -262,6 +278,29 @@ def _runs(i: int, sel: LayerSelection, li: _MapIndex, ri: _MapIndex) -> list[lis
             continue
         runs.append([pair])
     return runs
+
+
+def _footprint(p: _Placed, idx: _MapIndex) -> tuple[int, int, int]:
+    """(address in block 0, stride, length): the bytes a layer covers in
+    every block, whichever region or allocation id names them."""
+    return idx.base(p) + p.layer.offset_in_region, p.region.block_stride_bytes, p.layer.len_bytes
+
+
+def _without_aliases(pairs: list[_Pair], li: _MapIndex, ri: _MapIndex) -> list[_Pair]:
+    """The pairs with aliases dropped: vLLM registers layers that share one
+    KV cache (same bytes) under several names, and "every layer" must move
+    those bytes once, not once per name. A layer is an alias of an earlier
+    one only when it covers the same bytes on *both* sides; aliases on one
+    side only are left for ``transfer_plan`` to refuse where they would write
+    a destination byte twice."""
+    seen: set[tuple[tuple[int, int, int], tuple[int, int, int]]] = set()
+    kept: list[_Pair] = []
+    for pair in pairs:
+        key = (_footprint(pair.local, li), _footprint(pair.remote, ri))
+        if key not in seen:
+            seen.add(key)
+            kept.append(pair)
+    return kept
 
 
 def _piece(i: int, run: list[_Pair]) -> Piece:
@@ -308,6 +347,7 @@ def build_piece_table(
                 for h in heads
             )
             limits[side].append(min(h.region.num_blocks for h in heads))
+    overlaps = {side: _meetings(pieces, rows[side]) for side in (Side.LOCAL, Side.REMOTE)}
     return PieceTable(
         local_worker=local.worker,
         local_generation=local.generation,
@@ -322,7 +362,45 @@ def build_piece_table(
         remote=_side_rows(rows[Side.REMOTE], ri),
         local_limits=tuple(limits[Side.LOCAL]),
         remote_limits=tuple(limits[Side.REMOTE]),
+        local_overlaps=overlaps[Side.LOCAL][0],
+        remote_overlaps=overlaps[Side.REMOTE][0],
+        local_shared=overlaps[Side.LOCAL][1],
+        remote_shared=overlaps[Side.REMOTE][1],
     )
+
+
+def _meetings(
+    pieces: Sequence[Piece], rows: Sequence[tuple[int, int, int]]
+) -> tuple[tuple[str, ...], frozenset[tuple[int, int]]]:
+    """Which pieces of one side cover common bytes in the same block id:
+    within a selection (named by two of their layers) and between two.
+
+    Pieces of equal stride meet when their block-0 byte ranges meet; pieces
+    of different strides lie in different row layouts (a planner never puts
+    one layer's bytes in two), so they are not compared. A sweep over the
+    ranges sorted by (stride, start) finds every meeting pair in
+    O(n log n + meetings)."""
+    selections = max((p.selection for p in pieces), default=-1) + 1
+    within = [""] * selections
+    between: set[tuple[int, int]] = set()
+    order = sorted(range(len(pieces)), key=lambda j: (rows[j][1], rows[j][0]))
+    active: list[int] = []  # pieces of the current stride still open
+    for j in order:
+        addr, stride, _ = rows[j]
+        active = [
+            a for a in active if rows[a][1] == stride and rows[a][0] + pieces[a].len_bytes > addr
+        ]
+        for a in active:
+            si, sj = pieces[a].selection, pieces[j].selection
+            if si == sj and not within[si]:
+                within[si] = (
+                    f"layers {pieces[a].layer_names[0]!r} and {pieces[j].layer_names[0]!r} "
+                    "cover common bytes"
+                )
+            elif si != sj:
+                between.add((min(si, sj), max(si, sj)))
+        active.append(j)
+    return tuple(within), frozenset(between)
 
 
 def _side_rows(rows: list[tuple[int, int, int]], idx: _MapIndex) -> SideRows:

@@ -170,12 +170,19 @@ def _check_destination(
     destination: Side,
 ) -> None:
     """No destination byte may be written twice: a block id repeated within a
-    group, or shared by two groups that select a common layer, would race."""
+    group, two layers of a group covering common bytes (aliased on the
+    destination but not the source, or partly overlapping), or a block id
+    shared by two groups whose layers cover common bytes, would race."""
     which = 0 if destination is Side.LOCAL else 1
     name = f"{destination.value}_block_ids"
-    layers = [{n for p in table.pieces[a:b] for n in p.layer_names} for a, b in table.spans]
-    for i, g in enumerate(groups):
+    overlaps, shared = table.overlaps(destination), table.shared(destination)
+    for i in range(len(groups)):
         dest = ids[i][which]
+        if overlaps and overlaps[i] and dest.size:
+            raise InvalidArgument(
+                f"groups[{i}].layer_names",
+                f"{overlaps[i]} on the {destination.value} side: each block would be written twice",
+            )
         repeat = _first_repeat(dest)
         if repeat:
             later, earlier = repeat
@@ -185,7 +192,7 @@ def _check_destination(
                 "one destination block would be written twice",
             )
         for k in range(i):
-            if groups[k].transfer_group != g.transfer_group or not layers[k] & layers[i]:
+            if (k, i) not in shared:
                 continue
             common = np.flatnonzero(np.isin(dest, ids[k][which]))
             if common.size:

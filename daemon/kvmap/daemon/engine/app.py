@@ -26,14 +26,17 @@ from kvmap.daemon.adapters.nixl_agent import NixlAgent
 from kvmap.daemon.adapters.nixl_port import AgentFactory, NixlPort
 from kvmap.daemon.adapters.nixl_thread import NixlThread
 from kvmap.daemon.adapters.peer_client import PeerClient
-from kvmap.daemon.adapters.state_store import StateStore, StateStoreError
+from kvmap.daemon.adapters.state_store import StateStore, StateStoreError, StoredWorker
 from kvmap.daemon.core import convert
+from kvmap.daemon.core import grants as grants_core
 from kvmap.daemon.core import planner as planners
 from kvmap.daemon.core.config import DaemonConfig
 from kvmap.daemon.core.errors import (
+    SHUTTING_DOWN,
     FailedPrecondition,
     HandshakeAgain,
     InvalidArgument,
+    KvmapError,
     NotFound,
     Unavailable,
 )
@@ -97,18 +100,40 @@ class DaemonApp:
         self._engine: TransferEngine | None = None
         self._progress: Progress | None = None
         self.leases = LeaseTable()
+        self.metrics.leases.set_function(lambda: len(self.leases))
         self.store = StateStore(config.state_dir)
+        # This daemon's agents before a restart: a claim one of them still
+        # holds on a grant at a peer is this daemon's to take over.
+        self.previous_agents = self._previous_agents()
         # Per-request capabilities, persisted: a restart keeps them.
         self.grants = GrantTable(self.store)
         # Workers known before a restart whose memory only their client can
         # hand over again, until when they are expected back.
         self._awaiting: dict[WorkerKey, float] = {}
+        # What such a worker had (its stored row and undelivered events):
+        # if it comes back over the very same memory, its grants and events
+        # still hold.
+        self._returning: dict[WorkerKey, _Returning] = {}
+        # Restored workers whose clients have not attached again yet (until
+        # their grace ends): they may be granted meanwhile, since their
+        # events wait in the store for the Attach.
+        self._restored_unattached: set[WorkerKey] = set()
         # Registered workers not attached yet, each with a timer running.
         self._unattached: set[WorkerKey] = set()
         for key, generation in self.store.generations().items():
             self.table.seed_generation(key, generation)
         self.counters = admin_pb2.TransferCounters()
         self._background: set[asyncio.Task[object]] = set()
+
+    def _previous_agents(self) -> tuple[str, ...]:
+        """Record this daemon's agent; the ones before it, newest first. A
+        store that cannot say only means a restart's retried pulls may meet
+        their old claim (PERMISSION_DENIED until its lease ends)."""
+        try:
+            return tuple(self.store.record_agent(self.agent_name, grants_core.MAX_REPLACED_AGENTS))
+        except StateStoreError as err:
+            log.error("agent_not_stored", agent=self.agent_name, error=str(err))
+            return ()
 
     @property
     def registrar(self) -> Registrar:
@@ -147,6 +172,7 @@ class DaemonApp:
             metrics=self.metrics,
             counters=self.counters,
             pacing=self.adapters.pacing,
+            replaces_agents=self.previous_agents,
         )
         self._registrar = Registrar(
             table=self.table,
@@ -173,6 +199,9 @@ class DaemonApp:
                 # Its client re-registers when it re-attaches; the stored
                 # geometry is dropped so nothing stale is ever served, and
                 # peers are told to retry meanwhile (UNAVAILABLE).
+                self._returning[stored.worker] = _Returning(
+                    stored, [e for _, e in self.store.pending_events(stored.worker)]
+                )
                 self.store.delete_worker(stored.worker)
                 self._awaiting[stored.worker] = (
                     time.monotonic() + self.config.restore_attach_grace_s
@@ -188,7 +217,8 @@ class DaemonApp:
                 planner=self.planner.info.name,
                 previous_planner=stored.planner,
             )
-            self._spawn(self._expect_attach(record.key, record.generation))
+            self._restored_unattached.add(record.key)
+            self._spawn(self._expect_restored_attach(record.key, record.generation))
         self.update_gauges()
 
     async def _expect_attach(
@@ -201,6 +231,12 @@ class DaemonApp:
         if record is not None and self.table.subscriber_count(key) == 0:
             log.warning(f"{what}_worker_never_attached", worker=str(key), generation=generation)
             await self.worker_gone(key)
+
+    async def _expect_restored_attach(self, key: WorkerKey, generation: int) -> None:
+        try:
+            await self._expect_attach(key, generation)
+        finally:
+            self._restored_unattached.discard(key)
 
     async def _expect_first_attach(self, key: WorkerKey, generation: int) -> None:
         try:
@@ -271,9 +307,11 @@ class DaemonApp:
         """Registry.GrantTransfer: a capability for one request's blocks of an
         attached worker (its transfer_finished event must reach someone)."""
         if self.draining:
-            raise Unavailable("kvmapd is shutting down")
+            raise Unavailable(SHUTTING_DOWN)
         record = self.table.get(key)
-        if self.table.subscriber_count(key) == 0:
+        if self.table.subscriber_count(key) == 0 and key not in self._restored_unattached:
+            # (A restored worker's client is re-attaching after the restart:
+            # the finished event waits in the store for its Attach.)
             raise FailedPrecondition(f"worker {key} has no Attach stream open")
         return self.grants.grant(
             record, request_id=request_id, groups=groups, ttl_ms=ttl_ms, max_uses=max_uses
@@ -293,8 +331,9 @@ class DaemonApp:
         if not req.peer_agent:
             # The claim and the completion notification are bound to it.
             raise InvalidArgument("peer_agent", "must not be empty")
+        replaces = grants_core.check_replaced_agents(req.replaces_agents, req.peer_agent)
         if self.draining:
-            raise Unavailable("kvmapd is shutting down")
+            raise Unavailable(SHUTTING_DOWN)
         # No capability, no answer about workers or agents.
         self.grants.find(req.capability)
         if req.agent_name and req.agent_name != self.agent_name:
@@ -309,6 +348,7 @@ class DaemonApp:
             request_id=req.request_id,
             groups=[(g.transfer_group, g.block_ids) for g in req.groups],
             peer_agent=req.peer_agent,
+            replaces=replaces,
         )
         lease = self.leases.begin(
             record,
@@ -321,8 +361,24 @@ class DaemonApp:
             lease_s=(req.lease_ms / 1000) if req.lease_ms else DEFAULT_LEASE_S,
             grant=grant.digest,
         )
+        self._take_over(grant.digest, replaces)
         self.grants.claim(grant, req.peer_agent)
+        if self._progress is not None:
+            self._progress.wake()  # the peer posts as soon as we answer
         return lease
+
+    def _take_over(self, digest: bytes, replaces: frozenset[str]) -> None:
+        """End the leases of a replaced agent under this grant (after the new
+        lease pinned the worker, so the pin never lapses): each releases its
+        claim and unpins once, here, and the dead agent's late EndTransfer or
+        notification finds no lease."""
+        holder = self.grants.claimed_by(digest)
+        if holder not in replaces:
+            return
+        for old in self.leases.held_by(holder, digest):
+            self.leases.finish(old.token)
+            self.grants.release(digest)
+            log.warning("claim_taken_over", request_id=old.request_id, old_agent=holder)
 
     def end_lease(self, token: str) -> Lease | None:
         """A peer gave up on a transfer (EndTransfer): the pin goes, and the
@@ -336,6 +392,7 @@ class DaemonApp:
         """End leases that ran out (their capabilities may be tried again)
         and forget long-expired grants."""
         gone = self.leases.expire(now)
+        self.metrics.leases_expired.inc(len(gone))
         for lease in gone:
             self.grants.release(lease.grant)
             log.warning("lease_expired", request_id=lease.request_id, peer=lease.peer_agent)
@@ -389,9 +446,24 @@ class DaemonApp:
         return self.table.get(key)
 
     def registered(self, record: WorkerRecord) -> None:
-        # New (or replaced) memory: block ids granted before may now hold
-        # other requests' KV.
-        self.grants.drop_worker(record.key)
+        returning = self._returning.pop(record.key, None)
+        if returning is not None and self._same_memory(returning.stored, record.key):
+            # The client of a worker the daemon could not reopen after a
+            # restart registered the very memory it had: its blocks still
+            # hold what was granted, and its undelivered events still apply.
+            self.grants.rebind(record.key, record.generation)
+            self._requeue(record.key, returning.events)
+            log.info(
+                "worker_returned",
+                worker=str(record.key),
+                generation=record.generation,
+                events=len(returning.events),
+            )
+        else:
+            # New (or replaced) memory: block ids granted before may now hold
+            # other requests' KV.
+            self.grants.drop_worker(record.key)
+        self._restored_unattached.discard(record.key)
         self._awaiting.pop(record.key, None)
         if self.table.subscriber_count(record.key) == 0 and record.key not in self._unattached:
             # Released after attach_grace_s unless its worker attaches; one
@@ -400,6 +472,36 @@ class DaemonApp:
             self._spawn(self._expect_first_attach(record.key, record.generation))
         self.update_gauges()
         self.publish_map_changed(record)
+
+    def _same_memory(self, before: StoredWorker, key: WorkerKey) -> bool:
+        """Whether ``key``'s registration just stored is over the same memory
+        objects (same identity: process, device and inode, path or CUDA
+        handle), at the same offsets, with the same geometry as ``before``."""
+        try:
+            now = next((w for w in self.store.workers() if w.worker == key), None)
+        except StateStoreError as err:
+            # Unsure, so the safe answer: the grants go.
+            log.error("worker_identity_unread", worker=str(key), error=str(err))
+            return False
+        if now is None or now.reopen != before.reopen:
+            return False
+        try:
+            same = convert.parse_and_validate(now.request) == convert.parse_and_validate(
+                before.request
+            )
+        except KvmapError:
+            return False
+        return same and _handle_offsets(now) == _handle_offsets(before)
+
+    def _requeue(self, key: WorkerKey, events: Sequence[registry_pb2.AttachResponse]) -> None:
+        """Store again the events a returning worker had not been sent (its
+        Attach sends them); one the store cannot take is logged and lost, as
+        a live event would be."""
+        for event in events:
+            try:
+                self.store.add_event(key, event)
+            except StateStoreError as err:
+                log.error("event_not_stored", worker=str(key), error=str(err))
 
     async def worker_gone(self, key: WorkerKey) -> None:
         """The worker's Attach stream ended: release everything it had."""
@@ -476,3 +578,22 @@ class DaemonApp:
         self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("background_task_failed", error=str(task.exception()))
+
+
+@dataclass(frozen=True)
+class _Returning:
+    """A stored worker the restarted daemon could not reopen, and the events
+    it had not been sent."""
+
+    stored: StoredWorker
+    events: list[registry_pb2.AttachResponse]
+
+
+def _handle_offsets(w: StoredWorker) -> list[tuple[str, int]]:
+    """Where each allocation starts in its memory object."""
+    out = []
+    for alloc in w.request.allocations:
+        which = alloc.WhichOneof("handle")
+        handle = getattr(alloc, which) if which in ("shm_fd", "shm_path") else None
+        out.append((alloc.id, handle.offset_bytes if handle is not None else 0))
+    return out

@@ -200,8 +200,12 @@ class GrantTable:
         request_id: str,
         groups: Iterable[tuple[int, BlockIds]],
         peer_agent: str,
+        replaces: frozenset[str] = frozenset(),
     ) -> Grant:
-        """Every check of a BeginTransfer's capability, changing nothing."""
+        """Every check of a BeginTransfer's capability, changing nothing. A
+        claim held by an agent in ``replaces`` (the caller's daemon before a
+        restart) does not stand in the way: the caller takes it over
+        (``taken_over``) once everything else has passed."""
         grant = core.check_binding(
             self.find(capability),
             worker=record.key,
@@ -210,11 +214,22 @@ class GrantTable:
             groups=groups,
         )
         entry = self._entries[grant.digest]
-        if entry.claimed_by not in ("", peer_agent) or entry.active + grant.uses >= grant.max_uses:
+        taken = entry.claimed_by in replaces
+        # A taken-over claim's transfers died with their agent: they will
+        # never complete, so they count against no use.
+        active = 0 if taken else entry.active
+        if entry.claimed_by not in ("", peer_agent) and not taken:
+            raise PermissionDenied(core.DENIED)
+        if active + grant.uses >= grant.max_uses:
             raise PermissionDenied(core.DENIED)
         if grant.expired(self._clock()):
             raise FailedPrecondition(f"capability for request {request_id} expired")
         return grant
+
+    def claimed_by(self, digest: bytes) -> str:
+        """The agent whose transfers hold the grant now ("" when none)."""
+        entry = self._entries.get(digest)
+        return entry.claimed_by if entry is not None else ""
 
     def claim(self, grant: Grant, peer_agent: str) -> None:
         """A lease now holds the grant for ``peer_agent`` (after ``admit``)."""

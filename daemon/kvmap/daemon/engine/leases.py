@@ -109,6 +109,14 @@ class LeaseTable:
                 del self._per_peer[lease.peer_agent]
         return lease
 
+    def held_by(self, peer_agent: str, grant: GrantDigest) -> list[Lease]:
+        """The leases ``peer_agent`` holds under one grant."""
+        return [
+            lease
+            for lease in self._leases.values()
+            if lease.peer_agent == peer_agent and lease.grant == grant
+        ]
+
     def finish_from(self, token: str, sender: str) -> Lease | None:
         """End a lease on a completion notification, only if it came from the
         agent that holds the lease: another agent that learnt a token cannot

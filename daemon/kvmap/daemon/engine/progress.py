@@ -55,6 +55,13 @@ class Progress:
         self._wake.set()
         return fut
 
+    def wake(self) -> None:
+        """Start a pass now and poll at the busy pace: a peer is about to
+        move bytes through this agent (a lease began), and UCX moves them
+        only while this side calls in. Waiting out the idle interval would
+        add up to that interval to the peer's transfer."""
+        self._wake.set()
+
     def forget(self, xfer: Xfer) -> None:
         self._watched.pop(id(xfer), None)
 

@@ -45,6 +45,7 @@ from kvmap.daemon.adapters.nixl_port import (
 )
 from kvmap.daemon.adapters.nixl_thread import NixlRunner
 from kvmap.daemon.adapters.peer_client import MAX_CHANNELS, PeerHandshake
+from kvmap.daemon.core.compat import check_compatible
 from kvmap.daemon.core.config import DaemonConfig
 from kvmap.daemon.core.convert import requested_worker, worker_id_to_proto
 from kvmap.daemon.core.errors import (
@@ -57,9 +58,11 @@ from kvmap.daemon.core.errors import (
     StaleGeneration,
     TransferError,
     Unavailable,
+    status_of,
 )
 from kvmap.daemon.core.geometry import DeviceKind, RegionMapModel, WorkerKey
 from kvmap.daemon.core.retry import RetryPolicy, retryable
+from kvmap.daemon.core.token_plan import TokenGroup, plan_token_transfer, token_groups
 from kvmap.daemon.core.transfer_pieces import LayerSelection, PieceTable, Side, build_piece_table
 from kvmap.daemon.core.transfer_plan import (
     GroupPairs,
@@ -90,6 +93,10 @@ MAX_CACHED_HANDSHAKES = 1024
 # Prepared (piece table, local and remote lists) entries kept: a few per
 # (local worker, remote worker) pair and layer selection in use.
 MAX_PREPARED = 256
+# BeginTransferRequest.lease_ms is a uint32.
+MAX_LEASE_MS = 2**32 - 1
+# (local generation, remote generation) pairs found compatible (core.compat).
+MAX_COMPATIBLE = 1024
 
 
 class Peers(Protocol):
@@ -128,11 +135,12 @@ def side_memory(model: RegionMapModel, who: str) -> tuple[int, MemoryType]:
 
 @dataclass
 class Prepared:
-    """Piece table and NIXL lists for one (local gen, remote gen, selection)."""
+    """Piece table and NIXL lists for one (local gen, remote gen, selection);
+    none of the three for a token-mode transfer (explicit descriptors only)."""
 
-    table: PieceTable
-    local_dlist: DlistHandle
-    remote_dlist: DlistHandle
+    table: PieceTable | None
+    local_dlist: DlistHandle | None
+    remote_dlist: DlistHandle | None
     # (NIXL dev_id, memory type) of each side.
     local_mem: tuple[int, MemoryType]
     remote_mem: tuple[int, MemoryType]
@@ -156,6 +164,8 @@ class Request:
     timeout_s: float
     # The owner's grant for this request (kv_transfer_params "kvmap_capability").
     capability: str
+    # Token-mode groups (wire num_tokens > 0; core.token_plan), else empty.
+    tokens: tuple[TokenGroup, ...] = ()
 
     @classmethod
     def parse(cls, spec: transfers_pb2.TransferSpec, default_timeout_s: float) -> Request:
@@ -170,7 +180,9 @@ class Request:
             GroupPairs(g.transfer_group, list(g.local_block_ids), list(g.remote_block_ids))
             for g in spec.groups
         )
-        check_sizes(pairs)
+        tokens = token_groups(spec)
+        if not tokens:
+            check_sizes(pairs)
         if not spec.capability:
             # Refused here, before any peer is dialled: a pull built from
             # params without a capability is never anyone's legitimate pull.
@@ -187,7 +199,15 @@ class Request:
             expected_generation=spec.remote_generation,
             timeout_s=spec.timeout_ms / 1000 if spec.timeout_ms else default_timeout_s,
             capability=spec.capability,
+            tokens=tokens,
         )
+
+
+def _code_name(err: BaseException) -> str:
+    """The status code a failed transfer's caller sees, as a metric label."""
+    if isinstance(err, asyncio.CancelledError):
+        return "CANCELLED"
+    return status_of(err)[0].name
 
 
 def status(state: int, message: str = "", **stats: Any) -> transfers_pb2.TransferStatus:
@@ -212,8 +232,12 @@ class TransferEngine:
         metrics: Metrics,
         counters: admin_pb2.TransferCounters,
         pacing: Pacing | None = None,
+        replaces_agents: tuple[str, ...] = (),
     ) -> None:
         self._config = config
+        # This daemon's agents before its restart (BeginTransferRequest.
+        # replaces_agents): their claims at owners are taken over.
+        self._replaces_agents = replaces_agents
         self._pacing = pacing or Pacing()
         self._table = table
         self._agent = agent
@@ -229,6 +253,9 @@ class TransferEngine:
             MAX_HANDSHAKES_IN_FLIGHT, "handshakes with remote daemons"
         )
         self._prepared: Lru[tuple[Any, ...], Prepared] = Lru(MAX_PREPARED)
+        # Only successes are kept: a refused pair changes no cache, and is
+        # compared again (cheaply) on its next request.
+        self._compatible: Lru[tuple[Any, ...], bool] = Lru(MAX_COMPATIBLE)
         # Cache mutations (a handshake's result, prepare); never held while
         # waiting for a remote daemon.
         self._lock = asyncio.Lock()
@@ -264,8 +291,9 @@ class TransferEngine:
             await self._free(p)
 
     async def _free(self, p: Prepared) -> None:
-        await self._nixl(partial(self._agent.release_dlist, p.local_dlist))
-        await self._nixl(partial(self._agent.release_dlist, p.remote_dlist))
+        for dlist in (p.local_dlist, p.remote_dlist):
+            if dlist is not None:
+                await self._nixl(partial(self._agent.release_dlist, dlist))
 
     async def forget_local(self, key: WorkerKey, generation: int) -> None:
         """A local record was retired: drop lists prepared over its memory."""
@@ -337,6 +365,7 @@ class TransferEngine:
             if found is not None:
                 found.users += 1
                 return found
+            self._check_compatible(key[:6], local, hs)
             table = build_piece_table(local.model, hs.model, req.selections)
             local_mem = side_memory(local.model, "local worker")
             remote_mem = side_memory(hs.model, "remote worker")
@@ -355,6 +384,14 @@ class TransferEngine:
                 await self._retire(evicted)
             return prepared
 
+    def _check_compatible(
+        self, pair: tuple[Any, ...], local: WorkerRecord, hs: PeerHandshake
+    ) -> None:
+        """Both workers' KV caches mean the same thing (once per generations)."""
+        if self._compatible.get(pair) is None:
+            check_compatible(local.model, hs.model)
+            self._compatible.put(pair, True)
+
     async def _done_with(self, p: Prepared) -> None:
         p.users -= 1
         if p.stale and p.users == 0:
@@ -370,24 +407,28 @@ class TransferEngine:
         record = self._table.get(req.local)
         record.pin()
         self.in_flight += 1
+        started = time.perf_counter()
         try:
             deadline = self._pacing.now() + req.timeout_s
             async with asyncio.timeout(req.timeout_s):
                 async for item in self._retried(req, record, write, deadline):
                     yield item
             self._metrics.transfers.labels(direction, "done").inc()
+            self._metrics.transfer_ended(direction, req.target, "OK", time.perf_counter() - started)
             if write:
                 self._counters.pushes_done += 1
             else:
                 self._counters.pulls_done += 1
         except TimeoutError:
             self._metrics.transfers.labels(direction, "deadline").inc()
+            self._metrics.transfer_ended(direction, req.target, "DEADLINE_EXCEEDED")
             self._counters.failed += 1
             raise DeadlineExceeded(
                 f"transfer {req.request_id}: no completion in {req.timeout_s}s"
             ) from None
         except BaseException as err:
             self._metrics.transfers.labels(direction, type(err).__name__).inc()
+            self._metrics.transfer_ended(direction, req.target, _code_name(err))
             self._counters.failed += 1
             raise
         finally:
@@ -451,6 +492,9 @@ class TransferEngine:
         prepared, plan, token = begun
         post_s, done_s = await self._carry_out(req, hs, prepared, plan, token=token, write=write)
         self._account(plan, post_s, done_s)
+        self._metrics.transfer_moved(
+            "push" if write else "pull", req.target, plan.bytes, plan.descriptors
+        )
         yield status(
             transfers_pb2.TRANSFER_STATE_DONE,
             "done",
@@ -470,11 +514,15 @@ class TransferEngine:
         generation and ``retry`` allows one more handshake."""
         if req.expected_generation and req.expected_generation != hs.generation:
             raise RequestedGenerationGone(str(req.remote), req.expected_generation, hs.generation)
-        prepared = await self._prepare(record, hs, req, write)
+        if req.tokens:
+            prepared, plan = await self._plan_tokens(record, hs, req, write)
+        else:
+            prepared = await self._prepare(record, hs, req, write)
         try:
-            plan = plan_transfer(
-                prepared.table, req.pairs, destination=Side.REMOTE if write else Side.LOCAL
-            )
+            if prepared.table is not None:
+                plan = plan_transfer(
+                    prepared.table, req.pairs, destination=Side.REMOTE if write else Side.LOCAL
+                )
             token = await self.peers.begin(req.target, self._announcement(req, hs, plan, write))
         except BaseException as err:
             await self._done_with(prepared)
@@ -483,6 +531,24 @@ class TransferEngine:
             log.info("stale_remote_generation", target=req.target, worker=str(req.remote))
             return None  # re-handshake once, then plan again
         return prepared, plan, token
+
+    async def _plan_tokens(
+        self, local: WorkerRecord, hs: PeerHandshake, req: Request, write: bool
+    ) -> tuple[Prepared, TransferPlan]:
+        """A token-mode plan: explicit descriptors, nothing prepared or cached
+        (they depend on the request's block ids and token count)."""
+        pair = (local.key, local.generation, req.target, req.remote, hs.generation, hs.agent_name)
+        async with self._lock:
+            self._check_compatible(pair, local, hs)
+        plan = plan_token_transfer(
+            local.model,
+            hs.model,
+            req.tokens,
+            destination=Side.REMOTE if write else Side.LOCAL,
+        )
+        local_mem = side_memory(local.model, "local worker")
+        remote_mem = side_memory(hs.model, "remote worker")
+        return Prepared(None, None, None, local_mem, remote_mem, users=1), plan
 
     def _announcement(
         self, req: Request, hs: PeerHandshake, plan: TransferPlan, write: bool
@@ -494,10 +560,13 @@ class TransferEngine:
             agent_name=hs.agent_name,
             peer_agent=self._agent_name,
             write=write,
-            lease_ms=int(req.timeout_s * 1000) + 1000,
+            # A second past our deadline; the wire field is uint32 and the
+            # caller picks the deadline (the owner caps leases anyway).
+            lease_ms=min(int(req.timeout_s * 1000) + 1000, MAX_LEASE_MS),
             blocks=plan.blocks,
             bytes=plan.bytes,
             capability=req.capability,
+            replaces_agents=self._replaces_agents,
             # The owner's blocks this transfer touches: each must be granted.
             groups=[
                 types_pb2.BlockGrant(
@@ -548,6 +617,9 @@ class TransferEngine:
             start = time.perf_counter()
             xfers = []
             if len(plan.local_indices):
+                if prepared.local_dlist is None or prepared.remote_dlist is None:
+                    # Only piece-table plans index prepared lists.
+                    raise RuntimeError("a token-mode plan indexes no prepared list")
                 xfers.append(
                     self._agent.post_prepped(
                         op,

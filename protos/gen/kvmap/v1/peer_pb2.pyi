@@ -86,6 +86,7 @@ class BeginTransferRequest(_message.Message):
     BYTES_FIELD_NUMBER: _builtins.int
     CAPABILITY_FIELD_NUMBER: _builtins.int
     GROUPS_FIELD_NUMBER: _builtins.int
+    REPLACES_AGENTS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     generation: _builtins.int
     agent_name: _builtins.str
@@ -106,6 +107,14 @@ class BeginTransferRequest(_message.Message):
         each must be inside the grant.
         """
 
+    @_builtins.property
+    def replaces_agents(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Agents of the caller's own daemon before it restarted (kill -9) whose
+        claims on this capability the caller takes over: their transfers died
+        with them. Only a claim on the presented capability is released; at most
+        4 names of at most 256 characters each.
+        """
+
     def __init__(
         self,
         *,
@@ -120,10 +129,11 @@ class BeginTransferRequest(_message.Message):
         bytes: _builtins.int = ...,
         capability: _builtins.str = ...,
         groups: _abc.Iterable[_types_pb2.BlockGrant] | None = ...,
+        replaces_agents: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["worker", b"worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "blocks", b"blocks", "bytes", b"bytes", "capability", b"capability", "generation", b"generation", "groups", b"groups", "lease_ms", b"lease_ms", "peer_agent", b"peer_agent", "request_id", b"request_id", "worker", b"worker", "write", b"write"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "blocks", b"blocks", "bytes", b"bytes", "capability", b"capability", "generation", b"generation", "groups", b"groups", "lease_ms", b"lease_ms", "peer_agent", b"peer_agent", "replaces_agents", b"replaces_agents", "request_id", b"request_id", "worker", b"worker", "write", b"write"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -51,6 +51,8 @@ class RegisterWorkerRequest(_message.Message):
     ALLOCATIONS_FIELD_NUMBER: _builtins.int
     VIEWS_FIELD_NUMBER: _builtins.int
     TP_SIZE_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    HEAD_LAYOUT_FIELD_NUMBER: _builtins.int
     kv_cache_layout: _builtins.str
     """vLLM's KV cache layout name, e.g. "BLHNC" (block-outermost) or "LBHNC"."""
     block_size_tokens: _builtins.int
@@ -62,6 +64,16 @@ class RegisterWorkerRequest(_message.Message):
     def allocations(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.Allocation]: ...
     @_builtins.property
     def views(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.View]: ...
+    @_builtins.property
+    def model(self) -> _types_pb2.ModelIdentity:
+        """The model the worker serves; published in its region map."""
+
+    @_builtins.property
+    def head_layout(self) -> _types_pb2.HeadLayout:
+        """How head-split views hold heads and tokens; published in the region map
+        so peers of other TP or block sizes can plan transfers with this worker.
+        """
+
     def __init__(
         self,
         *,
@@ -71,10 +83,12 @@ class RegisterWorkerRequest(_message.Message):
         allocations: _abc.Iterable[_types_pb2.Allocation] | None = ...,
         views: _abc.Iterable[_types_pb2.View] | None = ...,
         tp_size: _builtins.int = ...,
+        model: _types_pb2.ModelIdentity | None = ...,
+        head_layout: _types_pb2.HeadLayout | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["worker", b"worker"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["head_layout", b"head_layout", "model", b"model", "worker", b"worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocations", b"allocations", "block_size_tokens", b"block_size_tokens", "kv_cache_layout", b"kv_cache_layout", "tp_size", b"tp_size", "views", b"views", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocations", b"allocations", "block_size_tokens", b"block_size_tokens", "head_layout", b"head_layout", "kv_cache_layout", b"kv_cache_layout", "model", b"model", "tp_size", b"tp_size", "views", b"views", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

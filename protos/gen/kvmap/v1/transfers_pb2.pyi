@@ -49,7 +49,16 @@ class GroupBlocks(_message.Message):
     LOCAL_BLOCK_IDS_FIELD_NUMBER: _builtins.int
     REMOTE_BLOCK_IDS_FIELD_NUMBER: _builtins.int
     LAYER_NAMES_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
     transfer_group: _builtins.int
+    num_tokens: _builtins.int
+    """Token mode, when > 0: local_block_ids and remote_block_ids are the
+    request's blocks in token order on each side (their counts may differ),
+    and the transfer moves tokens [0, num_tokens) of the KV heads the local
+    worker holds that the remote worker holds too. For workers of different
+    block sizes or tensor-parallel sizes; head-split layers need both
+    region maps' head_layout. 0: block i of one side is block i of the other.
+    """
     @_builtins.property
     def local_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -65,10 +74,11 @@ class GroupBlocks(_message.Message):
         local_block_ids: _abc.Iterable[_builtins.int] | None = ...,
         remote_block_ids: _abc.Iterable[_builtins.int] | None = ...,
         layer_names: _abc.Iterable[_builtins.str] | None = ...,
+        num_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["layer_names", b"layer_names", "local_block_ids", b"local_block_ids", "remote_block_ids", b"remote_block_ids", "transfer_group", b"transfer_group"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["layer_names", b"layer_names", "local_block_ids", b"local_block_ids", "num_tokens", b"num_tokens", "remote_block_ids", b"remote_block_ids", "transfer_group", b"transfer_group"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

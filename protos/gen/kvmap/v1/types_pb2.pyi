@@ -69,6 +69,49 @@ CACHE_KIND_MAMBA: CacheKind.ValueType  # 4
 CACHE_KIND_OTHER: CacheKind.ValueType  # 5
 Global___CacheKind: _TypeAlias = CacheKind  # noqa: Y015
 
+class _TokenLayout:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TokenLayoutEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TokenLayout.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TOKEN_LAYOUT_UNSPECIFIED: _TokenLayout.ValueType  # 0
+    TOKEN_LAYOUT_HEADS_OUTER: _TokenLayout.ValueType  # 1
+    """vLLM's HND: [kv heads, tokens, head_size] within a block."""
+    TOKEN_LAYOUT_TOKENS_OUTER: _TokenLayout.ValueType  # 2
+    """vLLM's NHD: [tokens, kv heads, head_size] within a block."""
+    TOKEN_LAYOUT_HEADS_KV_TOKENS: _TokenLayout.ValueType  # 3
+    """[kv heads, 2 (K, V), tokens, head_size] within a block: each head's K
+    rows, then its V rows.
+    """
+    TOKEN_LAYOUT_HEADS_KT_V: _TokenLayout.ValueType  # 4
+    """vLLM's CPU cache ([blocks, kv heads, tokens, 2 x head_size] as a
+    tensor): per head, K transposed ([head_size, tokens]), then V
+    ([tokens, head_size]).
+    """
+
+class TokenLayout(_TokenLayout, metaclass=_TokenLayoutEnumTypeWrapper):
+    """How heads and tokens lie within one block of a head-split
+    (CACHE_KIND_MHA) view. Replicated kinds (MLA, indexer) always hold
+    [tokens, per-token vector].
+    """
+
+TOKEN_LAYOUT_UNSPECIFIED: TokenLayout.ValueType  # 0
+TOKEN_LAYOUT_HEADS_OUTER: TokenLayout.ValueType  # 1
+"""vLLM's HND: [kv heads, tokens, head_size] within a block."""
+TOKEN_LAYOUT_TOKENS_OUTER: TokenLayout.ValueType  # 2
+"""vLLM's NHD: [tokens, kv heads, head_size] within a block."""
+TOKEN_LAYOUT_HEADS_KV_TOKENS: TokenLayout.ValueType  # 3
+"""[kv heads, 2 (K, V), tokens, head_size] within a block: each head's K
+rows, then its V rows.
+"""
+TOKEN_LAYOUT_HEADS_KT_V: TokenLayout.ValueType  # 4
+"""vLLM's CPU cache ([blocks, kv heads, tokens, 2 x head_size] as a
+tensor): per head, K transposed ([head_size, tokens]), then V
+([tokens, head_size]).
+"""
+Global___TokenLayout: _TypeAlias = TokenLayout  # noqa: Y015
+
 @_typing.final
 class WorkerId(_message.Message):
     """Identity of one vLLM worker (one rank of one engine). The four fields
@@ -323,6 +366,48 @@ class View(_message.Message):
 Global___View: _TypeAlias = View  # noqa: Y015
 
 @_typing.final
+class ModelIdentity(_message.Message):
+    """What a worker's KV cache means: two workers exchange KV only when these
+    agree (each field is compared when both sides set it).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    KV_CACHE_DTYPE_FIELD_NUMBER: _builtins.int
+    CONFIG_DIGEST_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The model as the engine was given it (vLLM's --model), e.g. a hub id."""
+    revision: _builtins.str
+    dtype: _builtins.str
+    """The model's compute dtype, e.g. "bfloat16"."""
+    kv_cache_dtype: _builtins.str
+    """The KV cache's dtype setting, e.g. "auto" or "fp8_e4m3"."""
+    config_digest: _builtins.str
+    """Hex digest of the config fields that define the architecture (layers,
+    heads, head size, ...), so that the same model under two names or paths
+    still matches on what shapes its KV cache.
+    """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        revision: _builtins.str = ...,
+        dtype: _builtins.str = ...,
+        kv_cache_dtype: _builtins.str = ...,
+        config_digest: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_digest", b"config_digest", "dtype", b"dtype", "kv_cache_dtype", b"kv_cache_dtype", "name", b"name", "revision", b"revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelIdentity: _TypeAlias = ModelIdentity  # noqa: Y015
+
+@_typing.final
 class PlannerInfo(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -354,11 +439,16 @@ class LayerSpan(_message.Message):
     OFFSET_IN_REGION_BYTES_FIELD_NUMBER: _builtins.int
     LEN_BYTES_FIELD_NUMBER: _builtins.int
     CACHE_KIND_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
     layer_name: _builtins.str
     offset_in_region_bytes: _builtins.int
     """Offset of the layer's block inside the region's block."""
     len_bytes: _builtins.int
     cache_kind: Global___CacheKind.ValueType
+    dtype: _builtins.str
+    """Element type of the layer's cache (View.dtype), e.g. "bfloat16"; empty
+    from daemons that predate it. Peers compare it before a transfer.
+    """
     def __init__(
         self,
         *,
@@ -366,10 +456,11 @@ class LayerSpan(_message.Message):
         offset_in_region_bytes: _builtins.int = ...,
         len_bytes: _builtins.int = ...,
         cache_kind: Global___CacheKind.ValueType = ...,
+        dtype: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_kind", b"cache_kind", "layer_name", b"layer_name", "len_bytes", b"len_bytes", "offset_in_region_bytes", b"offset_in_region_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_kind", b"cache_kind", "dtype", b"dtype", "layer_name", b"layer_name", "len_bytes", b"len_bytes", "offset_in_region_bytes", b"offset_in_region_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -479,6 +570,8 @@ class RegionMap(_message.Message):
     BLOCK_SIZE_TOKENS_FIELD_NUMBER: _builtins.int
     TP_SIZE_FIELD_NUMBER: _builtins.int
     VIEW_COUNT_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    HEAD_LAYOUT_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     descriptor_count: _builtins.int
     """Sum of num_blocks over regions: one transfer descriptor per region per block."""
@@ -496,6 +589,19 @@ class RegionMap(_message.Message):
     def regions(self) -> _containers.RepeatedCompositeFieldContainer[Global___Region]: ...
     @_builtins.property
     def allocations(self) -> _containers.RepeatedCompositeFieldContainer[Global___AllocationInfo]: ...
+    @_builtins.property
+    def model(self) -> Global___ModelIdentity:
+        """The model the worker serves, as it registered it; peers refuse to
+        transfer between workers whose models differ (FAILED_PRECONDITION).
+        """
+
+    @_builtins.property
+    def head_layout(self) -> Global___HeadLayout:
+        """How the worker's head-split views hold heads and tokens (as registered);
+        unset when the worker did not say, and then a peer transfers only
+        between equal TP sizes and block sizes.
+        """
+
     def __init__(
         self,
         *,
@@ -510,14 +616,66 @@ class RegionMap(_message.Message):
         block_size_tokens: _builtins.int = ...,
         tp_size: _builtins.int = ...,
         view_count: _builtins.int = ...,
+        model: Global___ModelIdentity | None = ...,
+        head_layout: Global___HeadLayout | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["planner", b"planner", "worker", b"worker"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["head_layout", b"head_layout", "model", b"model", "planner", b"planner", "worker", b"worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocations", b"allocations", "baseline_descriptor_count", b"baseline_descriptor_count", "block_size_tokens", b"block_size_tokens", "descriptor_count", b"descriptor_count", "generation", b"generation", "kv_cache_layout", b"kv_cache_layout", "planner", b"planner", "regions", b"regions", "tp_size", b"tp_size", "view_count", b"view_count", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocations", b"allocations", "baseline_descriptor_count", b"baseline_descriptor_count", "block_size_tokens", b"block_size_tokens", "descriptor_count", b"descriptor_count", "generation", b"generation", "head_layout", b"head_layout", "kv_cache_layout", b"kv_cache_layout", "model", b"model", "planner", b"planner", "regions", b"regions", "tp_size", b"tp_size", "view_count", b"view_count", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RegionMap: _TypeAlias = RegionMap  # noqa: Y015
+
+@_typing.final
+class HeadLayout(_message.Message):
+    """What a peer needs to plan a transfer with a worker that cuts the KV
+    cache differently (another tensor-parallel size or block size). The
+    worker's TP size and rank are RegionMap.tp_size and WorkerId.tp_rank, its
+    block size RegionMap.block_size_tokens. Rank r of TP size T holds KV
+    heads [r*H/T, (r+1)*H/T) of H, or, when T > H, head r / (T/H).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOTAL_KV_HEADS_FIELD_NUMBER: _builtins.int
+    KV_HEADS_PER_RANK_FIELD_NUMBER: _builtins.int
+    HEAD_SIZE_FIELD_NUMBER: _builtins.int
+    HEAD_BYTES_FIELD_NUMBER: _builtins.int
+    TOKEN_LAYOUT_FIELD_NUMBER: _builtins.int
+    REPLICATED_KINDS_FIELD_NUMBER: _builtins.int
+    total_kv_heads: _builtins.int
+    """KV heads of the model (all ranks together), H."""
+    kv_heads_per_rank: _builtins.int
+    """KV heads this rank's head-split views hold: max(H / T, 1)."""
+    head_size: _builtins.int
+    """The model's head size (elements), and the bytes of one head of one
+    token of K (or V): head_size x element size. A view whose block holds
+    more (K and V) holds several such planes, as token_layout says.
+    """
+    head_bytes: _builtins.int
+    token_layout: Global___TokenLayout.ValueType
+    @_builtins.property
+    def replicated_kinds(self) -> _containers.RepeatedScalarFieldContainer[Global___CacheKind.ValueType]:
+        """Cache kinds identical on every rank (never split by heads)."""
+
+    def __init__(
+        self,
+        *,
+        total_kv_heads: _builtins.int = ...,
+        kv_heads_per_rank: _builtins.int = ...,
+        head_size: _builtins.int = ...,
+        head_bytes: _builtins.int = ...,
+        token_layout: Global___TokenLayout.ValueType = ...,
+        replicated_kinds: _abc.Iterable[Global___CacheKind.ValueType] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["head_bytes", b"head_bytes", "head_size", b"head_size", "kv_heads_per_rank", b"kv_heads_per_rank", "replicated_kinds", b"replicated_kinds", "token_layout", b"token_layout", "total_kv_heads", b"total_kv_heads"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeadLayout: _TypeAlias = HeadLayout  # noqa: Y015
 
 @_typing.final
 class BlockGrant(_message.Message):

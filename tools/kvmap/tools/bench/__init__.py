@@ -3,11 +3,13 @@ every planner against the per-layer ``baseline``, side by side, through real
 daemons and real NIXL agents on this machine.
 
     kvmapd bench [--profile NAME ...] [--planner NAME ...] [--json] [--plot FILE.png]
+                 [--concurrency 1,8,32] [--tp8-profile NAME|none]
 
 Modules: ``profiles`` (the geometries, with their sources), ``blockpool``
 (request block ids and the fragmentation model), ``worker`` (the stand-in
 vLLM worker process), ``contact`` (first-contact steps, timed one by one),
-``runner`` (the measurement), ``results`` (the figures, typed, and their
+``runner`` (the measurement), ``raw_nixl`` (two bare NIXL agents posting
+the same lists), ``pod`` (a TP pod on one daemon), ``results`` (the figures, typed, and their
 ``--json`` form), ``report`` (tables) and ``plot`` (matplotlib).
 See docs/benchmarks.md.
 """
@@ -75,8 +77,51 @@ def main(argv: Sequence[str]) -> int:
         help="MiB of the full-page-size bandwidth request (default 256)",
     )
     p.add_argument("--memcpy-mib", type=int, default=256, help="memcpy buffer (default 256)")
+    _add_new_series_args(p)
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return run(p.parse_args(argv))
+
+
+def _add_new_series_args(p: argparse.ArgumentParser) -> None:
+    """Concurrency, descriptor cost and the TP pod."""
+    p.add_argument(
+        "--concurrency",
+        type=_levels,
+        default=(1, 8, 32),
+        metavar="N,N,...",
+        help="scattered 128K-token pulls in flight at once (default 1,8,32)",
+    )
+    p.add_argument(
+        "--concurrency-mib",
+        type=int,
+        default=64,
+        help="most MiB the largest level's requests move together; pages are divided by a "
+        "power of two until they fit (default 64: bytes negligible, as on RDMA, where the "
+        "post does not copy)",
+    )
+    p.add_argument(
+        "--descriptor-mib",
+        type=int,
+        default=2,
+        help="most MiB the descriptor-cost (scattered) request moves (default 2)",
+    )
+    p.add_argument(
+        "--tp8-profile",
+        default="glm53",
+        choices=[*sorted(PROFILES), "none"],
+        help="profile of the TP pod's workers on one daemon (default glm53; none: skip)",
+    )
+    p.add_argument("--tp8-workers", type=int, default=8, help="workers in the pod (default 8)")
+
+
+def _levels(text: str) -> tuple[int, ...]:
+    try:
+        levels = tuple(sorted({int(n) for n in text.split(",") if n.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+    if not levels or levels[0] < 1:
+        raise argparse.ArgumentTypeError("concurrency levels must be positive integers")
+    return levels
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,6 +144,11 @@ def run(args: argparse.Namespace) -> int:
         request_budget=args.request_mib * MIB,
         bandwidth_budget=args.bandwidth_mib * MIB,
         memcpy_bytes=args.memcpy_mib * MIB,
+        concurrency=args.concurrency,
+        concurrency_budget=args.concurrency_mib * MIB,
+        descriptor_budget=args.descriptor_mib * MIB,
+        tp8_profile=None if args.tp8_profile == "none" else args.tp8_profile,
+        tp8_workers=args.tp8_workers,
         progress=progress,
     )
     try:

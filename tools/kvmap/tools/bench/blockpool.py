@@ -63,6 +63,12 @@ class BlockPool:
         self._running.append(blocks)
         return blocks
 
+    def hold(self, n: int) -> list[int]:
+        """Allocate ``n`` blocks that stay allocated (never finished)."""
+        blocks = self.take(n)
+        self._running.pop()
+        return blocks
+
     def churn(self, turnover: int = TURNOVER) -> None:
         """Run the workload until ``turnover`` x the pool's blocks were allocated."""
         lo, hi = math.log(MIN_TOKENS), math.log(MAX_TOKENS)
@@ -112,3 +118,24 @@ def joint_ascending_pairs(local: list[int], remote: list[int]) -> float:
         for la, lb, ra, rb in zip(local, local[1:], remote, remote[1:], strict=False)
     )
     return both / (len(local) - 1)
+
+
+def scattered_many(
+    num_blocks: int, block_tokens: int, counts: list[int], n: int, seed: int
+) -> list[list[list[int]]]:
+    """``n`` requests in flight at once on one pool after churn: each takes
+    ``counts[i]`` ids for group i and keeps them (a request in flight is never
+    the one the workload finishes), so their block sets are disjoint."""
+    if n * sum(counts) > num_blocks - 1:
+        raise ValueError(f"{n} requests of {sum(counts)} blocks exceed a pool of {num_blocks - 1}")
+    pool = BlockPool(num_blocks, block_tokens, seed)
+    pool.churn()
+    out: list[list[list[int]]] = []
+    for _ in range(n):
+        out.append([pool.hold(c) if c else [] for c in counts])
+    return out
+
+
+def per_pool(num_blocks: int, counts: list[int]) -> int:
+    """How many requests of ``counts`` blocks one pool holds at once."""
+    return max(1, (num_blocks - 1) // max(1, sum(counts)))

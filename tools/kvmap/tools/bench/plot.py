@@ -33,8 +33,8 @@ def plot(result: BenchResult, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    fig, axes = plt.subplots(3, 2, figsize=(13, 12))
-    for ax, (key, title, log, factor) in zip(axes.flat, PANELS, strict=True):
+    fig, axes = plt.subplots(4, 2, figsize=(13, 16))
+    for ax, (key, title, log, factor) in zip(axes.flat, PANELS, strict=False):
         _bars(ax, result, key, factor)
         if key == "pull_gbps":
             _memcpy_line(ax, result)
@@ -44,6 +44,8 @@ def plot(result: BenchResult, path: str) -> None:
         if log:
             ax.set_yscale("log")
         ax.margins(y=0.15)
+    _latencies(axes.flat[6], result, "post")
+    _latencies(axes.flat[7], result, "pull")
     axes.flat[0].legend()
     m = result.machine
     fig.suptitle(
@@ -81,12 +83,51 @@ def _bars(ax: Axes, result: BenchResult, key: str, factor: float) -> None:
 
 
 def _memcpy_line(ax: Axes, result: BenchResult) -> None:
-    ax.axhline(result.memcpy_gbps, color="grey", linestyle="--", linewidth=1)
-    ax.annotate(
-        f"memcpy {result.memcpy_gbps:.1f} GB/s",
-        (len(result.profiles) - 0.5, result.memcpy_gbps),
-        ha="right",
-        va="bottom",
-        fontsize=8,
-        color="grey",
-    )
+    for gbps, label, style in (
+        (result.memcpy_gbps, "memcpy, one thread", "--"),
+        (result.memcpy_all_cores_gbps, "memcpy, all cores", ":"),
+    ):
+        ax.axhline(gbps, color="grey", linestyle=style, linewidth=1)
+        ax.annotate(
+            f"{label} {gbps:.1f} GB/s",
+            (len(result.profiles) - 0.5, gbps),
+            ha="right",
+            va="bottom",
+            fontsize=8,
+            color="grey",
+        )
+    profiles = list(result.profiles.values())
+    planners = list(profiles[0]) if profiles else []
+    width = 0.8 / max(1, len(planners))
+    for j, planner in enumerate(planners):
+        xs = [i + (j - (len(planners) - 1) / 2) * width for i in range(len(profiles))]
+        raw = [p[planner].raw_nixl.gbps for p in profiles]
+        ax.scatter(xs, raw, marker="_", s=300, color="black", zorder=3)
+    ax.scatter([], [], marker="_", color="black", label="raw NIXL, same lists")
+    ax.legend(fontsize=7, loc="upper left")
+
+
+def _latencies(ax: Axes, result: BenchResult, kind: str) -> None:
+    """Box plots of every pull's post (or Pull-to-DONE) seconds at the
+    highest concurrency, per profile and planner; raw NIXL posting the same
+    lists next to each."""
+    data: list[list[float]] = []
+    labels: list[str] = []
+    top = ""
+    for name, results in result.profiles.items():
+        for planner, r in results.items():
+            top = max(r.samples.concurrency, key=int)
+            lat = r.samples.concurrency[top]
+            kvmap, raw = (
+                (lat.post_seconds, lat.raw_post_seconds)
+                if kind == "post"
+                else (lat.pull_seconds, lat.raw_pull_seconds)
+            )
+            data += [[v * 1e3 for v in kvmap], [v * 1e3 for v in raw]]
+            labels += [f"{name}\n{planner}", f"{name}\n{planner}\nraw NIXL"]
+    ax.boxplot(data, whis=(5, 95), showfliers=True, flierprops={"markersize": 2})
+    ax.set_xticks(range(1, len(labels) + 1))
+    ax.set_xticklabels(labels, fontsize=6)
+    ax.set_yscale("log")
+    what = "post ms" if kind == "post" else "pull ms, Pull call to DONE"
+    ax.set_title(f"{what} at concurrency {top} (every pull; whiskers p5-p95)", fontsize=10)

@@ -5,11 +5,12 @@ direction of the figure)."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvmap.tools.bench.results import BenchResult, PlannerResult, ProfileInfo
+from kvmap.tools.bench.results import BenchResult, PlannerResult, ProfileInfo, Tp8
 
 
 def _int(v: Any) -> str:
@@ -19,6 +20,10 @@ def _int(v: Any) -> str:
 def _ms(v: Any) -> str:
     ms = float(v) * 1e3
     return f"{ms:.3f}" if ms < 1 else f"{ms:.1f}" if ms >= 100 else f"{ms:.2f}"
+
+
+def _us(v: Any) -> str:
+    return f"{float(v):.2f}"
 
 
 def _gbps(v: Any) -> str:
@@ -52,7 +57,65 @@ ROWS = (
     Row("contiguous: post ms", "post_seconds_contiguous", _ms),
     Row("contiguous: completion ms", "completion_seconds_contiguous", _ms),
     Row("pull GB/s (full pages)", "pull_gbps", _gbps),
+    Row("descriptor cost: post us per descriptor", "post_us_per_descriptor", _us),
 )
+
+# Upstream's gain in post p95 at concurrency 32 (vLLM PR 60851, GLM-5.3).
+UPSTREAM_POST_P95_GAIN = 74.0
+
+
+def _level_rows(results: dict[str, PlannerResult]) -> list[list[str]]:
+    """Concurrency and raw NIXL figures (nested in the result), planners side by side."""
+    first = next(iter(results.values()))
+    rows = []
+    for n in first.concurrency:
+        for label, key in (
+            ("post p50 / p95 / max ms", "post"),
+            ("pull p50 / p95 ms (Pull to DONE)", "pull"),
+        ):
+            cells = []
+            for r in results.values():
+                c = r.concurrency[n]
+                cells.append(
+                    f"{_ms(c.post_p50_seconds)} / {_ms(c.post_p95_seconds)} / "
+                    f"{_ms(c.post_max_seconds)}"
+                    if key == "post"
+                    else f"{_ms(c.pull_p50_seconds)} / {_ms(c.pull_p95_seconds)}"
+                )
+            rows.append([f"N={n}: {label}", *cells])
+    top = max(first.concurrency, key=int)
+    rs = list(results.values())
+    rows += [
+        [f"raw NIXL: pull p95 ms at N={top}", *(_ms(r.raw_nixl.pull_seconds) for r in rs)],
+        [f"kvmap / raw NIXL pull p95 at N={top}", *(f"{r.pull_vs_raw_nixl:.2f}x" for r in rs)],
+        ["raw NIXL: GB/s (full pages)", *(_gbps(r.raw_nixl.gbps) for r in rs)],
+        ["kvmap / raw NIXL GB/s", *(_share(r.pull_gbps, r.raw_nixl.gbps) for r in rs)],
+        ["descriptor cost: post ms (kvmap / raw NIXL)", *(_desc_posts(r) for r in rs)],
+    ]
+    return rows
+
+
+def _share(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b > 0 else "-"
+
+
+def _desc_posts(r: PlannerResult) -> str:
+    kvmap = statistics.median(r.samples.descriptor_cost.post_seconds or [0.0])
+    return f"{_ms(kvmap)} / {_ms(r.raw_nixl.post_seconds)}"
+
+
+def post_p95_gain(results: dict[str, PlannerResult], planner: str = "coalesce") -> str:
+    """Baseline's post p95 over ``planner``'s at the highest concurrency."""
+    if "baseline" not in results or planner not in results:
+        return ""
+    base, other = results["baseline"], results[planner]
+    top = max(base.concurrency, key=int)
+    b, o = base.concurrency[top].post_p95_seconds, other.concurrency[top].post_p95_seconds
+    gain = b / o if o > 0 else float("inf")
+    return (
+        f"  post p95 at N={top}: baseline {_ms(b)} ms, {planner} {_ms(o)} ms: {gain:,.1f}x "
+        f"(upstream, GLM-5.3 on GB200: {UPSTREAM_POST_P95_GAIN:.0f}x)"
+    )
 
 
 def _gain(r: PlannerResult, key: str) -> str:
@@ -112,6 +175,7 @@ def _rows(results: dict[str, PlannerResult], others: list[str]) -> list[list[str
         for r in results.values()
     ]
     rows.append(["bytes verified", *checks, *([""] * len(others))])
+    rows += [row + [""] * len(others) for row in _level_rows(results)]
     return rows
 
 
@@ -126,6 +190,9 @@ def render_profile(name: str, results: dict[str, PlannerResult], info: ProfileIn
         for p, r in results.items()
         if r.descriptors_per_transfer_scattered != r.descriptors_per_transfer_scattered_full_scale
     ]
+    gain = post_p95_gain(results)
+    if gain:
+        lines.append(gain)
     if mismatch:
         lines.append(f"  WARNING: scaled descriptor counts differ from full scale for {mismatch}")
     return "\n".join(lines) + "\n"
@@ -136,10 +203,23 @@ def render(result: BenchResult) -> str:
     out = [
         f"kvmapd bench: {m.cpu}, {m.cpus} CPUs, {m.memory_bytes / 2**30:.0f} GiB; {m.transport}",
         f"memcpy {result.memcpy_gbps:.2f} GB/s (single thread, {_mb(result.memcpy_bytes)}, "
-        "median over the run): the physical limit of a pull on this machine",
+        f"median over the run), {result.memcpy_all_cores_gbps:.2f} GB/s on all cores: "
+        "the physical limit of a pull on this machine",
         "",
     ]
     for name, results in result.profiles.items():
         out.append(render_profile(name, results, result.profile_info[name]))
+    if result.tp8 is not None:
+        out.append(render_tp8(result.tp8))
     out.append(f"run took {result.seconds:.0f}s")
     return "\n".join(out) + "\n"
+
+
+def render_tp8(t: Tp8) -> str:
+    return (
+        f"TP pod: {t.workers} full-scale {t.profile} workers on one daemon ({t.planner}): "
+        f"all ready in {_ms(t.ready_seconds_total)} ms (slowest {_ms(t.ready_seconds_max)} ms), "
+        f"daemon RSS {t.daemon_rss_bytes / 1e6:,.0f} MB, region maps {t.region_map_bytes:,} B, "
+        f"agent metadata {t.agent_metadata_bytes:,} B, first contact of a peer pulling from "
+        f"all {t.workers}: {_ms(t.first_contact_seconds)} ms\n"
+    )

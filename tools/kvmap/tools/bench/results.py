@@ -45,7 +45,10 @@ RATIO_KEYS: tuple[tuple[str, bool], ...] = (
     ("completion_seconds_contiguous", False),
     ("transfer_seconds_contiguous", False),
     ("pull_gbps", True),
+    ("post_us_per_descriptor", False),
 )
+# The concurrency levels of a run (``--concurrency``), as JSON keys.
+CONCURRENCY = (1, 8, 32)
 HIGHER_IS_BETTER = dict(RATIO_KEYS)
 
 TIMING_NOTE = (
@@ -84,14 +87,31 @@ class SeriesSamples:
 
 
 @dataclass(frozen=True)
+class LatencySamples:
+    """Every pull of one concurrency level (all rounds): the daemon's post
+    seconds and the decode worker's Pull-to-DONE seconds; the same for raw
+    NIXL posting the same lists (its post, and first post to DONE)."""
+
+    post_seconds: list[float]
+    pull_seconds: list[float]
+    raw_post_seconds: list[float]
+    raw_pull_seconds: list[float]
+
+
+@dataclass(frozen=True)
 class Samples:
-    """The raw samples behind the medians."""
+    """The raw samples behind the medians and percentiles."""
 
     ready_seconds: list[float]
     first_contact_steps: dict[str, list[float]]
     bandwidth: SeriesSamples
     scattered: SeriesSamples
     contiguous: SeriesSamples
+    # The scattered request at negligible bytes per descriptor.
+    descriptor_cost: SeriesSamples
+    concurrency: dict[str, LatencySamples]
+    raw_bandwidth_seconds: list[float]
+    raw_descriptor_cost_post_seconds: list[float]
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Samples:
@@ -101,7 +121,34 @@ class Samples:
             bandwidth=SeriesSamples(**d["bandwidth"]),
             scattered=SeriesSamples(**d["scattered"]),
             contiguous=SeriesSamples(**d["contiguous"]),
+            descriptor_cost=SeriesSamples(**d["descriptor_cost"]),
+            concurrency={n: LatencySamples(**c) for n, c in d["concurrency"].items()},
+            raw_bandwidth_seconds=d["raw_bandwidth_seconds"],
+            raw_descriptor_cost_post_seconds=d["raw_descriptor_cost_post_seconds"],
         )
+
+
+@dataclass(frozen=True)
+class Concurrency:
+    """N scattered 128K-token pulls in flight at once (distinct blocks)."""
+
+    post_p50_seconds: float
+    post_p95_seconds: float
+    post_max_seconds: float
+    pull_p50_seconds: float
+    pull_p95_seconds: float
+
+
+@dataclass(frozen=True)
+class RawNixl:
+    """Two bare NIXL agents posting the lists this planner's daemon posts:
+    ``pull_seconds`` the pull p95 at the highest concurrency (first post to
+    DONE), ``gbps`` the full-page bandwidth request, ``post_seconds`` the
+    negligible-bytes scattered request's post (medians over the rounds)."""
+
+    pull_seconds: float
+    gbps: float
+    post_seconds: float
 
 
 @dataclass(frozen=True)
@@ -148,6 +195,12 @@ class PlannerResult:
     owner_notified: int
     repeats: int
     samples: Samples
+    concurrency: dict[str, Concurrency]
+    # The scattered request at a page scale where bytes are negligible.
+    post_us_per_descriptor: float
+    raw_nixl: RawNixl
+    # kvmap's pull p95 at the highest concurrency / raw NIXL's (> 1: slower).
+    pull_vs_raw_nixl: float
     # Gain over baseline per RATIO_KEYS figure; None for baseline itself
     # (and then absent from the JSON).
     vs_baseline: dict[str, float | None] | None = None
@@ -174,6 +227,8 @@ class PlannerResult:
                 "daemon_rss_bytes": Rss(**d["daemon_rss_bytes"]),
                 "daemon_rss_ready_bytes": Rss(**d["daemon_rss_ready_bytes"]),
                 "samples": Samples.from_json(d["samples"]),
+                "concurrency": {n: Concurrency(**c) for n, c in d["concurrency"].items()},
+                "raw_nixl": RawNixl(**d["raw_nixl"]),
             }
         )
 
@@ -225,6 +280,11 @@ class ProfileInfo:
     bandwidth_request: BandwidthRequest
     fragmentation: Fragmentation
     memcpy_gbps: float
+    # The page divisors of the concurrency and the descriptor-cost requests,
+    # and how many worker pairs hold the concurrency requests' distinct blocks.
+    concurrency_divisor: int
+    concurrency_workers: int
+    descriptor_cost_divisor: int
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ProfileInfo:
@@ -252,6 +312,22 @@ class Machine:
 
 
 @dataclass(frozen=True)
+class Tp8:
+    """A TP pod's workers (full scale, sparse) registered with one daemon at
+    once, and a peer's first pulls from all of them."""
+
+    planner: str
+    profile: str
+    workers: int
+    ready_seconds_total: float
+    ready_seconds_max: float
+    daemon_rss_bytes: int
+    region_map_bytes: int
+    agent_metadata_bytes: int
+    first_contact_seconds: float
+
+
+@dataclass(frozen=True)
 class BenchResult:
     """A whole ``kvmapd bench`` run: per profile, per planner (baseline first)."""
 
@@ -263,6 +339,9 @@ class BenchResult:
     profiles: dict[str, dict[str, PlannerResult]]
     profile_info: dict[str, ProfileInfo]
     seconds: float
+    # Every core copying its share of the memcpy buffers at once.
+    memcpy_all_cores_gbps: float
+    tp8: Tp8 | None
 
     @property
     def verified(self) -> bool:
@@ -278,6 +357,7 @@ class BenchResult:
             for name, results in self.profiles.items()
         }
         out["profile_info"] = {name: asdict(info) for name, info in self.profile_info.items()}
+        out["tp8"] = asdict(self.tp8) if self.tp8 is not None else None
         return out
 
     @classmethod
@@ -296,5 +376,6 @@ class BenchResult:
                 "profile_info": {
                     name: ProfileInfo.from_json(info) for name, info in d["profile_info"].items()
                 },
+                "tp8": Tp8(**d["tp8"]) if d.get("tp8") is not None else None,
             }
         )

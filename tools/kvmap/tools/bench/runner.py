@@ -18,12 +18,21 @@ What is measured where (``docs/benchmarks.md`` has the long version):
   full-scale ones (cross-checked against ``plan_transfer`` on the full-scale
   maps). Post time (``make_prepped_xfer`` + ``transfer``, as the daemon
   reports it) and completion time of the scattered and the contiguous request.
+- ``desc`` worker, pages divided until the scattered request moves at most
+  ``descriptor_budget``: post time as descriptor work alone.
+- ``c0..`` workers, pages divided until the largest concurrency level fits
+  ``concurrency_budget``: N scattered requests with distinct blocks in
+  flight at once (``pull_many``), post and Pull-to-DONE percentiles.
+- Raw NIXL (``raw_nixl``): two bare agents in two more processes, the same
+  geometries, posting the lists each planner's daemon posts, after each
+  kvmap series; and the TP pod (``pod``) on a daemon of its own.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import itertools
 import os
 import platform
 import statistics
@@ -45,15 +54,20 @@ from kvmap.daemon.core.transfer_pieces import LayerSelection, build_piece_table
 from kvmap.daemon.core.transfer_plan import GroupPairs, plan_transfer
 from kvmap.tools.bench import blockpool
 from kvmap.tools.bench.profiles import Profile, get_profile
+from kvmap.tools.bench.raw_nixl import RawPair
 from kvmap.tools.bench.results import (
+    CONCURRENCY,
     RATIO_KEYS,
     SCHEMA,
     BandwidthRequest,
     BenchResult,
+    Concurrency,
     Fragmentation,
+    LatencySamples,
     Machine,
     PlannerResult,
     ProfileInfo,
+    RawNixl,
     Rss,
     Samples,
     SeriesSamples,
@@ -81,6 +95,15 @@ class Options:
     bandwidth_budget: int = 256 * MIB
     memcpy_bytes: int = 256 * MIB
     contact_repeats: int = 20
+    # Scattered 128K-token pulls in flight at once, and the bytes per side
+    # all of the largest level's requests may move together.
+    concurrency: tuple[int, ...] = CONCURRENCY
+    concurrency_budget: int = 64 * MIB
+    # The descriptor-cost request: pages divided until it moves at most this.
+    descriptor_budget: int = 2 * MIB
+    # The TP pod: this profile's full-scale workers on one daemon (None: skip).
+    tp8_profile: str | None = "glm53"
+    tp8_workers: int = 8
     progress: Callable[[str], None] = field(default=lambda line: None)
 
 
@@ -106,13 +129,48 @@ class Request:
         return Request(self.groups, [ids[:k] for ids in self.local], [r[:k] for r in self.remote])
 
 
-def _request_ids(profile: Profile, draw: Callable[[list[int]], Ids]) -> Ids:
+def _own_counts(profile: Profile) -> tuple[list[int], list[bool]]:
+    """Blocks per request group, and which groups draw ids of their own."""
     counts = [profile.group_blocks(g) for g in profile.request_groups]
     own = [i == 0 or g.own_blocks for i, g in enumerate(profile.request_groups)]
-    drawn = draw([n if o else 0 for n, o in zip(counts, own, strict=True)])
+    return [n if o else 0 for n, o in zip(counts, own, strict=True)], own
+
+
+def _complete(profile: Profile, drawn: Ids) -> Ids:
     # A group without its own block table uses the first group's ids; a
     # windowed one only the last blocks of them.
+    counts = [profile.group_blocks(g) for g in profile.request_groups]
+    _, own = _own_counts(profile)
     return [d if o else drawn[0][-n:] for d, n, o in zip(drawn, counts, own, strict=True)]
+
+
+def _request_ids(profile: Profile, draw: Callable[[list[int]], Ids]) -> Ids:
+    return _complete(profile, draw(_own_counts(profile)[0]))
+
+
+def concurrent_requests(profile: Profile, n: int) -> tuple[int, list[tuple[int, Request]]]:
+    """``n`` scattered requests in flight at once, with distinct block sets
+    on each side: (worker pairs needed, [(worker pair, request)]). Request i
+    goes to pair ``i % pairs``; a pair holds as many as its pool can."""
+    counts, _ = _own_counts(profile)
+    groups = tuple(g.transfer_group for g in profile.request_groups)
+    pairs = -(-n // blockpool.per_pool(profile.num_blocks, counts))
+    per_pair: list[list[Request]] = []
+    for w in range(pairs):
+        k = len(range(w, n, pairs))
+        local, remote = (
+            blockpool.scattered_many(
+                profile.num_blocks, profile.block_tokens, counts, k, seed + 1000 * (w + 1)
+            )
+            for seed in (DECODE_SEED, PREFILL_SEED)
+        )
+        per_pair.append(
+            [
+                Request(groups, _complete(profile, loc), _complete(profile, rem))
+                for loc, rem in zip(local, remote, strict=True)
+            ]
+        )
+    return pairs, [(i % pairs, per_pair[i % pairs][i // pairs]) for i in range(n)]
 
 
 def requests(profile: Profile) -> tuple[Request, Request]:
@@ -269,6 +327,16 @@ class Pair:
         """Decode worker ``name`` pulls ``req`` from prefill worker ``remote``
         (default: the prefill worker of the same name), with the capability
         that worker granted for exactly those blocks (outside the timing)."""
+        return _call(self.dw, self._pull_cmd(name, req, remote))
+
+    def pull_many(self, pulls: list[tuple[str, Request, str]]) -> list[dict[str, Any]]:
+        """Every (decode worker, request, prefill worker) pull in flight at
+        once (granted first, outside the timing); their answers in order."""
+        cmds = [self._pull_cmd(name, req, remote) for name, req, remote in pulls]
+        out: list[dict[str, Any]] = _call(self.dw, {"cmd": "pull_many", "pulls": cmds})["pulls"]
+        return out
+
+    def _pull_cmd(self, name: str, req: Request, remote: str) -> dict[str, Any]:
         self.pulls += 1
         owner = remote or name
         request_id = f"bench-{name}-{self.pulls}"
@@ -284,18 +352,15 @@ class Pair:
                 "groups": [{"group": g, "blocks": list(ids)} for g, ids in blocks.items()],
             },
         )
-        return _call(
-            self.dw,
-            {
-                "cmd": "pull",
-                "name": name,
-                "request_id": request_id,
-                "remote_target": self.prefill.tcp_target,
-                "remote_engine_id": f"prefill-{owner}",
-                "groups": req.spec(),
-                "capability": grant["capability"],
-            },
-        )
+        return {
+            "cmd": "pull",
+            "name": name,
+            "request_id": request_id,
+            "remote_target": self.prefill.tcp_target,
+            "remote_engine_id": f"prefill-{owner}",
+            "groups": req.spec(),
+            "capability": grant["capability"],
+        }
 
     def fill(self, name: str, req: Request) -> None:
         """Write the pattern into the source blocks of ``req``."""
@@ -353,6 +418,34 @@ def memcpy_gbps(nbytes: int, rounds: int = 5) -> float:
     return nbytes / statistics.median(samples) / 1e9
 
 
+def memcpy_all_cores_gbps(nbytes: int, rounds: int = 5) -> float:
+    """Every core copying its own slice of two resident buffers at once
+    (numpy releases the GIL while it copies). Median of ``rounds``."""
+    cores = max(1, os.cpu_count() or 1)
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    np.copyto(dst, src)
+    cuts = np.linspace(0, nbytes, cores + 1).astype(int)
+    slices = [slice(int(a), int(b)) for a, b in itertools.pairwise(cuts)]
+
+    def copy(sl: slice, gate: threading.Barrier) -> None:
+        gate.wait()
+        np.copyto(dst[sl], src[sl])
+
+    samples = []
+    for _ in range(rounds):
+        gate = threading.Barrier(cores + 1)
+        threads = [threading.Thread(target=copy, args=(sl, gate)) for sl in slices]
+        for t in threads:
+            t.start()
+        gate.wait()
+        start = time.perf_counter()
+        for t in threads:
+            t.join()
+        samples.append(time.perf_counter() - start)
+    return nbytes / statistics.median(samples) / 1e9
+
+
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
@@ -401,6 +494,28 @@ NO_RSS = Rss(prefill=0, decode=0)  # not measured yet
 
 
 @dataclass
+class Latency:
+    """Every pull of one concurrency level: kvmap's and raw NIXL's."""
+
+    post: list[float] = field(default_factory=list)
+    pull: list[float] = field(default_factory=list)
+    raw_post: list[float] = field(default_factory=list)
+    raw_pull: list[float] = field(default_factory=list)
+
+    def figures(self) -> Concurrency:
+        return Concurrency(
+            post_p50_seconds=_pct(self.post, 50),
+            post_p95_seconds=_pct(self.post, 95),
+            post_max_seconds=max(self.post, default=0.0),
+            pull_p50_seconds=_pct(self.pull, 50),
+            pull_p95_seconds=_pct(self.pull, 95),
+        )
+
+    def samples(self) -> LatencySamples:
+        return LatencySamples(self.post, self.pull, self.raw_post, self.raw_pull)
+
+
+@dataclass
 class PlannerRun:
     """What one planner's pair measured in one profile."""
 
@@ -416,6 +531,9 @@ class PlannerRun:
     rss_ready: Rss = NO_RSS
     rss: Rss = NO_RSS
     notified: int = 0
+    latency: dict[int, Latency] = field(default_factory=dict)
+    raw_bandwidth: list[float] = field(default_factory=list)
+    raw_desc_post: list[float] = field(default_factory=list)
 
 
 def _model(b64: str) -> RegionMapModel:
@@ -443,6 +561,15 @@ class ProfilePlan:
     first_contact: Request
     divisor: int
     info: ProfileInfo
+    # The largest concurrency level's requests, as (worker pair, request);
+    # level N pulls the first N.
+    concurrent: list[tuple[int, Request]]
+    concurrency_divisor: int
+    descriptor_divisor: int
+
+    @property
+    def concurrency_pairs(self) -> int:
+        return 1 + max(w for w, _ in self.concurrent)
 
 
 def plan_profile(profile: Profile, opts: Options, memcpy: float = 0.0) -> ProfilePlan:
@@ -452,6 +579,9 @@ def plan_profile(profile: Profile, opts: Options, memcpy: float = 0.0) -> Profil
     scattered, contiguous = requests(profile)
     divisor = timing_divisor(profile, scattered, opts.request_budget)
     bandwidth = scattered.head(bandwidth_blocks(full, scattered, opts.bandwidth_budget))
+    pairs, concurrent = concurrent_requests(profile, max(opts.concurrency))
+    conc_div = timing_divisor(profile, scattered, opts.concurrency_budget // len(concurrent))
+    desc_div = timing_divisor(profile, scattered, opts.descriptor_budget)
     info = ProfileInfo(
         title=profile.title,
         source=profile.source,
@@ -471,6 +601,9 @@ def plan_profile(profile: Profile, opts: Options, memcpy: float = 0.0) -> Profil
         ),
         fragmentation=_fragmentation(scattered),
         memcpy_gbps=memcpy,
+        concurrency_divisor=conc_div,
+        concurrency_workers=pairs,
+        descriptor_cost_divisor=desc_div,
     )
     return ProfilePlan(
         profile=profile,
@@ -480,6 +613,9 @@ def plan_profile(profile: Profile, opts: Options, memcpy: float = 0.0) -> Profil
         first_contact=scattered.head(1),
         divisor=divisor,
         info=info,
+        concurrent=concurrent,
+        concurrency_divisor=conc_div,
+        descriptor_divisor=desc_div,
     )
 
 
@@ -530,6 +666,7 @@ def _series(pp: ProfilePlan) -> tuple[tuple[str, str, Request], ...]:
         ("bandwidth", "full", pp.bandwidth),
         ("scattered", "req", pp.scattered),
         ("contiguous", "req", pp.contiguous),
+        ("descriptor_cost", "desc", pp.scattered),
     )
 
 
@@ -539,7 +676,10 @@ def _measure(pp: ProfilePlan, opts: Options, workdir: Path) -> dict[str, Planner
     fresh = [f"ready{i}" for i in range(opts.repeats)]
     with contextlib.ExitStack() as stack:
         runs = _start_pairs(stack, pp, opts, workdir)
+        raw = RawPair(stack, workdir / "raw")
         _register(runs, pp, fresh)
+        _register_scaled(runs, pp)
+        _raw_setup(raw, runs, pp)
         _first_contact(runs, pp, opts, fresh[0])
         for kind, name, req in _series(pp):
             _timed_pulls(runs, kind, name, req, opts.repeats)
@@ -547,6 +687,8 @@ def _measure(pp: ProfilePlan, opts: Options, workdir: Path) -> dict[str, Planner
                 f"{r.pair.planner} {r.series[kind].descriptors:,} descriptors post "
                 f"{_median(r.series[kind].post) * 1e3:.1f} ms" for r in runs
             ))  # fmt: skip
+        _raw_single(raw, runs, pp, opts.repeats)
+        _concurrency(runs, raw, pp, opts)
         for run in runs:
             run.rss = run.pair.rss()
             run.notified = _notified(run.pair)
@@ -584,6 +726,107 @@ def _register(runs: list[PlannerRun], pp: ProfilePlan, fresh: list[str]) -> None
         run.pair.fill(fresh[0], pp.first_contact)
     for run in runs:
         run.rss_ready = run.pair.rss()
+
+
+def _register_scaled(runs: list[PlannerRun], pp: ProfilePlan) -> None:
+    """The descriptor-cost worker and the concurrency workers, both sides."""
+    profile = pp.profile.name
+    for run in runs:
+        for side in ("prefill", "decode"):
+            run.pair.register(side, "desc", profile, pp.descriptor_divisor)
+            for w in range(pp.concurrency_pairs):
+                run.pair.register(side, f"c{w}", profile, pp.concurrency_divisor)
+
+
+def _raw_setup(raw: RawPair, runs: list[PlannerRun], pp: ProfilePlan) -> None:
+    """Raw NIXL: the same geometries on both sides, resident where pulls
+    read; every planner's lists prepared (as its daemon caches them)."""
+    name = pp.profile.name
+    keys = {"full": 1, "desc": pp.descriptor_divisor}
+    keys |= {f"c{w}": pp.concurrency_divisor for w in range(pp.concurrency_pairs)}
+    for key, divisor in keys.items():
+        raw.register(key, name, divisor)
+        if key != "full":
+            raw.touch(key)
+    bw = pp.bandwidth
+    raw.touch(
+        "full", [{"group": g, "blocks": ids} for g, ids in zip(bw.groups, bw.remote, strict=True)]
+    )
+    raw.connect()
+    for run in runs:
+        for key, divisor in keys.items():
+            prep = f"{run.pair.planner}/{key}"
+            raw.prepare(
+                prep, run.pair.planner, key, profile=name, divisor=divisor, groups=bw.groups
+            )
+
+
+def _raw_rounds(
+    raw: RawPair, runs: list[PlannerRun], reqs: list[tuple[str, Request]], repeats: int
+) -> dict[str, list[dict[str, list[float]]]]:
+    """A warm-up round, then ``repeats`` timed rounds ABBA over planners of
+    raw NIXL pulling ``reqs`` ((space, request)) all at once."""
+    out: dict[str, list[dict[str, list[float]]]] = {}
+    for i in range(-1, repeats):
+        for run in _order(runs, max(i, 0)):
+            planner = run.pair.planner
+            specs = [{"prep": f"{planner}/{k}", "groups": r.spec()} for k, r in reqs]
+            rounds = raw.pull(specs, 1)["rounds"]
+            if i >= 0:
+                out.setdefault(planner, []).extend(rounds)
+    return out
+
+
+def _raw_single(raw: RawPair, runs: list[PlannerRun], pp: ProfilePlan, repeats: int) -> None:
+    """Raw NIXL's full-page bandwidth pull and negligible-bytes scattered post."""
+    bw = _raw_rounds(raw, runs, [("full", pp.bandwidth)], repeats)
+    desc = _raw_rounds(raw, runs, [("desc", pp.scattered)], repeats)
+    for run in runs:
+        run.raw_bandwidth = [r["pull_seconds"][0] for r in bw[run.pair.planner]]
+        run.raw_desc_post = [r["post_seconds"][0] for r in desc[run.pair.planner]]
+
+
+def _conc_pulls(pp: ProfilePlan, n: int) -> list[tuple[str, Request, str]]:
+    return [(f"c{w}", req, f"c{w}") for w, req in pp.concurrent[:n]]
+
+
+def _concurrency(runs: list[PlannerRun], raw: RawPair, pp: ProfilePlan, opts: Options) -> None:
+    """Each level: N scattered pulls in flight at once, ``repeats`` rounds
+    per planner (ABBA), then raw NIXL posting the same lists; finally every
+    destination byte of the largest level is verified."""
+    for run in runs:
+        for w, req in pp.concurrent:
+            run.pair.fill(f"c{w}", req)
+        run.pair.pull_many(_conc_pulls(pp, len(pp.concurrent)))  # warm up
+        for w, req in pp.concurrent:
+            run.pair.zero(f"c{w}", req)
+    for n in opts.concurrency:
+        for run in _rounds(runs, opts.repeats):
+            lat = run.latency.setdefault(n, Latency())
+            for out in run.pair.pull_many(_conc_pulls(pp, n)):
+                lat.post.append(float(out["stats"]["post_seconds"]))
+                lat.pull.append(float(out["wall_seconds"]))
+        reqs = [(f"c{w}", r) for w, r in pp.concurrent[:n]]
+        for planner, rounds in _raw_rounds(raw, runs, reqs, opts.repeats).items():
+            lat = next(r for r in runs if r.pair.planner == planner).latency[n]
+            for r in rounds:
+                lat.raw_post += r["post_seconds"]
+                lat.raw_pull += r["pull_seconds"]
+        opts.progress(f"{pp.profile.name}: concurrency {n}: " + ", ".join(
+            f"{r.pair.planner} post p95 {_pct(r.latency[n].post, 95) * 1e3:.1f} ms, "
+            f"pull p95 {_pct(r.latency[n].pull, 95) * 1e3:.1f} ms "
+            f"(raw NIXL {_pct(r.latency[n].raw_pull, 95) * 1e3:.1f} ms)" for r in runs
+        ))  # fmt: skip
+    for run in runs:
+        s = run.series["concurrency"] = PullSeries()
+        for w, req in pp.concurrent:
+            nbytes, bad = run.pair.verify(f"c{w}", req)
+            s.verified_bytes += nbytes
+            s.bad_blocks += bad
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else 0.0
 
 
 def _first_contact(runs: list[PlannerRun], pp: ProfilePlan, opts: Options, remote: str) -> None:
@@ -672,6 +915,10 @@ def _samples(run: PlannerRun) -> Samples:
         bandwidth=run.series["bandwidth"].samples(),
         scattered=run.series["scattered"].samples(),
         contiguous=run.series["contiguous"].samples(),
+        descriptor_cost=run.series["descriptor_cost"].samples(),
+        concurrency={str(n): lat.samples() for n, lat in run.latency.items()},
+        raw_bandwidth_seconds=run.raw_bandwidth,
+        raw_descriptor_cost_post_seconds=run.raw_desc_post,
     )
 
 
@@ -728,7 +975,25 @@ def _result(pp: ProfilePlan, run: PlannerRun, opts: Options) -> PlannerResult:
         owner_notified=run.notified,
         repeats=opts.repeats,
         samples=_samples(run),
+        **_new_figures(run, bw),
     )
+
+
+def _new_figures(run: PlannerRun, bw: PullSeries) -> dict[str, Any]:
+    """Concurrency, descriptor cost and raw NIXL figures of ``run``."""
+    desc = run.series["descriptor_cost"]
+    top = run.latency[max(run.latency)]
+    raw_p95 = _pct(top.raw_pull, 95)
+    return {
+        "concurrency": {str(n): lat.figures() for n, lat in run.latency.items()},
+        "post_us_per_descriptor": _median(desc.post) / max(1, desc.descriptors) * 1e6,
+        "raw_nixl": RawNixl(
+            pull_seconds=raw_p95,
+            gbps=_gbps(bw.bytes, run.raw_bandwidth),
+            post_seconds=_median(run.raw_desc_post),
+        ),
+        "pull_vs_raw_nixl": _pct(top.pull, 95) / raw_p95 if raw_p95 > 0 else 0.0,
+    }
 
 
 # Ratios ----------------------------------------------------------------------
@@ -793,12 +1058,20 @@ def run_bench(opts: Options) -> BenchResult:
     # memcpy is measured next to every profile's pulls, so that a busy
     # neighbour slows both alike; the headline figure is their median.
     memcpy: list[float] = []
+    all_cores: list[float] = []
     for profile in profiles:
         memcpy.append(memcpy_gbps(opts.memcpy_bytes))
-        opts.progress(f"{profile.name}: memcpy {memcpy[-1]:.2f} GB/s")
+        all_cores.append(memcpy_all_cores_gbps(opts.memcpy_bytes))
+        opts.progress(f"{profile.name}: memcpy {memcpy[-1]:.2f} GB/s single thread, "
+                      f"{all_cores[-1]:.2f} GB/s all cores")  # fmt: skip
         pp = plan_profile(profile, opts, memcpy[-1])
         results[profile.name] = add_ratios(measure_profile(pp, opts))
         infos[profile.name] = pp.info
+    tp8 = None
+    if opts.tp8_profile:
+        from kvmap.tools.bench import pod  # noqa: PLC0415  (it uses this module)
+
+        tp8 = pod.measure_pod(opts)
     return BenchResult(
         schema=SCHEMA,
         machine=machine(),
@@ -808,4 +1081,6 @@ def run_bench(opts: Options) -> BenchResult:
         profiles=results,
         profile_info=infos,
         seconds=time.perf_counter() - started,
+        memcpy_all_cores_gbps=_median(all_cores),
+        tp8=tp8,
     )

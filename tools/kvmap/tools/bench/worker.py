@@ -122,6 +122,33 @@ class BenchWorker:
         self.client = KvmapClient.connect(socket, timeout_s=120.0)
         self.workers: dict[str, Registered] = {}
 
+    def register_many(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Register every ``workers`` entry (each a ``register`` command) at
+        once, one thread each, as the ranks of a TP pod start together:
+        each one's ready time and the wall time until the last was ready."""
+        cmds: list[dict[str, Any]] = cmd["workers"]
+        gate = threading.Barrier(len(cmds))
+        out: list[dict[str, Any]] = [{} for _ in cmds]
+        errors: list[BaseException] = []
+
+        def one(i: int) -> None:
+            gate.wait()
+            try:
+                out[i] = self.register(cmds[i])
+            except BaseException as err:  # reported below, not lost in a thread
+                errors.append(err)
+
+        start = time.perf_counter()
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(cmds))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - start
+        if errors:
+            raise errors[0]
+        return {"ok": True, "wall_seconds": wall, "workers": out}
+
     def register(self, cmd: dict[str, Any]) -> dict[str, Any]:
         profile = get_profile(cmd["profile"])
         engine_id = cmd["engine_id"]
@@ -219,6 +246,45 @@ class BenchWorker:
         return {"ok": True, "bad_blocks": bad, "bytes": nbytes}
 
     def pull(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        spec = self._spec(cmd)
+        start = time.perf_counter()
+        try:
+            result = self.client.pull(spec, timeout_s=120.0)
+        except KvmapClientError as err:
+            return {"ok": False, "code": err.code.name, "message": err.message}
+        wall = time.perf_counter() - start
+        return {"ok": True, "wall_seconds": wall, "stats": dict(result.__dict__)}
+
+    def pull_many(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """The ``pulls`` (each a ``pull`` command) all in flight at once, one
+        thread each, released together; each one's wall time runs from its
+        own Pull call to DONE, as a decode worker sees it."""
+        specs = [self._spec(c) for c in cmd["pulls"]]
+        gate = threading.Barrier(len(specs))
+        out: list[dict[str, Any]] = [{} for _ in specs]
+
+        def one(i: int) -> None:
+            gate.wait()
+            start = time.perf_counter()
+            try:
+                result = self.client.pull(specs[i], timeout_s=120.0)
+            except KvmapClientError as err:
+                out[i] = {"ok": False, "code": err.code.name, "message": err.message}
+                return
+            wall = time.perf_counter() - start
+            out[i] = {"ok": True, "wall_seconds": wall, "stats": dict(result.__dict__)}
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(specs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        failed = [o for o in out if not o.get("ok")]
+        if failed:
+            return {"ok": False, "code": failed[0].get("code"), "message": str(failed[0])}
+        return {"ok": True, "pulls": out}
+
+    def _spec(self, cmd: dict[str, Any]) -> transfers_pb2.TransferSpec:
         reg = self.workers[cmd["name"]]
         spec = transfers_pb2.TransferSpec(
             request_id=cmd["request_id"],
@@ -232,13 +298,7 @@ class BenchWorker:
             spec.groups.add(
                 transfer_group=g["group"], local_block_ids=g["local"], remote_block_ids=g["remote"]
             )
-        start = time.perf_counter()
-        try:
-            result = self.client.pull(spec, timeout_s=120.0)
-        except KvmapClientError as err:
-            return {"ok": False, "code": err.code.name, "message": err.message}
-        wall = time.perf_counter() - start
-        return {"ok": True, "wall_seconds": wall, "stats": dict(result.__dict__)}
+        return spec
 
     def grant(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """Worker ``name`` (the owner) lets a peer pull exactly the blocks of
@@ -283,7 +343,18 @@ class BenchWorker:
             reg.close()
 
 
-COMMANDS = ("register", "fill", "zero", "verify", "grant", "pull", "contact", "events")
+COMMANDS = (
+    "register",
+    "register_many",
+    "fill",
+    "zero",
+    "verify",
+    "grant",
+    "pull",
+    "pull_many",
+    "contact",
+    "events",
+)
 
 
 def handle(w: BenchWorker, cmd: dict[str, Any]) -> dict[str, Any]:

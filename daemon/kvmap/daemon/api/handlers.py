@@ -1,0 +1,78 @@
+"""Re-wrapping a kvmap RPC handler so that a server interceptor runs code
+around it: the one shape both ``rpc.ErrorsAndContext`` (statuses, logging,
+metrics) and ``authorization.PeerAuthorization`` (who may call) need.
+
+The wrapped handler takes the request as raw bytes and parses it inside the
+interceptor's scope, for two reasons: bytes that are no valid message get
+INVALID_ARGUMENT through the one error-to-status place (grpcio's own parse
+failure would answer UNKNOWN before any handler runs), and an unauthorized
+caller's bytes are never decoded at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc import aio
+
+from kvmap.daemon.core.errors import InvalidArgument
+
+Ctx = aio.ServicerContext[Any, Any]
+if TYPE_CHECKING:
+    # grpc's stubs make the handler generic; the runtime class is not.
+    Handler = grpc.RpcMethodHandler[Any, Any]
+    # What runs around one call: entered before the request is parsed, and
+    # its exit sees whatever the handler raised.
+    Around = Callable[[Ctx], contextlib.AbstractAsyncContextManager[None]]
+
+
+def is_kvmap_method(details: grpc.HandlerCallDetails) -> bool:
+    """kvmap's own services; health and reflection come from grpcio's
+    packages and keep their own statuses."""
+    return str(details.method).startswith("/kvmap.v1.")
+
+
+def parser(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
+    def parse(raw: bytes) -> Any:
+        if deserialize is None:
+            return raw
+        try:
+            return deserialize(raw)
+        except DecodeError as err:
+            raise InvalidArgument("", f"request is not a valid message: {err}") from None
+
+    return parse
+
+
+def wrap_handler(handler: Handler, around: Around) -> Handler | None:
+    """``handler`` with ``around`` entered for each call, or None for a
+    streaming-request handler (none is served: the caller decides what a new
+    one gets, rather than letting it through unwrapped)."""
+    parse = parser(handler.request_deserializer)
+    # grpc's stubs type the behaviours as synchronous; aio servers' are async.
+    unary: Callable[..., Any] | None = handler.unary_unary
+    stream: Callable[..., Any] | None = handler.unary_stream
+    if unary is not None:
+
+        async def call_unary(raw: bytes, context: Ctx) -> Any:
+            async with around(context):
+                return await unary(parse(raw), context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            call_unary, response_serializer=handler.response_serializer
+        )
+    if stream is not None:
+
+        async def call_stream(raw: bytes, context: Ctx) -> AsyncIterator[Any]:
+            async with around(context):
+                async for item in stream(parse(raw), context):
+                    yield item
+
+        return grpc.unary_stream_rpc_method_handler(
+            call_stream, response_serializer=handler.response_serializer
+        )
+    return None

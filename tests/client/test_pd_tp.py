@@ -1,0 +1,486 @@
+"""Prefill and decode engines of different tensor-parallel sizes, against
+in-memory daemons: every rank a worker with real shared-memory KV caches in
+vLLM's CPU layout holding its own heads; each decode rank pulls its heads
+from the prefill rank(s) holding them (token mode); each prefill rank's
+grant admits exactly as many pulls as decode ranks read it, and its blocks
+are freed once, after the last of them."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvmap.client.client import KvmapClient
+from kvmap.client.errors import PermissionDenied
+from kvmap.client.geometry import LayerSpec, build_registration, head_layout
+from kvmap.client.pd import (
+    READERS_TP_KEY,
+    ConnectorOptions,
+    RecvTask,
+    RemoteSource,
+    SchedulerCore,
+    TransferResults,
+    WorkerCore,
+    rank_capability,
+    tp_readers,
+)
+from kvmap.client.transports.memory import MemoryNetwork, MemoryTransport
+from kvmap.daemon.core.reshard import rank_heads, source_ranks
+from kvmap.v1 import registry_pb2, types_pb2
+
+HEADS, HEAD_SIZE, BLOCK, NUM_BLOCKS = 4, 4, 16, 12
+LAYERS = ("model.layers.0.attn", "model.layers.1.attn")
+P_ADDR, D_ADDR = "10.0.0.1:50051", "10.0.0.2:50051"
+PBLOCKS, DBLOCKS, TOKENS = [5, 1, 9], [4, 0, 7], 40
+
+
+def options(addr: str, decode_tp_size: int = 0) -> ConnectorOptions:
+    return ConnectorOptions(
+        socket="/unused",
+        transfer_timeout_s=5.0,
+        lease_seconds=30.0,
+        register_timeout_s=2.0,
+        peer_address=addr,
+        decode_tp_size=decode_tp_size,
+    )
+
+
+class CountingWorker(WorkerCore):
+    """A worker that counts the finished-transfer events its session
+    delivered (on the session's thread), so a test knows when a pull's
+    event has reached the worker before it asks what was freed."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.events_seen = 0
+        self._seen = threading.Condition()
+
+    def on_event(self, event: registry_pb2.AttachResponse) -> None:
+        super().on_event(event)
+        if event.WhichOneof("event") == "transfer_finished":
+            with self._seen:
+                self.events_seen += 1
+                self._seen.notify_all()
+
+    def wait_events(self, count: int) -> None:
+        with self._seen:
+            assert self._seen.wait_for(lambda: self.events_seen >= count, timeout=10.0)
+
+
+@dataclass
+class Engine:
+    sched: SchedulerCore
+    workers: list[CountingWorker]
+    kv: list[dict[str, torch.Tensor]]  # per rank: [blocks, heads, tokens, 2 x head_size]
+
+    def head(self, name: str, h: int) -> torch.Tensor:
+        """Global KV head ``h`` of a layer as [blocks, tokens, 2 x head_size]
+        bytes, from the rank holding it (the first replica)."""
+        tp = len(self.workers)
+        for r in range(tp):
+            held = rank_heads(HEADS, tp, r)
+            if h in held:
+                return self.kv[r][name][:, h - held.start]
+        raise AssertionError(f"no rank holds head {h}")
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            w.shutdown()
+
+
+def make_engine(
+    net: MemoryNetwork, addr: str, engine: str, tp: int, *, decode_tp_size: int = 0
+) -> Engine:
+    daemon = net.daemon(addr)
+    opts = options(addr, decode_tp_size)
+    per_rank = max(HEADS // tp, 1)
+    specs = {n: LayerSpec(0, types_pb2.CACHE_KIND_MHA, NUM_BLOCKS) for n in LAYERS}
+    workers, kvs = [], []
+    for r in range(tp):
+        wid = types_pb2.WorkerId(engine_id=engine, tp_rank=r)
+        kv = {}
+        for i, name in enumerate(LAYERS):
+            g = torch.Generator().manual_seed(7 + 10 * r + i + tp * 100)
+            shape = (NUM_BLOCKS, per_rank, BLOCK, 2 * HEAD_SIZE)
+            kv[name] = torch.randint(0, 255, shape, generator=g, dtype=torch.uint8)
+        heads = head_layout(
+            kv, specs, total_kv_heads=HEADS, head_size=HEAD_SIZE, tp_size=tp, block_tokens=BLOCK
+        )
+        req, fds = build_registration(
+            wid, kv, specs, block_size_tokens=BLOCK, tp_size=tp, head_layout=heads
+        )
+        worker = CountingWorker(
+            KvmapClient(MemoryTransport(daemon)), wid, opts,
+            tp_size=tp, block_size=BLOCK, kv_heads=HEADS,
+        )  # fmt: skip
+        worker.register(req, fds)
+        workers.append(worker)
+        kvs.append(kv)
+    sched = SchedulerCore(
+        engine, opts, client=KvmapClient(MemoryTransport(daemon)), tp_size=tp,
+        block_size=BLOCK, kv_heads=HEADS,
+    )  # fmt: skip
+    return Engine(sched, workers, kvs)
+
+
+@pytest.fixture
+def net() -> Iterator[MemoryNetwork]:
+    network = MemoryNetwork()
+    yield network
+    for addr in (P_ADDR, D_ADDR):
+        daemon = network.lookup(addr)
+        if daemon is not None:
+            daemon.stop()
+
+
+def offer(p: Engine, rid: str) -> dict[str, Any]:
+    """The prefill engine finishes a request and offers its blocks (every
+    rank's worker sees every step's metadata, as in vLLM)."""
+    params: dict[str, Any] = {"do_remote_decode": True}
+    p.sched.after_alloc(rid, params, [PBLOCKS], 0)
+    meta = p.sched.build_meta()
+    for w in p.workers:
+        w.start(meta)
+    keep, kv = p.sched.request_finished(
+        rid, params, finished_normally=True, block_ids=[PBLOCKS], num_computed_tokens=TOKENS
+    )
+    assert keep and kv is not None
+    meta = p.sched.build_meta()
+    for w in p.workers:
+        w.start(meta)
+    return kv
+
+
+def load(d: Engine, rid: str, kv: dict[str, Any], ranks: list[int]) -> list[TransferResults]:
+    """The decode engine schedules the request; ``ranks`` of its workers run
+    their loads (the others are left for later: ``load_on``)."""
+    params = dict(kv)
+    d.sched.after_alloc(rid, params, [DBLOCKS], TOKENS)
+    meta = d.sched.build_meta()
+    return [load_on(d.workers[r], meta) for r in ranks]
+
+
+def load_on(worker: WorkerCore, meta: Any) -> TransferResults:
+    worker.start(meta)
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        r = worker.poll()
+        if r.finished_recving:
+            return r
+        time.sleep(0.01)  # polling a background pull, as vLLM's steps do
+    raise AssertionError("the load never finished")
+
+
+def freed(p: Engine, rid: str, pulls: list[int]) -> list[int]:
+    """Whether each prefill rank reported ``rid`` as sent (freed) now, once
+    the events of the ``pulls`` each has served so far have reached it."""
+    for w, n in zip(p.workers, pulls, strict=True):
+        w.wait_events(n)
+    return [int(rid in w.poll().finished_sending) for w in p.workers]
+
+
+def tokens(head: torch.Tensor) -> torch.Tensor:
+    """One head's [blocks, tokens, 2 x head_size] bytes as (K, V) per token:
+    vLLM's CPU cache keeps per head K transposed, then V."""
+    halves = head.reshape(NUM_BLOCKS, 2, BLOCK * HEAD_SIZE)
+    k = halves[:, 0].reshape(NUM_BLOCKS, HEAD_SIZE, BLOCK).transpose(1, 2)
+    v = halves[:, 1].reshape(NUM_BLOCKS, BLOCK, HEAD_SIZE)
+    return torch.cat([k, v], dim=2)
+
+
+def heads_arrived(p: Engine, d: Engine, d_rank: int) -> bool:
+    """Every (layer, head of ``d_rank``, token) of the prompt equals the prefill's."""
+    d_tp = len(d.workers)
+    held = rank_heads(HEADS, d_tp, d_rank)
+    for name in LAYERS:
+        for h in held:
+            src = tokens(p.head(name, h))
+            dst = tokens(d.kv[d_rank][name][:, h - held.start])
+            for t in range(TOKENS):
+                a = src[PBLOCKS[t // BLOCK], t % BLOCK]
+                b = dst[DBLOCKS[t // BLOCK], t % BLOCK]
+                if not torch.equal(a, b):
+                    return False
+    return True
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4)])
+def test_loads_between_tp_sizes(net: MemoryNetwork, p_tp: int, d_tp: int) -> None:
+    """Prefill TP ``p_tp`` -> decode TP ``d_tp``: every decode rank gets every byte of its
+    heads; each prefill rank frees its blocks exactly once, only after the last decode rank
+    reading it has pulled; and a replay of any rank's capability is then refused."""
+    p = make_engine(net, P_ADDR, "prefill", p_tp, decode_tp_size=d_tp)
+    d = make_engine(net, D_ADDR, "decode", d_tp)
+    kv = offer(p, "req-p")
+    assert kv[READERS_TP_KEY] == d_tp
+    readers = tp_readers(HEADS, p_tp, d_tp)
+    params = dict(kv)
+    d.sched.after_alloc("req-d", params, [DBLOCKS], TOKENS)
+    meta = d.sched.build_meta()
+    pulled = [0] * p_tp
+    sent = [0] * p_tp
+    for r in range(d_tp):
+        result = load_on(d.workers[r], meta)
+        assert not result.failed_recving, d.workers[r].loads[-1].error
+        assert heads_arrived(p, d, r)
+        for src, _ in source_ranks(HEADS, p_tp, d_tp, r, replicated=False):
+            pulled[src] += 1
+        sent = [a + b for a, b in zip(sent, freed(p, "req-p", pulled), strict=True)]
+        # A rank is freed once all of its readers pulled, never before.
+        assert sent == [int(pulled[s] == readers[s]) for s in range(p_tp)]
+    assert sent == [1] * p_tp
+    assert freed(p, "req-p", pulled) == [0] * p_tp
+    task = RecvTask("again", RemoteSource.parse(kv), ((DBLOCKS[0],),))
+    for spec in d.workers[0].specs_for(task):
+        with pytest.raises(PermissionDenied):
+            d.workers[0].client.pull(spec)
+    p.shutdown()
+    d.shutdown()
+
+
+def test_a_grant_admits_only_its_readers(net: MemoryNetwork) -> None:
+    """Prefill TP1 -> decode TP2: the one grant admits two pulls. A third party replaying the
+    capability before the second decode rank pulls uses up the grant: the second rank's load
+    then fails (vLLM recomputes) rather than reading a third time, and the prefill frees once."""
+    p = make_engine(net, P_ADDR, "prefill", 1, decode_tp_size=2)
+    d = make_engine(net, D_ADDR, "decode", 2)
+    kv = offer(p, "req-p")
+    params = dict(kv)
+    d.sched.after_alloc("req-d", params, [DBLOCKS], TOKENS)
+    meta = d.sched.build_meta()
+    assert not load_on(d.workers[0], meta).failed_recving
+    assert freed(p, "req-p", [1]) == [0]
+    task = RecvTask("replay", RemoteSource.parse(kv), ((DBLOCKS[0],),))
+    for spec in d.workers[0].specs_for(task):
+        d.workers[0].client.pull(spec)  # the replay: the second (last) use
+    assert freed(p, "req-p", [2]) == [1]
+    assert load_on(d.workers[1], meta).failed_recving == {"req-d"}
+    assert "PERMISSION_DENIED" in d.workers[1].loads[-1].error
+    assert freed(p, "req-p", [2]) == [0]
+    p.shutdown()
+    d.shutdown()
+
+
+def test_decode_of_another_tp_than_the_grants_is_refused(net: MemoryNetwork) -> None:
+    """A prefill engine that sized its grants for decode TP2 and a decode engine of TP1 (or the
+    prefill's TP2 without saying so): the load fails fast naming both sizes, nothing is
+    pulled, and the prefill's blocks wait for their lease."""
+    p = make_engine(net, P_ADDR, "prefill", 1, decode_tp_size=2)
+    d = make_engine(net, D_ADDR, "decode", 1)
+    kv = offer(p, "req-p")
+    (r,) = load(d, "req-d", kv, [0])
+    assert r.failed_recving == {"req-d"}
+    assert "expects decode engines of tensor-parallel size 2, this one runs 1" in (
+        d.workers[0].loads[-1].error
+    )
+    assert freed(p, "req-p", [0]) == [0]
+    legacy = dict(kv, tp_size=2)
+    del legacy[READERS_TP_KEY]
+    legacy["kvmap_capability"] = kv["kvmap_capability"] + "." + kv["kvmap_capability"]
+    (r,) = load(d, "req-d2", legacy, [0])
+    assert "expects decode engines of tensor-parallel size 2, this one runs 1" in (
+        d.workers[0].loads[-1].error
+    )
+    p.shutdown()
+    d.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("tp_size", "error"),
+    [
+        (0, "tp_size: 0 is not a TP size"),
+        (-2, "tp_size: -2 is not a TP size"),
+        (65, "tp_size: 65 is not a TP size"),
+        (3, "do not split evenly over tp_size 3"),
+        (8, "kvmap_capability: 1 capabilities for tensor-parallel size 8"),
+    ],
+)
+def test_hostile_prefill_tp_size_is_refused(net: MemoryNetwork, tp_size: int, error: str) -> None:
+    """Params naming a prefill TP size that is no TP size, that the heads do not split over, or
+    that does not match its capabilities: the load fails fast naming the problem, nothing is
+    pulled and the decode worker keeps serving."""
+    p = make_engine(net, P_ADDR, "prefill", 1, decode_tp_size=2)
+    d = make_engine(net, D_ADDR, "decode", 2)
+    kv = dict(offer(p, "req-p"), tp_size=tp_size)
+    kv[READERS_TP_KEY] = 2
+    (r,) = load(d, "req-d", kv, [0])
+    assert r.failed_recving == {"req-d"}
+    assert error in d.workers[0].loads[-1].error
+    assert freed(p, "req-p", [0]) == [0]
+    p.shutdown()
+    d.shutdown()
+
+
+def test_tp_readers() -> None:
+    """Readers per prefill rank: one each between equal sizes (no head count needed), the
+    decode ranks sharing each rank's heads otherwise; a prefill rank no decode rank reads
+    (replicated heads) or sizes the heads do not split over are refused at start-up."""
+    assert tp_readers(0, 2, 2) == (1, 1)
+    assert tp_readers(4, 1, 2) == (2,)
+    assert tp_readers(4, 2, 1) == (1, 1)
+    assert tp_readers(4, 2, 8) == (4, 4)
+    assert tp_readers(1, 1, 4, replicated=True) == (4,)
+    with pytest.raises(ValueError, match="prefill rank 1 of tensor-parallel size 8"):
+        tp_readers(4, 8, 2)
+    with pytest.raises(ValueError, match="KV head count"):
+        tp_readers(0, 1, 2)
+    with pytest.raises(ValueError, match="do not split evenly"):
+        tp_readers(4, 1, 3)
+    with pytest.raises(ValueError, match="decode_tp_size: must be in"):
+        ConnectorOptions.from_extra_config({"decode_tp_size": 65})
+    with pytest.raises(ValueError, match="decode_tp_size: must be in"):
+        ConnectorOptions.from_extra_config({"decode_tp_size": -1})
+
+
+POW2 = st.sampled_from([1, 2, 4, 8, 16])
+
+
+@given(heads=POW2, p_tp=POW2, d_tp=POW2, replicated=st.booleans())
+def test_tp_readers_count_every_pull(heads: int, p_tp: int, d_tp: int, replicated: bool) -> None:
+    """For any power-of-two sizes: the readers sum to the pulls the decode ranks make, each
+    decode rank pulls from a prefill rank at most once, and no rank is left unread."""
+    pulls = [
+        [s for s, _ in source_ranks(heads, p_tp, d_tp, r, replicated=replicated)]
+        for r in range(d_tp)
+    ]
+    assert all(len(set(p)) == len(p) for p in pulls)
+    counts = [sum(p.count(s) for p in pulls) for s in range(p_tp)]
+    if p_tp == d_tp:
+        assert tp_readers(heads, p_tp, d_tp, replicated=replicated) == (1,) * p_tp
+    elif replicated:
+        # A replicated cache: a rank no one reads counts 0 (granted nothing).
+        assert tp_readers(heads, p_tp, d_tp, replicated=True) == tuple(counts)
+    elif 0 in counts:
+        with pytest.raises(ValueError, match="holds no heads"):
+            tp_readers(heads, p_tp, d_tp, replicated=replicated)
+    else:
+        assert tp_readers(heads, p_tp, d_tp, replicated=replicated) == tuple(counts)
+
+
+MLA_LAYERS = {
+    "model.layers.0.attn": types_pb2.CACHE_KIND_MLA,
+    "model.layers.0.attn.indexer": types_pb2.CACHE_KIND_INDEXER,
+    "model.layers.1.attn": types_pb2.CACHE_KIND_MLA,
+}
+MLA_DIM = 24  # bytes per token of one layer's latent (or indexer) cache
+
+
+def make_mla_engine(
+    net: MemoryNetwork, addr: str, engine: str, tp: int, *, decode_tp_size: int = 0
+) -> Engine:
+    """An MLA engine (latent and indexer caches, [blocks, tokens, dim], no head layout): every
+    rank holds the whole cache; here each rank's bytes differ, so a decode rank's bytes tell
+    which prefill rank it read."""
+    daemon = net.daemon(addr)
+    opts = options(addr, decode_tp_size)
+    specs = {n: LayerSpec(0, kind, NUM_BLOCKS) for n, kind in MLA_LAYERS.items()}
+    workers, kvs = [], []
+    for r in range(tp):
+        wid = types_pb2.WorkerId(engine_id=engine, tp_rank=r)
+        kv = {}
+        for i, name in enumerate(MLA_LAYERS):
+            g = torch.Generator().manual_seed(11 + 10 * r + i + tp * 100 + len(engine))
+            shape = (NUM_BLOCKS, BLOCK, MLA_DIM)
+            kv[name] = torch.randint(0, 255, shape, generator=g, dtype=torch.uint8)
+        req, fds = build_registration(wid, kv, specs, block_size_tokens=BLOCK, tp_size=tp)
+        worker = CountingWorker(
+            KvmapClient(MemoryTransport(daemon)), wid, opts,
+            tp_size=tp, block_size=BLOCK, replicated=True,
+        )  # fmt: skip
+        worker.register(req, fds)
+        workers.append(worker)
+        kvs.append(kv)
+    sched = SchedulerCore(
+        engine, opts, client=KvmapClient(MemoryTransport(daemon)), tp_size=tp,
+        block_size=BLOCK, replicated=True,
+    )  # fmt: skip
+    return Engine(sched, workers, kvs)
+
+
+def mla_arrived(p: Engine, p_rank: int, d: Engine, d_rank: int) -> bool:
+    """Every layer's prompt blocks on decode rank ``d_rank`` equal prefill rank ``p_rank``'s."""
+    return all(
+        torch.equal(d.kv[d_rank][name][DBLOCKS], p.kv[p_rank][name][PBLOCKS]) for name in MLA_LAYERS
+    )
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1), (4, 2), (2, 8), (1, 4)])
+def test_mla_loads_between_tp_sizes(net: MemoryNetwork, p_tp: int, d_tp: int) -> None:
+    """MLA + indexer caches, prefill TP ``p_tp`` -> decode TP ``d_tp``: decode rank d reads all
+    of its blocks, byte for byte, from prefill rank d % p_tp alone; each prefill rank read by
+    someone frees exactly once, after its last reader; a rank no one reads is granted nothing
+    and frees at once; and each grant admits no more pulls than its readers."""
+    p = make_mla_engine(net, P_ADDR, "prefill", p_tp, decode_tp_size=d_tp)
+    d = make_mla_engine(net, D_ADDR, "decode", d_tp)
+    readers = tp_readers(0, p_tp, d_tp, replicated=True)
+    assert readers == tuple(sum(r % p_tp == s for r in range(d_tp)) for s in range(p_tp))
+    kv = offer(p, "req-p")
+    assert kv[READERS_TP_KEY] == d_tp
+    # Unread ranks were freed on the step the request was offered (not granted anything).
+    unread = [int(n == 0) for n in readers]
+    assert [int("req-p" in w.poll().finished_sending) for w in p.workers] == unread
+    params = dict(kv)
+    d.sched.after_alloc("req-d", params, [DBLOCKS], TOKENS)
+    meta = d.sched.build_meta()
+    pulled = [0] * p_tp
+    sent = list(unread)
+    for r in range(d_tp):
+        (spec,) = d.workers[r].specs_for(RecvTask("req-d", RemoteSource.parse(kv), (DBLOCKS,)))
+        assert spec.remote_worker.tp_rank == r % p_tp
+        result = load_on(d.workers[r], meta)
+        assert not result.failed_recving, d.workers[r].loads[-1].error
+        assert mla_arrived(p, r % p_tp, d, r)
+        pulled[r % p_tp] += 1
+        sent = [a + b for a, b in zip(sent, freed(p, "req-p", pulled), strict=True)]
+        assert sent == [int(pulled[s] == readers[s] or readers[s] == 0) for s in range(p_tp)]
+    assert sent == [1] * p_tp
+    assert freed(p, "req-p", pulled) == [0] * p_tp
+    # Every grant is used up: a replay of each read rank's capability is refused.
+    for r in range(min(p_tp, d_tp)):
+        (spec,) = d.workers[r].specs_for(RecvTask("again", RemoteSource.parse(kv), (DBLOCKS,)))
+        with pytest.raises(PermissionDenied):
+            d.workers[r].client.pull(spec)
+    p.shutdown()
+    d.shutdown()
+
+
+def test_mla_grant_admits_only_its_readers(net: MemoryNetwork) -> None:
+    """MLA, prefill TP1 -> decode TP2: the one grant admits two pulls; a replay before the
+    second decode rank pulls uses it up, so that rank's load fails (vLLM recomputes) and the
+    prefill frees once."""
+    p = make_mla_engine(net, P_ADDR, "prefill", 1, decode_tp_size=2)
+    d = make_mla_engine(net, D_ADDR, "decode", 2)
+    kv = offer(p, "req-p")
+    d.sched.after_alloc("req-d", dict(kv), [DBLOCKS], TOKENS)
+    meta = d.sched.build_meta()
+    assert not load_on(d.workers[0], meta).failed_recving
+    assert freed(p, "req-p", [1]) == [0]
+    (spec,) = d.workers[0].specs_for(RecvTask("replay", RemoteSource.parse(kv), (DBLOCKS,)))
+    d.workers[0].client.pull(spec)  # the replay: the second (last) use
+    assert freed(p, "req-p", [2]) == [1]
+    assert load_on(d.workers[1], meta).failed_recving == {"req-d"}
+    assert "PERMISSION_DENIED" in d.workers[1].loads[-1].error
+    assert freed(p, "req-p", [2]) == [0]
+    p.shutdown()
+    d.shutdown()
+
+
+def test_mla_unread_rank_capability_is_refused(net: MemoryNetwork) -> None:
+    """MLA, prefill TP2 -> decode TP1: rank 1 is read by no one, so its place in the
+    capabilities holds no grant; params that would send a decode rank there fail fast."""
+    p = make_mla_engine(net, P_ADDR, "prefill", 2, decode_tp_size=1)
+    kv = offer(p, "req-p")
+    first, second = kv["kvmap_capability"].split(".")
+    assert first != "-" and second == "-"
+    with pytest.raises(ValueError, match="prefill rank 1 granted no transfer"):
+        rank_capability(kv["kvmap_capability"], 2, 1)
+    assert rank_capability(kv["kvmap_capability"], 2, 0) == first
+    p.shutdown()
