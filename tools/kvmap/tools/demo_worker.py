@@ -29,6 +29,7 @@ from google.protobuf import json_format
 from kvmap.client.client import KvmapClient
 from kvmap.client.errors import KvmapClientError
 from kvmap.client.session import Backoff, WorkerSession
+from kvmap.daemon.core.config import DaemonConfig
 from kvmap.tools import block_pattern, json_lines
 from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
 
@@ -83,6 +84,11 @@ class DemoGeometry:
         first = 0 if group == 0 else self.mla_layers
         return [g.prefix.format(first + i) for i in range(g.layers)]
 
+
+# kvmapd's transfer deadline when a spec names none (core.config), and how
+# much longer a transfer call waits for the daemon's answer.
+DEFAULT_TRANSFER_TIMEOUT_S = DaemonConfig.transfer_timeout_s
+CALL_GRACE_S = 5.0
 
 # Bytes of int64 scratch one fill/verify chunk may use.
 CHUNK_SCRATCH_BYTES = 512 << 20
@@ -305,8 +311,13 @@ def _transfer(w: DemoWorker, op: str, cmd: dict[str, Any]) -> dict[str, Any]:
     """``pull`` or ``push`` (with the remote owner's ``capability``), and for
     a pull the count of blocks whose bytes do not verify."""
     spec = _spec(cmd, w.worker)
+    # The call outlasts the daemon's own deadline for the transfer, so that
+    # the daemon's answer (its last error after retries) is what comes back,
+    # not the client's DEADLINE_EXCEEDED racing it.
+    timeout_s = (spec.timeout_ms / 1000 or DEFAULT_TRANSFER_TIMEOUT_S) + CALL_GRACE_S
     try:
-        result = w.client.pull(spec) if op == "pull" else w.client.push(spec)
+        transfer = w.client.pull if op == "pull" else w.client.push
+        result = transfer(spec, timeout_s)
     except KvmapClientError as err:
         return _failed(err)
     out: dict[str, Any] = {"ok": True, "stats": result.__dict__}
