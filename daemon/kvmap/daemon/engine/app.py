@@ -273,15 +273,16 @@ class DaemonApp:
                 )
                 # Persisted until an Attach stream has sent it: a restart
                 # between the notification and the worker loses nothing.
-                self.table.publish(lease.record.key, event, self._persist_event(lease, event))
+                key = lease.record.key
+                self.table.publish(key, event, self._persist_event(key, event))
 
-    def _persist_event(self, lease: Lease, event: registry_pb2.AttachResponse) -> int:
+    def _persist_event(self, key: WorkerKey, event: registry_pb2.AttachResponse) -> int:
         """The event's id in the store; 0 (sent live only) when the store
         cannot take it: the progress loop must go on whatever the disk does."""
         try:
-            return self.store.add_event(lease.record.key, event)
+            return self.store.add_event(key, event)
         except StateStoreError as err:
-            log.error("event_not_stored", worker=str(lease.record.key), error=str(err))
+            log.error("event_not_stored", worker=str(key), error=str(err))
             return 0
 
     def _unmatched_notif(self, peer: str, message: bytes, token: str | None) -> None:
@@ -498,10 +499,7 @@ class DaemonApp:
         Attach sends them); one the store cannot take is logged and lost, as
         a live event would be."""
         for event in events:
-            try:
-                self.store.add_event(key, event)
-            except StateStoreError as err:
-                log.error("event_not_stored", worker=str(key), error=str(err))
+            self._persist_event(key, event)
 
     async def worker_gone(self, key: WorkerKey) -> None:
         """The worker's Attach stream ended: release everything it had."""
