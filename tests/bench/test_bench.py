@@ -162,8 +162,9 @@ def _scaled_bytes(info: dict[str, Any]) -> int:
 @pytest.mark.integration
 def test_concurrency_and_raw_nixl_figures(tiny: tuple[dict[str, Any], Path]) -> None:
     """Every planner reports each concurrency level (percentiles ordered, one sample per pull of
-    every round, kvmap's and raw NIXL's), the descriptor cost per descriptor from its own samples,
-    and raw NIXL figures whose ratio to kvmap is the one reported."""
+    every round, kvmap's and raw NIXL's, CPU per pull by place), the descriptor cost per
+    descriptor from its own samples, and raw NIXL figures whose ratio to kvmap is the one
+    reported."""
     result, _ = tiny
     levels = [str(n) for n in results.CONCURRENCY]
     for name, r in result["profiles"]["tiny"].items():
@@ -174,6 +175,10 @@ def test_concurrency_and_raw_nixl_figures(tiny: tuple[dict[str, Any], Path]) -> 
             assert 0 < c["post_p50_seconds"] <= c["post_p95_seconds"] <= c["post_max_seconds"]
             assert 0 < c["pull_p50_seconds"] <= c["pull_p95_seconds"]
             assert c["post_max_seconds"] == max(lat["post_seconds"])
+            # CPU per pull, by place: every place counted (in clock ticks, so
+            # a tiny round may count 0, never less).
+            cpu = c["cpu_seconds_per_pull"]
+            assert set(cpu) == set(runner.CPU_PLACES) and min(cpu.values()) >= 0, cpu
             for key in ("post_seconds", "pull_seconds", "raw_post_seconds", "raw_pull_seconds"):
                 assert len(lat[key]) == 2 * int(n), (name, n, key)  # 2 rounds of N pulls
             # A pull waits for its own post: Pull-to-DONE covers it.

@@ -258,7 +258,7 @@ def test_failed_pull_is_reported_as_a_load_failure(pair: tuple[Side, Side]) -> N
 def test_prefill_grants_exactly_the_kept_blocks_and_revokes_when_the_lease_runs_out(
     pair: tuple[Side, Side],
 ) -> None:
-    """The prefill scheduler asks its daemon for one single-use grant of exactly the request's kept
+    """The prefill scheduler asks its daemon for one open grant of exactly the request's kept
     blocks, for the lease's time, and hands the capability out in kv_transfer_params; when the
     lease runs out with nobody pulling, the worker revokes the grant as it frees the blocks, and a
     decode that presents the capability afterwards reads nothing (a failed load, memory
@@ -269,7 +269,8 @@ def test_prefill_grants_exactly_the_kept_blocks_and_revokes_when_the_lease_runs_
     assert grant.worker == types_pb2.WorkerId(engine_id="prefill")
     assert grant.request_id == "req-p"
     assert [(g.transfer_group, list(g.block_ids)) for g in grant.groups] == [(0, [3, 17, 4])]
-    assert (grant.ttl_ms, grant.max_uses) == (30_000, 1)
+    # Open: the first pull fixes its use count (no decode TP size configured).
+    assert (grant.ttl_ms, grant.max_uses, grant.open_uses) == (30_000, 0, True)
     assert rank_capability(kv[CAPABILITY_KEY], 1, 0) == kv[CAPABILITY_KEY]
     p.clock.now += 29.0
     assert p.worker.poll().finished_sending == set()

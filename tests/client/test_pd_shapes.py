@@ -3,13 +3,13 @@ shared-memory KV caches laid out as vLLM's CPU backend lays them out
 ([blocks, heads, tokens, 2 x head_size]: per head, K transposed, then V),
 as HND or as NHD; the head layout each worker publishes in its region map;
 token-mode pulls between block grids byte for byte, by hand and by the
-decode connector; and what the connector refuses (other TP sizes, a prefix
-hit that ends inside a prefill block)."""
+decode connector (a local prefix hit that ends inside a prefill block
+included); and what the connector refuses (other TP sizes)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ from kvmap.client.geometry import (
 )
 from kvmap.client.pd import ConnectorOptions, SchedulerCore, WorkerCore, map_token_ranges
 from kvmap.client.transports.memory import MemoryDaemon, MemoryNetwork, MemoryTransport
-from kvmap.v1 import transfers_pb2, types_pb2
+from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
 
 HEADS, HEAD_SIZE, CAPACITY = 2, 4, 192  # tokens of KV cache per worker
 LAYERS = ("model.layers.0.attn", "model.layers.1.attn")
@@ -63,9 +63,18 @@ SHAPES = {
 
 
 def make_side(
-    net: MemoryNetwork, addr: str, engine: str, *, block: int, layout: str = "cpu", tp_size: int = 1
+    net: MemoryNetwork,
+    addr: str,
+    engine: str,
+    *,
+    block: int,
+    layout: str = "cpu",
+    tp_size: int = 1,
+    features: Sequence[registry_pb2.DaemonFeature.ValueType] | None = None,
 ) -> Side:
     daemon = net.daemon(addr)
+    if features is not None:  # an older kvmapd, which lists fewer
+        daemon.features = tuple(features)
     nb = CAPACITY // block
     shape = SHAPES[layout](nb, block)
     kv: dict[str, torch.Tensor] = {}
@@ -242,18 +251,61 @@ def test_connector_loads_from_larger_prefill_blocks(net: MemoryNetwork) -> None:
     d.worker.shutdown()
 
 
-def test_prefix_hit_inside_a_prefill_block_is_refused(net: MemoryNetwork) -> None:
-    """Decode blocks of 16 with its first 16 tokens cached locally, prefill blocks of 32: the
-    KV to load starts inside a prefill block, so the load fails fast (vLLM recomputes) and
-    nothing is written."""
-    p = make_side(net, P_ADDR, "prefill", block=32)
-    d = make_side(net, D_ADDR, "decode", block=16)
-    kv = offer(p, "req-p", [3, 1], 40)
-    before = {n: d.kv[n].clone() for n in LAYERS}
-    r = load(d, "req-d", kv, [2, 3], 24)
+@pytest.mark.parametrize(("p_block", "d_block", "hit"), [(32, 16, 16), (64, 32, 32), (64, 16, 48)])
+def test_prefix_hit_inside_a_prefill_block_loads_the_rest(
+    net: MemoryNetwork, p_block: int, d_block: int, hit: int
+) -> None:
+    """Decode blocks smaller than the prefill's, the decode's first ``hit`` tokens cached
+    locally (whole decode blocks, ending inside a prefill block; vLLM's CPU layout): the pull
+    starts at that token inside the prefill block (GroupBlocks.remote_first_token), every
+    (K/V, head, token) after the hit arrives and only those bytes move, the cached tokens'
+    blocks and the slots past the prompt are untouched, and the record names the prefill
+    blocks read."""
+    p = make_side(net, P_ADDR, "prefill", block=p_block)
+    d = make_side(net, D_ADDR, "decode", block=d_block)
+    prompt = p_block + 8  # a partial last block on both grids
+    pblocks = [2, 1]
+    kv = offer(p, "req-p", pblocks, prompt)
+    dblocks = list(range(1, 1 + -(-(prompt - hit) // d_block)))
+    before = {n: hnd(d, n).clone() for n in LAYERS}
+    r = load(d, "req-d", kv, dblocks, prompt - hit)
+    assert not r.failed_recving
+    placed = [-1] * (hit // d_block) + dblocks  # the cached blocks are not read here
+    assert same_tokens(p, pblocks, d, placed, range(hit, prompt))
+    record = d.worker.loads[-1]
+    assert record.ok and record.remote_block_ids == ((2, 1),)
+    assert record.bytes == (prompt - hit) * len(LAYERS) * 2 * HEADS * HEAD_SIZE
+    for name in LAYERS:
+        after, was = hnd(d, name), before[name]
+        mask = torch.ones(was.shape[1], was.shape[3], dtype=torch.bool)  # (block, token)
+        for t in range(hit, prompt):
+            mask[placed[t // d_block], t % d_block] = False
+        assert torch.equal(after.permute(1, 3, 0, 2, 4)[mask], was.permute(1, 3, 0, 2, 4)[mask])
+    p.worker.shutdown()
+    d.worker.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("features", "missing"),
+    [
+        ((registry_pb2.DAEMON_FEATURE_TOKEN_MODE,), "DAEMON_FEATURE_REMOTE_FIRST_TOKEN"),
+        ((), "DAEMON_FEATURE_TOKEN_MODE"),
+    ],
+)
+def test_an_older_decode_kvmapd_is_not_sent_fields_it_would_drop(
+    net: MemoryNetwork, features: tuple[registry_pb2.DaemonFeature.ValueType, ...], missing: str
+) -> None:
+    """A decode kvmapd that does not list a field the pull needs (token mode between block
+    grids, a start inside a prefill block) would drop it and move the wrong tokens: the load
+    fails naming the feature (vLLM recomputes), and no byte of the decode cache changes."""
+    p = make_side(net, P_ADDR, "prefill", block=64)
+    d = make_side(net, D_ADDR, "decode", block=32, features=features)
+    kv = offer(p, "req-p", [2, 1], 72)
+    before = {n: t.clone() for n, t in d.kv.items()}
+    r = load(d, "req-d", kv, [1, 2], 40)  # a 32-token local hit: the pull starts at token 32
     assert r.failed_recving == {"req-d"}
-    assert "starts at token 16, inside a block of 32 tokens" in d.worker.loads[-1].error
-    assert all(torch.equal(d.kv[n], before[n]) for n in LAYERS)
+    assert missing in d.worker.loads[-1].error
+    assert all(torch.equal(before[n], d.kv[n]) for n in LAYERS)
     p.worker.shutdown()
     d.worker.shutdown()
 
@@ -274,12 +326,13 @@ def test_prefix_hit_loads_the_tail(net: MemoryNetwork) -> None:
 
 def test_other_tp_size_is_refused_with_a_clear_message(net: MemoryNetwork) -> None:
     """A prefill engine of another TP size whose grants were not sized for this one's (no
-    kvmap_decode_tp_size: it expects its own TP size): the load fails fast naming both sizes
-    (recompute). Loads between TP sizes: tests/client/test_pd_tp.py."""
+    kvmap_decode_tp_size nor open grants: it expects its own TP size): the load fails fast
+    naming both sizes (recompute). Loads between TP sizes: tests/client/test_pd_tp.py."""
     p = make_side(net, P_ADDR, "prefill", block=16)
     d = make_side(net, D_ADDR, "decode", block=16)
     kv = offer(p, "req-p", [3, 1], 20)
     kv["tp_size"] = 2
+    del kv["kvmap_open_grants"]  # grants of fixed uses (open ones fit any TP size)
     kv["kvmap_capability"] = kv["kvmap_capability"] + "." + kv["kvmap_capability"]
     r = load(d, "req-d", kv, [1, 2], 20)
     assert r.failed_recving == {"req-d"}
@@ -343,15 +396,23 @@ def test_token_layout_is_read_from_strides() -> None:
 
 def test_map_token_ranges() -> None:
     """Trailing block lists of two block grids are cut to a common start on both grids; a start
-    inside a block, a prompt the blocks cannot end with, and a missing token count are refused."""
+    inside a remote block keeps that block and names the token (remote_first_token); a start
+    inside a local block, a prompt the blocks cannot end with, and a missing token count are
+    refused."""
     assert map_token_ranges(
         ((1, 2),), ((5, 6, 7),), num_tokens=40, local_tokens=32, remote_tokens=16
-    ) == [((1, 2), (5, 6, 7), 40)]
+    ) == [((1, 2), (5, 6, 7), 40, 0)]
     assert map_token_ranges(
         ((2, 3),), ((8, 9),), num_tokens=64, local_tokens=16, remote_tokens=32
-    ) == [((2, 3), (9,), 32)]
-    with pytest.raises(ValueError, match="inside a block of 32 tokens"):
-        map_token_ranges(((1, 2, 3),), ((8, 9),), num_tokens=64, local_tokens=16, remote_tokens=32)
+    ) == [((2, 3), (9,), 32, 0)]
+    assert map_token_ranges(
+        ((1, 2, 3),), ((8, 9),), num_tokens=64, local_tokens=16, remote_tokens=32
+    ) == [((1, 2, 3), (8, 9), 48, 16)]
+    assert map_token_ranges(
+        ((4,),), ((8, 9),), num_tokens=40, local_tokens=16, remote_tokens=32
+    ) == [((4,), (9,), 8, 0)]
+    with pytest.raises(ValueError, match="starts at token 16, inside a local block of 32 tokens"):
+        map_token_ranges(((1, 2),), ((8, 9, 7),), num_tokens=64, local_tokens=32, remote_tokens=16)
     with pytest.raises(ValueError, match="do not end with a 20-token prompt"):
         map_token_ranges(((1, 2, 3),), ((8,),), num_tokens=20, local_tokens=16, remote_tokens=32)
     with pytest.raises(ValueError, match="remote_num_tokens: needed"):

@@ -2,14 +2,15 @@
 in-memory daemons: every rank a worker with real shared-memory KV caches in
 vLLM's CPU layout holding its own heads; each decode rank pulls its heads
 from the prefill rank(s) holding them (token mode); each prefill rank's
-grant admits exactly as many pulls as decode ranks read it, and its blocks
-are freed once, after the last of them."""
+grant admits exactly as many pulls as decode ranks read it (configured with
+decode_tp_size, or declared by the decode ranks of an open grant), and its
+blocks are freed once, after the last of them."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,9 +20,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvmap.client.client import KvmapClient
-from kvmap.client.errors import PermissionDenied
+from kvmap.client.errors import FailedPrecondition, PermissionDenied
 from kvmap.client.geometry import LayerSpec, build_registration, head_layout
 from kvmap.client.pd import (
+    OPEN_GRANTS_KEY,
     READERS_TP_KEY,
     ConnectorOptions,
     RecvTask,
@@ -33,7 +35,7 @@ from kvmap.client.pd import (
     tp_readers,
 )
 from kvmap.client.transports.memory import MemoryNetwork, MemoryTransport
-from kvmap.daemon.core.reshard import rank_heads, source_ranks
+from kvmap.daemon.core.reshard import rank_heads, source_ranks, source_readers
 from kvmap.v1 import registry_pb2, types_pb2
 
 HEADS, HEAD_SIZE, BLOCK, NUM_BLOCKS = 4, 4, 16, 12
@@ -97,9 +99,17 @@ class Engine:
 
 
 def make_engine(
-    net: MemoryNetwork, addr: str, engine: str, tp: int, *, decode_tp_size: int = 0
+    net: MemoryNetwork,
+    addr: str,
+    engine: str,
+    tp: int,
+    *,
+    decode_tp_size: int = 0,
+    features: Sequence[registry_pb2.DaemonFeature.ValueType] | None = None,
 ) -> Engine:
     daemon = net.daemon(addr)
+    if features is not None:  # an older kvmapd, which lists fewer
+        daemon.features = tuple(features)
     opts = options(addr, decode_tp_size)
     per_rank = max(HEADS // tp, 1)
     specs = {n: LayerSpec(0, types_pb2.CACHE_KIND_MHA, NUM_BLOCKS) for n in LAYERS}
@@ -484,3 +494,229 @@ def test_mla_unread_rank_capability_is_refused(net: MemoryNetwork) -> None:
         rank_capability(kv["kvmap_capability"], 2, 1)
     assert rank_capability(kv["kvmap_capability"], 2, 0) == first
     p.shutdown()
+
+
+# Open grants (no decode_tp_size on the prefill engine) ------------------------
+
+
+def events_after(
+    p_tp: int, d_tp: int, readers: tuple[int, ...], upto: int, *, replicated: bool = False
+) -> list[int]:
+    """Finished-transfer events each prefill rank has had once decode ranks 0..``upto`` ran
+    their loads: a pull per reader, and (decode rank 0's) a release per unread rank."""
+    pulled = [0] * p_tp
+    for r in range(upto + 1):
+        for src, _ in source_ranks(HEADS, p_tp, d_tp, r, replicated=replicated):
+            pulled[src] += 1
+    return [n if readers[s] else 1 for s, n in enumerate(pulled)]
+
+
+def pulled_heads_arrived(p: Engine, d: Engine, d_rank: int) -> bool:
+    """Every (layer, head of ``d_rank``, token) of the prompt equals the bytes of the prefill
+    rank ``source_ranks`` reads it from (replicated heads: each replica's bytes differ here)."""
+    p_tp, d_tp = len(p.workers), len(d.workers)
+    held = rank_heads(HEADS, d_tp, d_rank)
+    for src, heads in source_ranks(HEADS, p_tp, d_tp, d_rank, replicated=False):
+        src_held = rank_heads(HEADS, p_tp, src)
+        for name in LAYERS:
+            for h in heads:
+                a = tokens(p.kv[src][name][:, h - src_held.start])
+                b = tokens(d.kv[d_rank][name][:, h - held.start])
+                for t in range(TOKENS):
+                    if not torch.equal(
+                        a[PBLOCKS[t // BLOCK], t % BLOCK], b[DBLOCKS[t // BLOCK], t % BLOCK]
+                    ):
+                        return False
+    return True
+
+
+def check_open_loads(
+    p: Engine, d: Engine, arrived: Any, *, replicated: bool = False
+) -> dict[str, Any]:
+    """Offer one request and load it on every decode rank in turn: each rank's bytes arrive;
+    each prefill rank frees its blocks exactly once, right after its last reader (a rank no
+    one reads right after decode rank 0 released it); and every grant is then used up."""
+    p_tp, d_tp = len(p.workers), len(d.workers)
+    kv = offer(p, "req-p")
+    assert READERS_TP_KEY not in kv and kv[OPEN_GRANTS_KEY] is True
+    readers = source_readers(HEADS, p_tp, d_tp, replicated=replicated)
+    assert freed(p, "req-p", [0] * p_tp) == [0] * p_tp  # nothing before any decode rank
+    params = dict(kv)
+    d.sched.after_alloc("req-d", params, [DBLOCKS], TOKENS)
+    meta = d.sched.build_meta()
+    sent = [0] * p_tp
+    for r in range(d_tp):
+        result = load_on(d.workers[r], meta)
+        assert not result.failed_recving, d.workers[r].loads[-1].error
+        assert arrived(r)
+        seen = events_after(p_tp, d_tp, readers, r, replicated=replicated)
+        sent = [a + b for a, b in zip(sent, freed(p, "req-p", seen), strict=True)]
+        assert sent == [int(seen[s] == max(readers[s], 1)) for s in range(p_tp)]
+    assert sent == [1] * p_tp
+    assert freed(p, "req-p", seen) == [0] * p_tp
+    for w in p.workers:
+        assert w.pending_sends == 0
+    return kv
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (2, 8), (8, 2)])
+def test_open_grants_between_tp_sizes(net: MemoryNetwork, p_tp: int, d_tp: int) -> None:
+    """No decode_tp_size: prefill TP ``p_tp`` grants every rank openly; decode TP ``d_tp``
+    declares each prefill rank's readers. Every decode rank gets every byte of its heads, each
+    prefill rank frees once after its last reader, one no one reads (8 -> 2: replicated heads)
+    right after decode rank 0 released it, and no capability admits a further pull."""
+    p = make_engine(net, P_ADDR, "prefill", p_tp)
+    d = make_engine(net, D_ADDR, "decode", d_tp)
+    kv = check_open_loads(p, d, lambda r: pulled_heads_arrived(p, d, r))
+    task = RecvTask("again", RemoteSource.parse(kv), ((DBLOCKS[0],),))
+    for spec in d.workers[0].specs_for(task):
+        with pytest.raises(PermissionDenied):
+            d.workers[0].client.pull(spec)
+    for spec in d.workers[0].release_specs(task, pulling=True):  # the unread ranks'
+        with pytest.raises(PermissionDenied):
+            d.workers[0].client.pull(spec)
+    p.shutdown()
+    d.shutdown()
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1), (4, 2), (2, 8), (1, 4)])
+def test_mla_open_grants_between_tp_sizes(net: MemoryNetwork, p_tp: int, d_tp: int) -> None:
+    """MLA + indexer caches without decode_tp_size: decode rank d reads prefill rank d % p_tp
+    byte for byte; each read prefill rank frees once after its last reader, and an unread one
+    as soon as decode rank 0 released its grant (not at lease expiry)."""
+    p = make_mla_engine(net, P_ADDR, "prefill", p_tp)
+    d = make_mla_engine(net, D_ADDR, "decode", d_tp)
+    check_open_loads(p, d, lambda r: mla_arrived(p, r % p_tp, d, r), replicated=True)
+    p.shutdown()
+    d.shutdown()
+
+
+def test_a_declared_count_other_than_the_first_is_refused(net: MemoryNetwork) -> None:
+    """Prefill TP1, open grant: decode rank 0 of a TP2 engine fixes it at 2 readers; a pull
+    declaring 1 (a TP1 decode engine given the same params) is FAILED_PRECONDITION and the
+    prefill keeps the blocks for the second reader."""
+    p = make_engine(net, P_ADDR, "prefill", 1)
+    d = make_engine(net, D_ADDR, "decode", 2)
+    kv = offer(p, "req-p")
+    d.sched.after_alloc("req-d", dict(kv), [DBLOCKS], TOKENS)
+    assert not load_on(d.workers[0], d.sched.build_meta()).failed_recving
+    assert freed(p, "req-p", [1]) == [0]
+    (spec,) = d.workers[0].specs_for(RecvTask("x", RemoteSource.parse(kv), ((DBLOCKS[0],),)))
+    spec.readers = 1
+    with pytest.raises(FailedPrecondition, match="admits 2 readers; the caller declared 1"):
+        d.workers[0].client.pull(spec)
+    assert freed(p, "req-p", [1]) == [0]
+    p.shutdown()
+    d.shutdown()
+
+
+def release_everywhere(d: Engine, kv: dict[str, Any], *, scheduled: bool = True) -> None:
+    """The decode engine needs none of the request's blocks: its scheduler allocates none to
+    load (a full prefix-cache hit) or the request ends before it is scheduled; every worker
+    runs the step's releases."""
+    params = dict(kv)
+    if scheduled:
+        d.sched.after_alloc("req-d", params, [DBLOCKS], 0)
+    else:
+        d.sched.request_finished(
+            "req-d", params, finished_normally=False, block_ids=[], num_computed_tokens=0
+        )
+    meta = d.sched.build_meta()
+    assert [t.request_id for t in meta.release] == ["req-d"] and not meta.recv
+    for w in d.workers:
+        w.start(meta)
+        assert not w.poll().finished_recving
+
+
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp", "decode_tp_size", "scheduled"),
+    [(1, 2, 0, True), (2, 4, 0, False), (4, 2, 0, True), (1, 2, 2, True), (2, 2, 0, True)],
+)
+def test_a_decode_needing_no_block_releases_its_uses(
+    net: MemoryNetwork, p_tp: int, d_tp: int, decode_tp_size: int, scheduled: bool
+) -> None:
+    """A decode engine that loads none of the blocks (all in its prefix cache, or the request
+    ended unscheduled): each rank releases its use of every prefill rank it would have read,
+    open grants or ones sized by decode_tp_size alike; each prefill rank frees its blocks
+    once, when the last release arrives, without waiting for its lease; no byte moved."""
+    p = make_engine(net, P_ADDR, "prefill", p_tp, decode_tp_size=decode_tp_size)
+    d = make_engine(net, D_ADDR, "decode", d_tp)
+    before = [{n: t.clone() for n, t in kv.items()} for kv in d.kv]
+    kv = offer(p, "req-p")
+    release_everywhere(d, kv, scheduled=scheduled)
+    readers = source_readers(HEADS, p_tp, d_tp, replicated=False)
+    assert freed(p, "req-p", list(readers)) == [1] * p_tp
+    assert freed(p, "req-p", list(readers)) == [0] * p_tp
+    assert all(w.pending_sends == 0 for w in p.workers)
+    assert all(torch.equal(before[r][n], d.kv[r][n]) for r in range(d_tp) for n in LAYERS)
+    p.shutdown()
+    d.shutdown()
+
+
+def test_mla_decode_needing_no_block_releases_unread_ranks_too(net: MemoryNetwork) -> None:
+    """MLA, prefill TP2 -> decode TP1 needing no block: decode rank 0 releases its use of
+    prefill rank 0 and the grant of rank 1 (no one reads it): both free at once, once."""
+    p = make_mla_engine(net, P_ADDR, "prefill", 2)
+    d = make_mla_engine(net, D_ADDR, "decode", 1)
+    kv = offer(p, "req-p")
+    release_everywhere(d, kv)
+    assert freed(p, "req-p", [1, 1]) == [1, 1]
+    assert freed(p, "req-p", [1, 1]) == [0, 0]
+    p.shutdown()
+    d.shutdown()
+
+
+@given(heads=POW2, p_tp=POW2, d_tp=POW2, replicated=st.booleans())
+def test_source_readers_count_every_pull(
+    heads: int, p_tp: int, d_tp: int, replicated: bool
+) -> None:
+    """For any power-of-two sizes, each prefill rank's reader count is the number of decode
+    ranks pulling from it (0 for a rank no one reads), the counts sum to the pulls, and they
+    are tp_readers' wherever that accepts the sizes (the explicit decode_tp_size)."""
+    pulls = [
+        [s for s, _ in source_ranks(heads, p_tp, d_tp, r, replicated=replicated)]
+        for r in range(d_tp)
+    ]
+    counts = source_readers(heads, p_tp, d_tp, replicated=replicated)
+    if p_tp == d_tp:
+        assert counts == (1,) * p_tp
+        return
+    assert counts == tuple(sum(p.count(s) for p in pulls) for s in range(p_tp))
+    assert sum(counts) == sum(len(p) for p in pulls)
+    if replicated or 0 not in counts:
+        assert tp_readers(heads, p_tp, d_tp, replicated=replicated) == counts
+
+
+def test_an_older_decode_kvmapd_gets_no_release(net: MemoryNetwork) -> None:
+    """The decode engine's kvmapd lists no features (a release before it was
+    one: it would take it for a pull of nothing): a decode needing no block
+    sends no release, and the prefill ranks keep their blocks for their lease."""
+    p = make_engine(net, P_ADDR, "prefill", 1)
+    d = make_engine(net, D_ADDR, "decode", 2, features=())
+    kv = offer(p, "req-p")
+    release_everywhere(d, kv)
+    for w in d.workers:  # every background call the step made has ended
+        w._pool.shutdown(wait=True)
+    assert all(w.released == 0 for w in d.workers)
+    assert p.workers[0].events_seen == 0
+    assert [int("req-p" in w.poll().finished_sending) for w in p.workers] == [0]
+    assert all(w.pending_sends == 1 for w in p.workers)
+    p.shutdown()
+    d.shutdown()
+
+
+def test_an_older_decode_kvmapd_does_not_declare_readers(net: MemoryNetwork) -> None:
+    """Prefill TP1 -> decode TP2 (two readers of the one prefill rank) through
+    a decode kvmapd that lists token mode but not open grants: it would drop the
+    declared count, so each rank's load fails naming the feature (vLLM
+    recomputes) and no byte moves."""
+    p = make_engine(net, P_ADDR, "prefill", 1)
+    d = make_engine(net, D_ADDR, "decode", 2, features=(registry_pb2.DAEMON_FEATURE_TOKEN_MODE,))
+    before = [{n: t.clone() for n, t in kv.items()} for kv in d.kv]
+    kv = offer(p, "req-p")
+    d.sched.after_alloc("req-d", dict(kv), [DBLOCKS], TOKENS)
+    assert load_on(d.workers[0], d.sched.build_meta()).failed_recving == {"req-d"}
+    assert "DAEMON_FEATURE_OPEN_GRANTS" in d.workers[0].loads[-1].error
+    assert all(torch.equal(before[0][n], d.kv[0][n]) for n in LAYERS)
+    p.shutdown()
+    d.shutdown()

@@ -55,11 +55,11 @@ class CountingClient(KvmapClient):
         if hook is not None:
             hook()
 
-    def register(
+    def register_worker(
         self, req: registry_pb2.RegisterWorkerRequest, fds: Sequence[int] = ()
-    ) -> types_pb2.RegionMap:
+    ) -> registry_pb2.RegisterWorkerResponse:
         try:
-            return super().register(req, fds)
+            return super().register_worker(req, fds)
         except KvmapClientError:
             self._failed()
             raise

@@ -928,6 +928,41 @@ def test_a_capability_for_several_readers_serves_each_once(world: World, pair: P
     assert _refused(world, pair, specs[0], PermissionDenied) == DENIED.format(t=target)
 
 
+def test_an_open_capability_takes_its_count_from_the_first_pull(world: World, pair: Pair) -> None:
+    """An open grant (open_uses): the first pull declaring 2 readers fixes it, and the owner
+    says 1 of 2 used; a pull declaring 3 is FAILED_PRECONDITION, with the same message
+    from both transports, and moves nothing; a release declaring 2 spends the last use (the
+    owner hears it released and used up) and its replay is refused."""
+    req = registry_pb2.GrantTransferRequest(
+        worker=pair.prefill.id, request_id="open", open_uses=True,
+        groups=[types_pb2.BlockGrant(transfer_group=0, block_ids=[2])],
+    )  # fmt: skip
+    resp = world.transport("prefill").grant_transfer(req, T)
+    assert resp.open_uses
+    spec = make_spec(
+        world, "open", pair.decode, pair.prefill, [(0, [5], [2])], capability=resp.capability
+    )
+    spec.readers = 2
+    run(world, "decode", spec)
+    done = pair.events.next().transfer_finished
+    assert (done.uses, done.max_uses, done.exhausted, done.released) == (1, 2, False, False)
+    pair.decode.kv.zero_()
+    spec.readers = 3
+    assert _refused(world, pair, spec, FailedPrecondition) == (
+        f"FAILED_PRECONDITION: remote daemon {spec.remote_target}: FAILED_PRECONDITION: "
+        "capability for request open admits 2 readers; the caller declared 3"
+    )
+    release = transfers_pb2.TransferSpec(
+        request_id="open", local_worker=pair.decode.id, remote_target=spec.remote_target,
+        remote_worker=pair.prefill.id, capability=resp.capability, readers=2, release=True,
+    )  # fmt: skip
+    (status,) = run(world, "decode", release)
+    assert (status.state, status.message) == (transfers_pb2.TRANSFER_STATE_DONE, "released")
+    done = pair.events.next().transfer_finished
+    assert (done.uses, done.max_uses, done.exhausted, done.released) == (2, 2, True, True)
+    assert _refused(world, pair, release, PermissionDenied) == DENIED.format(t=spec.remote_target)
+
+
 def test_revoked_and_expired_capabilities_are_refused(world: World, pair: Pair) -> None:
     """A revoked capability is refused like an unknown one; an expired one
     fails FAILED_PRECONDITION. Revoking is idempotent."""

@@ -98,6 +98,9 @@ class FakePeers:
     async def begin(self, target: str, req: peer_pb2.BeginTransferRequest) -> str:
         app = self._app(target)
         self.begun.append(req)
+        if req.release:
+            app.release_grant(req)  # what PeerService.BeginTransfer runs for a release
+            return ""
         try:
             # What PeerService.BeginTransfer runs.
             lease = app.begin_transfer(req)
@@ -231,6 +234,7 @@ class Node:
         *,
         ttl_ms: int = 0,
         max_uses: int = 0,
+        open_uses: bool = False,
     ) -> str:
         """A capability for ``blocks`` (per group) of the worker's request, as
         Registry.GrantTransfer mints it for an attached worker (the worker is
@@ -243,6 +247,7 @@ class Node:
                 groups=list(blocks.items()),
                 ttl_ms=ttl_ms,
                 max_uses=max_uses,
+                open_uses=open_uses,
             )
         finally:
             self.app.table.unsubscribe(worker.key, events)

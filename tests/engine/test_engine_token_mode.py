@@ -25,12 +25,23 @@ async def two(c: Cluster) -> tuple[Node, Worker, Node, Worker]:
 
 
 def token_spec(
-    wa: Worker, b: Node, wb: Worker, local: list[int], remote: list[int], *, num_tokens: int
+    wa: Worker,
+    b: Node,
+    wb: Worker,
+    local: list[int],
+    remote: list[int],
+    *,
+    num_tokens: int,
+    first: int = 0,
 ) -> transfers_pb2.TransferSpec:
     s = spec(wa, b, wb, list(zip(local, remote, strict=False)))
     del s.groups[:]
     s.groups.add(
-        transfer_group=0, local_block_ids=local, remote_block_ids=remote, num_tokens=num_tokens
+        transfer_group=0,
+        local_block_ids=local,
+        remote_block_ids=remote,
+        num_tokens=num_tokens,
+        remote_first_token=first,
     )
     s.capability = b.grant(wb, s.request_id, {0: sorted(set(remote))})
     return s
@@ -54,6 +65,62 @@ def test_token_mode_pull_moves_exactly_the_requested_tokens() -> None:
                 want[2][ly] = before_b[1][ly][: 4 * TOKEN] + before_a[2][ly][4 * TOKEN :]
             assert [[wa.page(i, ly) for ly in range(2)] for i in range(BLOCKS)] == want
             assert [[wb.page(i, ly) for ly in range(2)] for i in range(BLOCKS)] == before_b
+
+    run(main())
+
+
+def test_token_mode_pull_from_a_remote_first_token() -> None:
+    """20 tokens from remote token 4 (GroupBlocks.remote_first_token, inside remote block 5) into
+    local blocks 0, 2: block 0 gets block 5's tokens 4..15 then block 1's 0..3, block 2's first 4
+    tokens get block 1's 4..7; every other byte of both workers stays."""
+
+    async def main() -> None:
+        async with cluster() as c:
+            a, wa, b, wb = await two(c)
+            before_a = [[wa.page(i, ly) for ly in range(2)] for i in range(BLOCKS)]
+            before_b = [[wb.page(i, ly) for ly in range(2)] for i in range(BLOCKS)]
+            pull = token_spec(wa, b, wb, [0, 2], [5, 1], num_tokens=20, first=4)
+            statuses = await a.transfer(pull)
+            assert statuses[-1].state == transfers_pb2.TRANSFER_STATE_DONE
+            assert statuses[-1].stats.bytes == 2 * 20 * TOKEN
+            want = [list(p) for p in before_a]
+            for ly in range(2):
+                b5, b1 = before_b[5][ly], before_b[1][ly]
+                want[0][ly] = b5[4 * TOKEN :] + b1[: 4 * TOKEN]
+                want[2][ly] = b1[4 * TOKEN : 8 * TOKEN] + before_a[2][ly][4 * TOKEN :]
+            assert [[wa.page(i, ly) for ly in range(2)] for i in range(BLOCKS)] == want
+            assert [[wb.page(i, ly) for ly in range(2)] for i in range(BLOCKS)] == before_b
+
+    run(main())
+
+
+def test_bad_remote_first_token_is_invalid_argument() -> None:
+    """A remote first token past what the remote blocks listed hold, a negative one, and one in a
+    block-pair transfer (num_tokens 0) are INVALID_ARGUMENT naming remote_first_token; the local
+    worker's memory does not change."""
+
+    async def main() -> None:
+        async with cluster() as c:
+            a, wa, b, wb = await two(c)
+            before_a = [wa.block(i) for i in range(BLOCKS)]
+            past = token_spec(wa, b, wb, [0, 2], [5, 1], num_tokens=20, first=13)
+            with pytest.raises(
+                InvalidArgument,
+                match=r"groups\[0\]\.remote_first_token: 2 blocks of 16 tokens cannot hold 20 "
+                r"tokens from token 13",
+            ):
+                await a.transfer(past)
+            negative = token_spec(wa, b, wb, [0], [5], num_tokens=4, first=-1)
+            with pytest.raises(InvalidArgument, match=r"remote_first_token: -1 is not in"):
+                await a.transfer(negative)
+            pairs = spec(wa, b, wb, [(0, 5)])
+            pairs.groups[0].remote_first_token = 3
+            pairs.capability = b.grant(wb, pairs.request_id, {0: [5]})
+            with pytest.raises(
+                InvalidArgument, match=r"spec.groups\[0\]\.remote_first_token: 3 without num_tokens"
+            ):
+                await a.transfer(pairs)
+            assert [wa.block(i) for i in range(BLOCKS)] == before_a
 
     run(main())
 

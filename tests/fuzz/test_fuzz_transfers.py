@@ -118,7 +118,7 @@ def valid_group(draw: st.DrawFn) -> dict[str, Any]:
 FAULTS = [
     "request_id", "local_worker", "target", "remote_worker", "group_id", "local_id",
     "remote_id", "lengths", "layers", "duplicate", "generation", "timeout", "no_groups",
-    "extra_group", "capability", "num_tokens",
+    "extra_group", "capability", "num_tokens", "remote_first_token",
 ]  # fmt: skip
 
 
@@ -171,6 +171,13 @@ def _fault(draw: st.DrawFn, spec: dict[str, Any], fault: str) -> None:
         most = 4 * max(len(g["local"]), len(g["remote"]))
         g["num_tokens"] = draw(
             st.sampled_from([-1, -(2**63), 2**63 - 1, 2**40]) | st.integers(most + 64, 2**62)
+        )
+    elif fault == "remote_first_token":
+        # A token offset (GroupBlocks.remote_first_token): in a block-pair
+        # group, or with a count no block list here can hold (the num_tokens
+        # fault), or out of range: always refused.
+        g["remote_first_token"] = draw(
+            st.sampled_from([-1, -(2**63), 2**63 - 1, 2**40]) | st.integers(1, 2**62)
         )
     elif fault == "capability":
         spec["capability"] = draw(
@@ -244,6 +251,7 @@ def build(c: Cluster, s: dict[str, Any]) -> transfers_pb2.TransferSpec:
             remote_block_ids=g["remote"],
             layer_names=g["layers"],
             num_tokens=g.get("num_tokens", 0),
+            remote_first_token=g.get("remote_first_token", 0),
         )
     return spec
 

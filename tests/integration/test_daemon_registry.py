@@ -208,7 +208,8 @@ def test_reregistration_bumps_generation_atomically(daemon: DaemonProc, worker: 
     """While a worker re-registers, readers calling GetRegionMap concurrently only ever get the
     whole generation-1 map or the whole generation-2 map (never an error nor a mix of the two);
     afterwards ListWorkers shows generation 2 and a region_map_changed event for generation 2
-    arrives on the worker's Attach stream."""
+    arrives on the worker's Attach stream; the registration's answer lists the daemon's
+    wire features."""
     with daemon.channel() as ch:
         maps = region_maps_pb2_grpc.RegionMapsStub(ch)
         old = region_map_or_code(maps)
@@ -226,7 +227,8 @@ def test_reregistration_bumps_generation_atomically(daemon: DaemonProc, worker: 
             r.start()
         try:
             assert first_read.wait(HANG_GUARD_S), "no GetRegionMap answered"
-            assert worker.call({"cmd": "reregister"})["generation"] == 2
+            again = worker.call({"cmd": "reregister"})
+            assert again["generation"] == 2
             new = region_map_or_code(maps)
             # Keep reading until a reader got the new map: the reads span the swap.
             wait_for(lambda: new in list(seen), "a concurrent reader seeing generation 2")
@@ -236,6 +238,14 @@ def test_reregistration_bumps_generation_atomically(daemon: DaemonProc, worker: 
                 r.join()
         listed = maps.ListWorkers(region_maps_pb2.ListWorkersRequest(), timeout=10)
     assert isinstance(new, types_pb2.RegionMap) and new.generation == 2
+    # The daemon lists every wire feature it understands (the connector sends a
+    # newer field only to a daemon that lists it).
+    assert again["features"] == [
+        "DAEMON_FEATURE_TOKEN_MODE",
+        "DAEMON_FEATURE_REMOTE_FIRST_TOKEN",
+        "DAEMON_FEATURE_OPEN_GRANTS",
+        "DAEMON_FEATURE_RELEASE",
+    ]
     assert seen[0] == old
     torn = [m for m in seen if not (isinstance(m, types_pb2.RegionMap) and m in (old, new))]
     assert torn == [], f"{len(torn)} of {len(seen)} reads were neither map: {torn[:1]}"

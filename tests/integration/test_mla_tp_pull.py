@@ -4,17 +4,21 @@ daemons and stand-in workers (vLLM on CPU cannot run MLA prefill/decode):
 the connector's scheduler grants only the prefill rank a decode rank reads,
 for exactly its readers' pulls; the decode rank's pull reads that rank's
 bytes through the daemons; a replay and a pull from the unread rank are
-refused."""
+refused. Without decode_tp_size (open grants) the decode rank declares its
+readers and releases the unread rank's grant, which the prefill workers hear."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvmap.client.client import KvmapClient
+from kvmap.client.errors import PermissionDenied
 from kvmap.client.pd import (
+    OPEN_GRANTS_KEY,
     ConnectorOptions,
     RecvTask,
     RemoteSource,
@@ -114,6 +118,78 @@ def test_mla_prefill_tp2_serves_decode_tp1(tmp_path: Path) -> None:
         other = dw.call(_pull_cmd(spec, 1))
         assert not other["ok"] and other["code"] == "PERMISSION_DENIED", other
     finally:
+        for w in (dw, p1, p0):
+            w.stop()
+        for d in (decode, prefill):
+            d.stop()
+
+
+def _finished(worker: Any, timeout: float = 30) -> dict[str, Any]:
+    """The worker's first TransferFinished event (its fields as JSON), once it arrived."""
+    deadline = time.monotonic() + timeout
+    while True:
+        events = worker.call({"cmd": "events"})["events"]
+        done = [e["transfer_finished"] for e in events if "transfer_finished" in e]
+        if done or time.monotonic() > deadline:
+            assert done, "no TransferFinished event arrived"
+            return done[0]
+        time.sleep(0.05)  # polling another process's event list
+
+
+def _offer_open(prefill: Any) -> dict[str, Any]:
+    """A prefill scheduler of TP2 with no decode_tp_size offers one request: open grants."""
+    opts = ConnectorOptions(socket=prefill.socket, peer_address=prefill.tcp_target)
+    sched = SchedulerCore(
+        "prefill", opts, tp_size=2, client=KvmapClient.connect(prefill.socket),
+        block_size=TOKENS, replicated=True,
+    )  # fmt: skip
+    params: dict[str, Any] = {"do_remote_decode": True}
+    sched.after_alloc("req", params, PREFILL_BLOCKS, 0)
+    sched.build_meta()
+    keep, kv = sched.request_finished(
+        "req", params, finished_normally=True, block_ids=PREFILL_BLOCKS,
+        num_computed_tokens=3 * TOKENS,
+    )  # fmt: skip
+    assert keep and kv is not None
+    return kv
+
+
+def test_mla_prefill_tp2_serves_decode_tp1_with_open_grants(tmp_path: Path) -> None:
+    """Prefill TP2 without decode_tp_size grants both ranks openly; the decode rank (TP1)
+    pulls rank 0 declaring 1 reader and releases rank 1 declaring none, through the real
+    daemons: the bytes land (seed 0), rank 0's worker hears its grant used up (1 of 1) and
+    rank 1's hears it released and used up, so both free their blocks at once; a replay of
+    either is PERMISSION_DENIED."""
+    prefill = start_daemon(tmp_path / "p", name="prefill")
+    decode = start_daemon(tmp_path / "d", name="decode")
+    p0 = start_worker(prefill, "prefill", *MLA, "--tp-size", "2", "--tp-rank", "0", "--fill")
+    p1 = start_worker(prefill, "prefill", *MLA, "--tp-size", "2", "--tp-rank", "1")
+    dw = start_worker(decode, "decode", *MLA)
+    reader = WorkerCore(
+        KvmapClient.connect(decode.socket), types_pb2.WorkerId(engine_id="decode"),
+        ConnectorOptions(socket=decode.socket), tp_size=1, block_size=TOKENS, replicated=True,
+    )  # fmt: skip
+    try:
+        assert p1.call({"cmd": "fill", "seed": 1})["ok"]
+        kv = _offer_open(prefill)
+        assert kv[OPEN_GRANTS_KEY] is True and "-" not in kv["kvmap_capability"].split(".")
+        task = RecvTask("req-d", RemoteSource.parse(kv), tuple(map(tuple, DECODE_BLOCKS)))
+        (spec,) = reader.specs_for(task)
+        (release,) = reader.release_specs(task, pulling=True)
+        assert (spec.remote_worker.tp_rank, spec.readers) == (0, 1)
+        assert (release.remote_worker.tp_rank, release.readers, release.release) == (1, 0, True)
+        reader.client.pull(spec)
+        assert _verify(dw, 0) == 0 and _verify(dw, 1) > 0
+        assert reader.client.pull(release).bytes == 0
+        pulled, released = _finished(p0), _finished(p1)
+        assert (pulled.get("uses"), pulled.get("max_uses"), pulled.get("exhausted")) == (1, 1, True)
+        assert not pulled.get("released")
+        assert released.get("released") and released.get("exhausted"), released
+        for again in (spec, release):
+            with pytest.raises(PermissionDenied):
+                reader.client.pull(again)
+    finally:
+        reader.shutdown()
         for w in (dw, p1, p0):
             w.stop()
         for d in (decode, prefill):

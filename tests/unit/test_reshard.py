@@ -64,6 +64,16 @@ def simulate(rows: np.ndarray, dst: Rank, src: Rank, writes: np.ndarray) -> None
         writes[do : do + n] += 1
 
 
+def reads_listed_blocks(rows: np.ndarray, src: Rank) -> bool:
+    """Every source byte the rows read lies in one block the source list names."""
+    g = src.grid
+    for _, s, n in expand_rows(rows).tolist():
+        block, inner = divmod(s - g.base, g.stride)
+        if block not in src.blocks or inner + n > g.block_len:
+            return False
+    return True
+
+
 @st.composite
 def tp_shapes(draw: st.DrawFn) -> tuple[int, int, int]:
     """(total KV heads, prefill TP, decode TP): sizes vLLM can run."""
@@ -103,7 +113,11 @@ def scenarios(draw: st.DrawFn) -> dict[str, object]:
     hb = draw(st.integers(1, 4))
     planes = draw(st.sampled_from([1, 1, 2]))  # 2: K and V in one view
     num_tokens = draw(st.integers(0, 20))
-    n_src, n_dst = -(-num_tokens // bs), -(-num_tokens // bd)
+    # Where the transfer starts on each side (wire remote_first_token): often
+    # 0, else any token, inside a block or past whole leading blocks.
+    src_first = draw(st.sampled_from([0, 0]) | st.integers(0, 2 * bs))
+    dst_first = draw(st.sampled_from([0, 0, 0]) | st.integers(0, 2 * bd))
+    n_src, n_dst = -(-(src_first + num_tokens) // bs), -(-(dst_first + num_tokens) // bd)
     nb_src, nb_dst = n_src + draw(st.integers(1, 3)), n_dst + draw(st.integers(1, 3))
     src_ids = draw(st.lists(st.integers(0, nb_src - 1), min_size=n_src, max_size=n_src))
     dst_ids = draw(st.permutations(range(nb_dst)))[:n_dst]
@@ -117,7 +131,7 @@ def scenarios(draw: st.DrawFn) -> dict[str, object]:
     return {
         "total": total, "src_tp": src_tp, "dst_tp": dst_tp, "dst_rank": dst_rank,
         "replicated": replicated, "tokens": num_tokens, "srcs": srcs, "dst": dst,
-        "src_ids": src_ids, "dst_ids": dst_ids,
+        "src_ids": src_ids, "dst_ids": dst_ids, "src_first": src_first, "dst_first": dst_first,
     }  # fmt: skip
 
 
@@ -132,7 +146,8 @@ def test_every_destination_byte_is_written_once_from_the_right_source_byte(
     seed: int,  # type: ignore[type-arg]
 ) -> None:
     """For random TP pairs (decode > prefill and <, replicated heads, replicated caches), layouts
-    on each side, block sizes k x / 1/k x apart with a partial last block, and block lists, the
+    on each side, block sizes k x / 1/k x apart with a partial last block, block lists, and
+    first tokens on either side (inside a block or past leading blocks), the
     pulls source_ranks picks and the rows plan_rows gives write each destination byte of the
     decode rank's heads for the request's tokens exactly once, with the prefill's value; nothing
     else is written, and each pull reads only its source rank."""
@@ -150,14 +165,20 @@ def test_every_destination_byte_is_written_once_from_the_right_source_byte(
     covered = [h for _, heads in pulls for h in heads]
     assert covered == list(dg.heads)  # every head once, in order
     tokens: int = sc["tokens"]
+    sf, df = sc["src_first"], sc["dst_first"]
     for rank, heads in pulls:
         src = srcs[rank]
-        rows = plan_rows(dg, dst.blocks, src.grid, src.blocks, heads=heads, num_tokens=tokens)
+        rows = plan_rows(
+            dg, dst.blocks, src.grid, src.blocks, heads=heads, num_tokens=tokens,
+            dst_first=df, src_first=sf,
+        )  # fmt: skip
         simulate(rows, dst, src, writes)
+        assert reads_listed_blocks(rows, src)
         for h, t, p in itertools.product(heads, range(tokens), range(dg.planes)):
-            d = offset(dg, dst.blocks[t // dg.block_tokens], h, t % dg.block_tokens, p)
-            sb, st_ = src.blocks[t // src.grid.block_tokens], t % src.grid.block_tokens
-            s = offset(src.grid, sb, h, st_, p)
+            dt, st_ = t + df, t + sf
+            d = offset(dg, dst.blocks[dt // dg.block_tokens], h, dt % dg.block_tokens, p)
+            sb = src.blocks[st_ // src.grid.block_tokens]
+            s = offset(src.grid, sb, h, st_ % src.grid.block_tokens, p)
             want[d : d + dg.head_bytes] = src.mem[s : s + dg.head_bytes]
         if len(rows):
             event(f"max descriptors per row: {int(rows[:, 5].max()) > 1}")
@@ -166,6 +187,8 @@ def test_every_destination_byte_is_written_once_from_the_right_source_byte(
     assert int(writes.sum()) == tokens * len(dg.heads) * dg.head_bytes * dg.planes
     event(f"pulls: {len(pulls)}; layouts {dg.layout.name}/{srcs[0].grid.layout.name}")
     event(f"block sizes {'equal' if dg.block_tokens == srcs[0].grid.block_tokens else 'differ'}")
+    event(f"source start inside a block: {sf % srcs[0].grid.block_tokens != 0}")
+    event(f"destination start inside a block: {df % dg.block_tokens != 0}")
 
 
 def test_source_ranks_split_and_gather_heads() -> None:
@@ -182,7 +205,8 @@ def test_source_ranks_split_and_gather_heads() -> None:
 
 def test_uneven_head_split_and_bad_blocks_are_refused() -> None:
     """Head counts that do not split over a TP size are FAILED_PRECONDITION; block lists too short
-    for the tokens, out of range or repeated on the destination are INVALID_ARGUMENT."""
+    for the tokens (from a first token, or a negative one), out of range or repeated on the
+    destination are INVALID_ARGUMENT."""
     with pytest.raises(FailedPrecondition, match="3 KV heads do not split evenly over tp_size 2"):
         rank_heads(3, 2, 0)
     g = BlockGrid(0, 8, 4, 4, range(0, 1), 2, NHD)
@@ -192,6 +216,12 @@ def test_uneven_head_split_and_bad_blocks_are_refused() -> None:
         plan_rows(g, [0, 1], g, [0, 4], heads=range(0, 1), num_tokens=8)
     with pytest.raises(InvalidArgument, match="a destination block is listed twice"):
         plan_rows(g, [1, 1], g, [0, 1], heads=range(0, 1), num_tokens=8)
+    with pytest.raises(InvalidArgument, match=r"src_blocks\.first: -1 is negative"):
+        plan_rows(g, [0], g, [0], heads=range(0, 1), num_tokens=1, src_first=-1)
+    with pytest.raises(
+        InvalidArgument, match=r"dst_blocks\.first: 2 blocks of 4 tokens cannot hold 6 tokens from"
+    ):
+        plan_rows(g, [0, 1], g, [0, 1], heads=range(0, 1), num_tokens=6, dst_first=3)
     with pytest.raises(FailedPrecondition, match=r"heads \[0, 2\) are not all held"):
         plan_rows(g, [0], g, [0], heads=range(0, 2), num_tokens=1)
 

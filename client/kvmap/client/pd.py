@@ -16,17 +16,21 @@ prefill (``kv_transfer_params = {"do_remote_decode": true}``)
     and the request, and ``kvmap_capability``: what this pod's kvmapd granted
     (``Registry.GrantTransfer``) for exactly those blocks of that request,
     for ``lease_seconds``; without it no daemon lets a peer read them. The
-    blocks are freed when this worker's kvmapd reports that a peer finished
-    pulling them (``TransferFinishedEvent``; with ``decode_tp_size``, as many
-    pulls as decode ranks read this rank), or when the lease runs out,
-    whichever comes first; the grant is revoked when they are freed for any
+    blocks are freed when this worker's kvmapd reports that the grant is used
+    up (``TransferFinishedEvent.exhausted``: as many pulls, or releases, as
+    decode ranks read this rank; the grants are open, and each decode rank
+    declares that count, unless ``decode_tp_size`` fixes it), or when the
+    lease runs out, whichever comes first; the grant is revoked when they are freed for any
     reason but a finished pull. A grant that fails frees the blocks at once
     and the params carry no capability (the decode side recomputes).
 decode (those params, with ``do_remote_prefill: true``)
     the scheduler learns that the prompt's tokens will be loaded
     asynchronously; once blocks are allocated the worker asks its kvmapd to
     pull the remote blocks into them, presenting the capability, and reports
-    the request as received when the pull is done. Params without a
+    the request as received when the pull is done. A decode rank that needs
+    none of the blocks (its prefix cache holds them) releases its use of the
+    grant instead, and decode rank 0 releases the grants of prefill ranks no
+    decode rank reads, so the prefill side frees them at once. Params without a
     well-formed capability never become a pull. A pull that fails (or is
     never sent), or does not finish within
     ``transfer_timeout_s`` (plus a grace period), is reported as a failed
@@ -56,7 +60,7 @@ from kvmap.client.session import Backoff, WorkerSession
 from kvmap.client.stats import TransferStatsBook
 from kvmap.daemon.core.errors import SHUTTING_DOWN, KvmapError
 from kvmap.daemon.core.grants import MAX_USES
-from kvmap.daemon.core.reshard import rank_heads, source_ranks
+from kvmap.daemon.core.reshard import rank_heads, source_ranks, source_readers
 from kvmap.daemon.core.retry import RetryPolicy
 from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
 
@@ -74,6 +78,10 @@ CAPABILITY_KEY = "kvmap_capability"
 # kv_transfer_params key of the decode TP size the prefill side's grants
 # (and its wait for pulls) were sized for; absent: the prefill's own TP size.
 READERS_TP_KEY = "kvmap_decode_tp_size"
+# kv_transfer_params mark of open grants (no decode TP size configured): each
+# decode rank declares how many decode ranks read the prefill rank it pulls
+# from, and the owner's kvmapd fixes each grant's use count from that.
+OPEN_GRANTS_KEY = "kvmap_open_grants"
 # The longest grant kvmapd gives (GrantTransferRequest.ttl_ms).
 MAX_GRANT_TTL_MS = 3_600_000
 # One capability per prefill tensor-parallel rank, in rank order, joined by
@@ -167,9 +175,12 @@ class ConnectorOptions:
     reconnect_initial_s: float = 0.1
     reconnect_max_s: float = 5.0
     # Tensor-parallel size of the decode engines that load this (prefill)
-    # engine's KV; 0: this engine's own. Each rank's grant admits exactly
-    # as many pulls as decode ranks read from it, and its blocks are freed
-    # once that many pulls finished (or the lease ran out).
+    # engine's KV; 0: any (open grants: each decode rank declares how many
+    # decode ranks read a prefill rank, and kvmapd fixes the count from the
+    # first). Set, each rank's grant admits exactly as many pulls as decode
+    # ranks read from it, and decode engines of another size are refused.
+    # Either way a rank's blocks are freed once its grant is used up (or
+    # the lease ran out).
     decode_tp_size: int = 0
 
     @classmethod
@@ -238,6 +249,8 @@ class RemoteSource:
     block_size: int = 0
     # The decode TP size the prefill side's grants were sized for (0: its own).
     readers_tp_size: int = 0
+    # The prefill side's grants are open (any decode TP size declares its own).
+    open_grants: bool = False
 
     @classmethod
     def parse(cls, params: Mapping[str, Any]) -> RemoteSource:
@@ -269,6 +282,7 @@ class RemoteSource:
             capability=_capability_text(params.get(CAPABILITY_KEY)),
             block_size=int(params.get("remote_block_size", 0)),
             readers_tp_size=int(params.get(READERS_TP_KEY, 0)),
+            open_grants=params.get(OPEN_GRANTS_KEY) is True,
         )
 
 
@@ -462,6 +476,10 @@ class ConnectorMeta:
     # lease starts); and requests that will not be sent (aborted).
     in_batch: set[str] = field(default_factory=set)
     not_processed: set[str] = field(default_factory=set)
+    # Decode requests that load none of the remote blocks (all in the local
+    # prefix cache, or ended before they were scheduled): each worker
+    # releases its use of the prefill side's grants.
+    release: list[RecvTask] = field(default_factory=list)
 
 
 class SchedulerCore:
@@ -488,6 +506,8 @@ class SchedulerCore:
         # sizes is a configuration error: raised here, at start-up).
         self.decode_tp_size = options.decode_tp_size or tp_size
         self.readers = tp_readers(kv_heads, tp_size, self.decode_tp_size, replicated=replicated)
+        # No decode TP size configured: open grants (readers all 1 here).
+        self.open_grants = not options.decode_tp_size
         # Offered with the KV, so a decode engine of another block size can
         # map the two block grids (0: not said).
         self.block_size = block_size
@@ -579,8 +599,21 @@ class SchedulerCore:
             else:
                 local = self._local_blocks(local_block_ids, source)
                 self._meta.recv.append(RecvTask(request_id, source, local))
+        else:
+            self._release(request_id, params)
         # One transfer per request, even when vLLM calls this again.
         params["do_remote_prefill"] = False
+
+    def _release(self, request_id: str, params: Mapping[str, Any]) -> None:
+        """The workers release this decode request's uses of the prefill
+        side's grants (it loads none of the blocks), so the prefill side
+        frees them now rather than when its lease runs out."""
+        try:
+            source = RemoteSource.parse(params)
+        except ValueError:
+            return  # never a pull either: nothing to release
+        if source.capability:
+            self._meta.release.append(RecvTask(request_id, source, ()))
 
     def _local_blocks(
         self, local_block_ids: Sequence[Sequence[int]], source: RemoteSource
@@ -615,8 +648,9 @@ class SchedulerCore:
             return False, None
         if params.get("do_remote_prefill"):
             # A decode request that ended before it was scheduled: nothing to
-            # pull; the prefill side frees its blocks when its lease runs out.
+            # pull; its uses of the grants are released.
             params["do_remote_prefill"] = False
+            self._release(request_id, params)
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
@@ -627,7 +661,7 @@ class SchedulerCore:
             return False, None
         # Only the blocks a transfer needs are offered (and granted).
         groups = [list(g) for g in self.windows.clip(block_ids)]
-        capability = self._grant(request_id, groups) if any(groups) else ""
+        capability, open_grants = self._grant(request_id, groups) if any(groups) else ("", False)
         # Blocks nobody may pull are not kept.
         keep = bool(capability)
         if keep:
@@ -652,6 +686,8 @@ class SchedulerCore:
         }
         if self.decode_tp_size != self.tp_size:
             offered[READERS_TP_KEY] = self.decode_tp_size
+        if open_grants:
+            offered[OPEN_GRANTS_KEY] = True
         if self.block_size:
             offered["remote_block_size"] = self.block_size
         if capability:
@@ -668,20 +704,23 @@ class SchedulerCore:
             for r in range(self.tp_size)
         ]
 
-    def _grant(self, request_id: str, groups: list[list[int]]) -> str:
+    def _grant(self, request_id: str, groups: list[list[int]]) -> tuple[str, bool]:
         """Grant a pull of exactly ``groups`` (block ids per transfer group)
         on every rank's worker for the lease's time: the capabilities joined
         in rank order, or "" (logged) when any grant fails; then the grants
-        already made are revoked, since no one will be told of them."""
+        already made are revoked, since no one will be told of them. And
+        whether every grant is open (a kvmapd that predates open grants
+        makes each a one-use grant: decode engines of this TP size only)."""
         if self.client is None:
             log.error("request %s: no kvmapd to grant the transfer; not offering KV", request_id)
-            return ""
+            return "", False
         blocks = {g: ids for g, ids in enumerate(groups) if ids}
         # A lease longer than kvmapd's longest grant: the grant ends first,
         # and the blocks wait unreadable until the lease frees them.
         ttl_ms = min(int(self.options.lease_seconds * 1000), MAX_GRANT_TTL_MS)
         granted: list[types_pb2.WorkerId] = []
         capabilities: list[str] = []
+        open_grants = self.open_grants
         try:
             for worker in self._rank_workers():
                 if not self.readers[worker.tp_rank]:
@@ -691,16 +730,19 @@ class SchedulerCore:
                     capabilities.append(UNREAD_CAPABILITY)
                     continue
                 # Exactly as many completed pulls as decode ranks read this
-                # rank: a replayed capability beyond them is refused.
+                # rank (open: as the first decode rank declares): a replayed
+                # capability beyond them is refused.
                 grant = self.client.grant_transfer(
                     worker,
                     request_id,
                     blocks,
                     ttl_ms=ttl_ms,
-                    max_uses=self.readers[worker.tp_rank],
+                    max_uses=0 if self.open_grants else self.readers[worker.tp_rank],
+                    open_uses=self.open_grants,
                 )
                 granted.append(worker)
                 capabilities.append(grant.capability)
+                open_grants &= grant.open_uses
         except KvmapClientError as err:
             log.error(
                 "request %s: kvmapd did not grant the transfer (%s); not offering its KV",
@@ -709,8 +751,8 @@ class SchedulerCore:
             )
             for worker in granted:
                 _revoke(self.client, worker, request_id)
-            return ""
-        return ".".join(capabilities)
+            return "", False
+        return ".".join(capabilities), open_grants
 
 
 @dataclass(frozen=True)
@@ -766,24 +808,28 @@ def map_token_ranges(
     num_tokens: int,
     local_tokens: int,
     remote_tokens: int,
-) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
-    """Token-mode groups (local blocks, remote blocks, tokens to move)
-    between engines of different block sizes, for a ``num_tokens`` prompt.
+) -> list[tuple[tuple[int, ...], tuple[int, ...], int, int]]:
+    """Token-mode groups (local blocks, remote blocks, tokens to move, the
+    remote side's first token) between engines of different block sizes,
+    for a ``num_tokens`` prompt.
 
     Each list holds a group's trailing blocks (the leading ones are in the
     local prefix cache, or out of a sliding window): they start where the
     blocks that would hold the prompt run out. Both lists are cut to the
-    later of the two starts; a start inside a block of either engine cannot
-    be loaded into whole blocks and raises ``ValueError`` (the request is
-    recomputed), as do block lists that cannot end with the prompt."""
+    later of the two starts. A start inside a remote block (a local prefix
+    hit ending inside a larger prefill block) keeps that block and reads from
+    that token on (``GroupBlocks.remote_first_token``); a start inside a
+    local block cannot be loaded into whole blocks and raises ``ValueError``
+    (the request is recomputed), as do block lists that cannot end with the
+    prompt."""
     if len(local) != len(remote):
         raise ValueError(f"{len(local)} local KV cache groups, {len(remote)} remote")
     if num_tokens <= 0:
         raise ValueError("kv_transfer_params.remote_num_tokens: needed when block sizes differ")
-    out: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+    out: list[tuple[tuple[int, ...], tuple[int, ...], int, int]] = []
     for g, (lg, rg) in enumerate(zip(local, remote, strict=True)):
         if not lg:
-            out.append(((), (), 0))
+            out.append(((), (), 0, 0))
             continue
         l0 = (-(-num_tokens // local_tokens) - len(lg)) * local_tokens
         r0 = (-(-num_tokens // remote_tokens) - len(rg)) * remote_tokens
@@ -793,13 +839,14 @@ def map_token_ranges(
                 f"remote blocks of {remote_tokens} do not end with a {num_tokens}-token prompt"
             )
         start = max(l0, r0)
-        if (start - l0) % local_tokens or (start - r0) % remote_tokens:
+        if (start - l0) % local_tokens:
             raise ValueError(
-                f"group {g}: the KV to load starts at token {start}, inside a block of "
-                f"{local_tokens if (start - l0) % local_tokens else remote_tokens} tokens"
+                f"group {g}: the KV to load starts at token {start}, inside a local block "
+                f"of {local_tokens} tokens"
             )
-        lcut, rcut = lg[(start - l0) // local_tokens :], rg[(start - r0) // remote_tokens :]
-        out.append((tuple(lcut), tuple(rcut), num_tokens - start))
+        skip, first = divmod(start - r0, remote_tokens)
+        lcut, rcut = lg[(start - l0) // local_tokens :], rg[skip:]
+        out.append((tuple(lcut), tuple(rcut), num_tokens - start, first))
     return out
 
 
@@ -843,9 +890,13 @@ class WorkerCore:
         self.session: WorkerSession | None = None
         self.loads: collections.deque[LoadRecord] = collections.deque(maxlen=history)
         self.leases_expired = 0
+        # Grant uses this rank released (loads that needed no block).
+        self.released = 0
         # What loads and leases did since vLLM last took it (connector stats).
         self.stats = TransferStatsBook()
-        self._events: queue.SimpleQueue[str] = queue.SimpleQueue()
+        # (request id, whether its grant is used up; None: the daemon does
+        # not say) of each finished pull of this rank's blocks.
+        self._events: queue.SimpleQueue[tuple[str, bool | None]] = queue.SimpleQueue()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=options.max_parallel_pulls, thread_name_prefix="kvmap-pull"
         )
@@ -874,7 +925,7 @@ class WorkerCore:
             return
         done = event.transfer_finished
         if done.direction == registry_pb2.TRANSFER_DIRECTION_PULLED_FROM:
-            self._events.put(done.request_id)
+            self._events.put((done.request_id, done.exhausted if done.max_uses else None))
 
     # Steps ----------------------------------------------------------------
 
@@ -883,6 +934,8 @@ class WorkerCore:
         now = self.clock()
         for task in meta.recv:
             self._submit(task, now)
+        for task in meta.release:
+            self._submit_release(task)
         self._to_process |= meta.in_batch
         for request_id in meta.not_processed:
             self._to_process.discard(request_id)
@@ -904,18 +957,9 @@ class WorkerCore:
         rank, between equal TP sizes. Raises ``ValueError`` for params that
         must not become a pull."""
         src = task.source
-        if (src.readers_tp_size or src.tp_size) != self.tp_size:
-            # The prefill side waits for as many pulls as it was told decode
-            # ranks: another count would hold its blocks until the lease.
-            raise ValueError(
-                f"the prefill engine expects decode engines of tensor-parallel size "
-                f"{src.readers_tp_size or src.tp_size}, this one runs {self.tp_size}"
-            )
+        self._check_readers_tp(src)
         if src.tp_size == self.tp_size:
             return [self._spec(task, self.worker.tp_rank, token_mode=False)]
-        if not 1 <= src.tp_size <= MAX_USES:
-            # Hostile or broken params: never a division by zero further on.
-            raise ValueError(f"kv_transfer_params.tp_size: {src.tp_size} is not a TP size")
         if self.replicated:
             # Every prefill rank holds the whole cache: read it from one
             # (``reshard.source_ranks`` spreads decode ranks over them), by
@@ -946,12 +990,48 @@ class WorkerCore:
         # head layouts), each source rank's once.
         return [self._spec(task, rank, token_mode=True) for rank, _ in pulls]
 
+    @property
+    def daemon_features(self) -> frozenset[int]:
+        """What this rank's kvmapd listed when the worker last registered."""
+        return self.session.features if self.session is not None else frozenset()
+
+    def _check_readers_tp(self, src: RemoteSource) -> None:
+        """Refuse params whose grants were sized for another decode TP size
+        (open grants fit any), and a TP size that is none."""
+        if not 1 <= src.tp_size <= MAX_USES:
+            # Hostile or broken params: never a division by zero further on.
+            raise ValueError(f"kv_transfer_params.tp_size: {src.tp_size} is not a TP size")
+        if not src.open_grants and (src.readers_tp_size or src.tp_size) != self.tp_size:
+            # The prefill side waits for as many pulls as it was told decode
+            # ranks: another count would hold its blocks until the lease.
+            raise ValueError(
+                f"the prefill engine expects decode engines of tensor-parallel size "
+                f"{src.readers_tp_size or src.tp_size}, this one runs {self.tp_size}"
+            )
+
+    def readers_of(self, src: RemoteSource) -> tuple[int, ...]:
+        """Per prefill rank, how many ranks of this (decode) engine read it
+        (``reshard.source_readers``): what each pull declares, and 0 for a
+        rank no one reads. Raises ``ValueError`` for sizes the heads do not
+        split over."""
+        self._check_readers_tp(src)
+        if src.tp_size != self.tp_size and not (self.kv_heads > 0 or self.replicated):
+            raise ValueError(
+                "tensor-parallel sizes differ: the model's KV head count is needed "
+                "(a model mixing MLA with head-split layers needs equal TP sizes)"
+            )
+        try:
+            return source_readers(
+                self.kv_heads, src.tp_size, self.tp_size, replicated=self.replicated
+            )
+        except KvmapError as err:
+            raise ValueError(str(err)) from None
+
     def _spec(
         self, task: RecvTask, src_rank: int, *, token_mode: bool
     ) -> transfers_pb2.TransferSpec:
         """The pull from prefill rank ``src_rank``."""
         src = task.source
-        capability = rank_capability(src.capability, src.tp_size, src_rank)
         remote_tokens = src.block_size or self.block_size
         if token_mode or (src.block_size and self.block_size and src.block_size != self.block_size):
             # Token mode: kvmapd maps each token's bytes between the block
@@ -965,8 +1045,64 @@ class WorkerCore:
             )
         else:
             local, remote = pair_blocks(task.local_block_ids, src.block_ids)
-            token_ranges = [(lg, rg, 0) for lg, rg in zip(local, remote, strict=True)]
-        spec = transfers_pb2.TransferSpec(
+            token_ranges = [(lg, rg, 0, 0) for lg, rg in zip(local, remote, strict=True)]
+        spec = self._spec_to(src, src_rank, self.readers_of(src)[src_rank])
+        for g, (lg, rg, n, first) in enumerate(token_ranges):
+            if lg:
+                spec.groups.add(
+                    transfer_group=g,
+                    local_block_ids=lg,
+                    remote_block_ids=rg,
+                    num_tokens=n,
+                    remote_first_token=first,
+                )
+        if not spec.groups:
+            raise ValueError("no blocks to load")
+        missing = missing_feature(spec, self.daemon_features)
+        if missing:
+            # An older kvmapd would drop the field and move the wrong bytes.
+            raise ValueError(f"this pull needs {missing}, which the local kvmapd does not list")
+        return spec
+
+    def release_specs(self, task: RecvTask, *, pulling: bool) -> list[transfers_pb2.TransferSpec]:
+        """The releases this rank sends for ``task``: its own uses of the
+        prefill ranks it would read, unless it is ``pulling`` them; and, on
+        rank 0 with open grants, the grants of the prefill ranks no decode
+        rank reads (declaring 0 readers). Raises ``ValueError`` for params
+        that must not become a pull."""
+        src = task.source
+        readers = self.readers_of(src)
+        ranks: list[tuple[int, int]] = []
+        if not pulling:
+            ranks = [(rank, readers[rank]) for rank in self._source_ranks(src)]
+        if src.open_grants and self.worker.tp_rank == 0:
+            ranks += [(rank, 0) for rank, n in enumerate(readers) if n == 0]
+        return [self._release_spec(src, rank, n) for rank, n in ranks]
+
+    def _source_ranks(self, src: RemoteSource) -> list[int]:
+        """The prefill ranks this rank pulls from."""
+        if src.tp_size == self.tp_size:
+            return [self.worker.tp_rank]
+        try:
+            return [
+                rank
+                for rank, _ in source_ranks(
+                    self.kv_heads,
+                    src.tp_size,
+                    self.tp_size,
+                    self.worker.tp_rank,
+                    replicated=self.replicated,
+                )
+            ]
+        except KvmapError as err:
+            raise ValueError(str(err)) from None
+
+    def _spec_to(
+        self, src: RemoteSource, src_rank: int, readers: int
+    ) -> transfers_pb2.TransferSpec:
+        """A transfer (no groups yet) of ``src``'s request with prefill rank
+        ``src_rank``, under that rank's capability, declaring ``readers``."""
+        return transfers_pb2.TransferSpec(
             request_id=src.request_id,
             local_worker=self.worker,
             remote_target=src.target,
@@ -977,16 +1113,42 @@ class WorkerCore:
                 pp_rank=src.pp_rank,
             ),
             timeout_ms=int(self.options.transfer_timeout_s * 1000),
-            capability=capability,
+            capability=rank_capability(src.capability, src.tp_size, src_rank),
+            readers=readers,
         )
-        for g, (lg, rg, n) in enumerate(token_ranges):
-            if lg:
-                spec.groups.add(
-                    transfer_group=g, local_block_ids=lg, remote_block_ids=rg, num_tokens=n
-                )
-        if not spec.groups:
-            raise ValueError("no blocks to load")
+
+    def _release_spec(
+        self, src: RemoteSource, src_rank: int, readers: int
+    ) -> transfers_pb2.TransferSpec:
+        spec = self._spec_to(src, src_rank, readers)
+        spec.release = True
         return spec
+
+    def _submit_release(self, task: RecvTask, *, pulling: bool = False) -> None:
+        """Send ``task``'s releases (``release_specs``) in the background:
+        best effort, since the prefill side's lease frees the blocks anyway."""
+        if registry_pb2.DAEMON_FEATURE_RELEASE not in self.daemon_features:
+            # An older kvmapd would take the release for a pull of nothing.
+            return
+        try:
+            specs = self.release_specs(task, pulling=pulling)
+        except ValueError as err:
+            log.info("request %s: not releasing remote KV: %s", task.request_id, err)
+            return
+        for spec in specs:
+            self._pool.submit(self._release, spec)
+
+    def _release(self, spec: transfers_pb2.TransferSpec) -> None:
+        try:
+            self.client.pull(spec, timeout_s=spec.timeout_ms / 1000 + 2.0)
+            self.released += 1
+        except KvmapClientError as err:
+            log.info(
+                "request %s: releasing prefill rank %d's grant failed: %s",
+                spec.request_id,
+                spec.remote_worker.tp_rank,
+                err.message,
+            )
 
     def _submit(self, task: RecvTask, now: float) -> None:
         deadline = now + self.options.transfer_timeout_s + WATCHDOG_GRACE_S
@@ -996,6 +1158,8 @@ class WorkerCore:
             log.warning("request %s: cannot load remote KV: %s", task.request_id, err)
             self._loading[task.request_id] = _Load(task, None, None, now, deadline, str(err))
             return
+        # Prefill ranks no decode rank reads: their blocks are freed now.
+        self._submit_release(task, pulling=True)
         until = now + self.options.transfer_timeout_s
         if len(specs) == 1:
             future = self._pool.submit(self._pull, specs[0], until)
@@ -1105,13 +1269,17 @@ class WorkerCore:
         done: set[str] = set()
         while True:
             try:
-                request_id = self._events.get_nowait()
+                request_id, used_up = self._events.get_nowait()
             except queue.Empty:
                 return done
             if request_id in self._to_process:
-                # Freed once every decode rank reading this rank has pulled.
+                # Freed once every decode rank reading this rank has pulled
+                # (or released): the daemon says when the grant is used up;
+                # one that does not say, once ``send_readers`` pulls finished.
+                if used_up is False:
+                    continue
                 pulls = self._send_pulls.pop(request_id, 0) + 1
-                if pulls < self.send_readers:
+                if used_up is None and pulls < self.send_readers:
                     self._send_pulls[request_id] = pulls
                     continue
                 self._to_process.discard(request_id)
@@ -1207,6 +1375,25 @@ class WorkerCore:
         if self.session is not None:
             self.session.stop(deregister=True, timeout_s=self.options.call_timeout_s)
         self.client.close()
+
+
+def missing_feature(spec: transfers_pb2.TransferSpec, features: frozenset[int]) -> str:
+    """The first field of ``spec`` in use that a daemon listing ``features``
+    (``RegisterWorkerResponse.features``) does not understand, or ''."""
+    needs = [
+        (any(g.num_tokens for g in spec.groups), registry_pb2.DAEMON_FEATURE_TOKEN_MODE),
+        (
+            any(g.remote_first_token for g in spec.groups),
+            registry_pb2.DAEMON_FEATURE_REMOTE_FIRST_TOKEN,
+        ),
+        # One reader is what a claim declaring none fixes an open grant at.
+        (spec.readers > 1, registry_pb2.DAEMON_FEATURE_OPEN_GRANTS),
+        (spec.release, registry_pb2.DAEMON_FEATURE_RELEASE),
+    ]
+    for used, feature in needs:
+        if used and feature not in features:
+            return registry_pb2.DaemonFeature.Name(feature)
+    return ""
 
 
 def _revoke(client: KvmapClient, worker: types_pb2.WorkerId, request_id: str) -> None:

@@ -73,6 +73,10 @@ class WorkerSession:
         self.on_event = on_event
         self.backoff = backoff or Backoff()
         self.region_map: types_pb2.RegionMap | None = None
+        # What the daemon registered with lists (RegisterWorkerResponse.features);
+        # renewed at every registration, so a daemon upgraded (or rolled back)
+        # under the worker is seen as it is.
+        self.features: frozenset[int] = frozenset()
         self.daemon_instance = ""
         self.registrations = 0
         self.disconnects = 0
@@ -121,7 +125,8 @@ class WorkerSession:
         return self.region_map
 
     def _connect(self) -> None:
-        region_map = self.client.register(self.request, self.fds)
+        registered = self.client.register_worker(self.request, self.fds)
+        region_map = registered.region_map
         stream = self.client.attach(self.worker)
         with self._lock:
             if self._stop.is_set():
@@ -129,6 +134,7 @@ class WorkerSession:
                 return
             self._stream = stream
             self.region_map = region_map
+            self.features = frozenset(registered.features)
             self.registrations += 1
         self.connected.set()
         log.info(

@@ -241,9 +241,10 @@ class DemoWorker:
             )
             return self.session.start(timeout_s=60)
         self.session.request, self.session.fds = req, fds
-        region_map = self.client.register(req, fds)
-        self.session.region_map = region_map
-        return region_map
+        registered = self.client.register_worker(req, fds)
+        self.session.region_map = registered.region_map
+        self.session.features = frozenset(registered.features)
+        return registered.region_map
 
     def _on_event(self, event: registry_pb2.AttachResponse) -> None:
         self._record(json_format.MessageToDict(event, preserving_proto_field_name=True))
@@ -390,7 +391,10 @@ def handle(w: DemoWorker, cmd: dict[str, Any]) -> dict[str, Any]:  # noqa: PLR09
             return {"ok": True, "events": list(w.events)}
     if op == "reregister":
         m = w.register()
-        return {"ok": True, "generation": m.generation}
+        assert w.session is not None
+        # What the daemon lists (RegisterWorkerResponse.features), by name.
+        features = [registry_pb2.DaemonFeature.Name(f) for f in sorted(w.session.features)]  # type: ignore[arg-type]
+        return {"ok": True, "generation": m.generation, "features": features}
     return {"ok": False, "code": "UNKNOWN_COMMAND", "message": op}
 
 

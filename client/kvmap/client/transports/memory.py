@@ -70,6 +70,7 @@ from kvmap.daemon.core import convert, grants
 from kvmap.daemon.core import errors as core
 from kvmap.daemon.core.compat import check_compatible
 from kvmap.daemon.core.config import MAX_REGION_MAP_BYTES
+from kvmap.daemon.core.features import DAEMON_FEATURES
 from kvmap.daemon.core.geometry import Plan, RegionMapModel, WorkerGeometry
 from kvmap.daemon.core.geometry import WorkerKey as CoreKey
 from kvmap.daemon.core.planner import get_planner
@@ -331,6 +332,8 @@ class _Request:
     capability: str
     # Token-mode groups (wire num_tokens > 0), as kvmapd reads them.
     tokens: tuple[TokenGroup, ...] = ()
+    readers: int = 0
+    release: bool = False
 
     @classmethod
     def parse(cls, spec: transfers_pb2.TransferSpec) -> _Request:
@@ -338,6 +341,26 @@ class _Request:
             raise core.InvalidArgument("spec.request_id", "must not be empty")
         if not spec.remote_target or ":" not in spec.remote_target:
             raise core.InvalidArgument("spec.remote_target", "expected HOST:PORT")
+        readers = grants.check_readers(spec.readers, "spec.readers")
+        if spec.release:
+            if spec.groups:
+                raise core.InvalidArgument("spec.groups", "a release names no blocks")
+            if not spec.capability:
+                raise core.PermissionDenied(
+                    "spec.capability: a release needs the owner's capability"
+                )
+            return cls(
+                request_id=spec.request_id[:MAX_REQUEST_ID],
+                local=convert.requested_worker(spec.local_worker, "spec.local_worker"),
+                target=spec.remote_target,
+                remote=convert.requested_worker(spec.remote_worker, "spec.remote_worker"),
+                selections=(),
+                pairs=(),
+                expected_generation=spec.remote_generation,
+                capability=spec.capability,
+                readers=readers,
+                release=True,
+            )
         if not spec.groups:
             raise core.InvalidArgument("spec.groups", "at least one transfer group is required")
         pairs = tuple(
@@ -361,7 +384,29 @@ class _Request:
             expected_generation=spec.remote_generation,
             capability=spec.capability,
             tokens=tokens,
+            readers=readers,
         )
+
+
+def _finished(
+    request_id: str, agent: str, used: grants.Grant, *, write: bool, released: bool = False
+) -> registry_pb2.AttachResponse:
+    """The owner's TransferFinishedEvent, with the grant's count after the use."""
+    return registry_pb2.AttachResponse(
+        transfer_finished=registry_pb2.TransferFinishedEvent(
+            request_id=request_id,
+            direction=(
+                registry_pb2.TRANSFER_DIRECTION_PUSHED_TO
+                if write
+                else registry_pb2.TRANSFER_DIRECTION_PULLED_FROM
+            ),
+            peer_agent=agent,
+            uses=used.uses,
+            max_uses=used.max_uses,
+            exhausted=used.exhausted,
+            released=released,
+        )
+    )
 
 
 def _status(
@@ -422,6 +467,9 @@ class MemoryDaemon:
     pull_hook: Callable[[transfers_pb2.TransferSpec], None] | None = None
     stats: admin_pb2.TransferCounters = field(default_factory=admin_pb2.TransferCounters)
     planner: str = "baseline"
+    # What RegisterWorker lists (kvmapd's DAEMON_FEATURES); a test sets fewer
+    # to stand in for an older daemon.
+    features: tuple[registry_pb2.DaemonFeature.ValueType, ...] = DAEMON_FEATURES
     _workers: dict[CoreKey, _Worker] = field(default_factory=dict)
     _generations: dict[CoreKey, int] = field(default_factory=dict)
     _subscribers: dict[CoreKey, list[MemoryAttachStream]] = field(default_factory=dict)
@@ -720,7 +768,7 @@ class MemoryDaemon:
                 raise core.FailedPrecondition(f"worker {key} has no Attach stream open")
             request_id = grants.check_request_id(req.request_id)
             ttl_ms = grants.check_ttl(req.ttl_ms)
-            max_uses = grants.check_max_uses(req.max_uses)
+            max_uses = grants.check_grant_uses(req.max_uses, req.open_uses)
             blocks = grants.granted_blocks(
                 [(g.transfer_group, g.block_ids) for g in req.groups], grants.group_limits(w.model)
             )
@@ -740,6 +788,7 @@ class MemoryDaemon:
             capability=capability,
             generation=grant.generation,
             expires_unix_ms=grant.expires_unix_ms,
+            open_uses=grant.open,
         )
 
     def _check_grant_room(self, key: CoreKey, blocks: int) -> None:
@@ -787,7 +836,7 @@ class MemoryDaemon:
                 request_id=req.request_id,
                 groups=[(p.transfer_group, p.remote_block_ids) for p in req.pairs],
             )
-            if grant.uses >= grant.max_uses:
+            if grant.exhausted:
                 raise core.PermissionDenied(grants.DENIED)
         except core.PermissionDenied as err:
             raise core.PermissionDenied(
@@ -799,15 +848,58 @@ class MemoryDaemon:
             raise core.StaleGeneration(
                 str(convert.worker_id_to_proto(req.remote)), remote.generation, 0
             )
-        return grant
+        return self._declared(req, grant)
 
-    def _consume(self, grant: grants.Grant) -> None:
-        """The transfer completed: one use of its capability is spent."""
+    def _declared(self, req: _Request, grant: grants.Grant) -> grants.Grant:
+        """``grant`` with the count ``req`` declares (kvmapd's claim), its
+        refusal as the puller reports the owner's."""
+        try:
+            return grants.declare_readers(grant, req.readers)
+        except core.FailedPrecondition as err:
+            raise core.FailedPrecondition(
+                f"remote daemon {req.target}: FAILED_PRECONDITION: {err.message}"
+            ) from None
+
+    def _consume(self, grant: grants.Grant) -> grants.Grant:
+        """The transfer completed (or a reader released its use): one use of
+        its capability is spent (``grant`` has it). Returns the grant after."""
         used = replace(grant, uses=grant.uses + 1)
-        if used.uses >= used.max_uses:
-            self._grants.pop(grant.digest, None)
+        self._spend(used)
+        return used
+
+    def _spend(self, used: grants.Grant) -> None:
+        if used.exhausted:
+            self._grants.pop(used.digest, None)
         else:
-            self._grants[grant.digest] = used
+            self._grants[used.digest] = used
+
+    def _release(self, req: _Request) -> grants.Grant:
+        """kvmapd's BeginTransfer with ``release``: a reader gives up its use."""
+        remote = self._workers.get(req.remote)
+        found = self._grants.get(grants.digest(req.capability))
+        try:
+            if remote is None:
+                raise core.PermissionDenied(grants.DENIED)
+            grant = grants.check_owner(
+                found, worker=req.remote, generation=remote.generation, request_id=req.request_id
+            )
+        except core.PermissionDenied as err:
+            raise core.PermissionDenied(
+                f"remote daemon {req.target}: PERMISSION_DENIED: {err.message}"
+            ) from None
+        if grant.expired(_wall_ms()):
+            raise core.FailedPrecondition(
+                f"remote daemon {req.target}: FAILED_PRECONDITION: capability for request "
+                f"{req.request_id} expired"
+            )
+        try:
+            used = grants.release_use(grant, req.readers)
+        except core.FailedPrecondition as err:
+            raise core.FailedPrecondition(
+                f"remote daemon {req.target}: FAILED_PRECONDITION: {err.message}"
+            ) from None
+        self._spend(used)
+        return used
 
     # Region maps and stats ---------------------------------------------------
 
@@ -846,6 +938,9 @@ class MemoryDaemon:
             req = _Request.parse(spec)
             with self._lock:
                 self._get(req.local)
+            if req.release:
+                yield self._run_release(req)
+                return
             try:
                 yield from self._run(spec, req, write)
             except BaseException:
@@ -857,6 +952,24 @@ class MemoryDaemon:
                     self.stats.pushes_done += 1
                 else:
                     self.stats.pulls_done += 1
+
+    def _run_release(self, req: _Request) -> transfers_pb2.TransferStatus:
+        """A release (spec.release): no handshake, nothing moved; the owner's
+        worker is told, as kvmapd tells it."""
+        if self.pull_hook is not None:
+            self.pull_hook(transfers_pb2.TransferSpec(request_id=req.request_id, release=True))
+        peer = self.network.lookup(req.target)
+        if peer is None:
+            raise core.Unavailable(
+                f"remote daemon {req.target}: UNAVAILABLE: no kvmapd at {req.target}"
+            )
+        with _locked(self, peer):
+            used = peer._release(req)
+            peer._notify(
+                req.remote,
+                _finished(req.request_id, self.agent_name, used, write=False, released=True),
+            )
+        return _status(transfers_pb2.TRANSFER_STATE_DONE, "released")
 
     def _handshake(self, req: _Request) -> tuple[MemoryDaemon, int, bool]:
         """The peer holding the remote worker, and whether its map was read
@@ -894,25 +1007,13 @@ class MemoryDaemon:
                 remote_generation=generation,
             )
         with _locked(self, peer):
-            plan, generation = self._copy(peer, req, write)
+            plan, generation, used = self._copy(peer, req, write)
             self.stats.bytes += plan.bytes
             self.stats.descriptors += plan.descriptors
             self.stats.blocks += plan.blocks
             peer.stats.served_done += 1
             peer.stats.served_blocks += plan.blocks
-            direction = (
-                registry_pb2.TRANSFER_DIRECTION_PUSHED_TO
-                if write
-                else registry_pb2.TRANSFER_DIRECTION_PULLED_FROM
-            )
-            peer._notify(
-                req.remote,
-                registry_pb2.AttachResponse(
-                    transfer_finished=registry_pb2.TransferFinishedEvent(
-                        request_id=req.request_id, direction=direction, peer_agent=self.agent_name
-                    )
-                ),
-            )
+            peer._notify(req.remote, _finished(req.request_id, self.agent_name, used, write=write))
         yield _status(
             transfers_pb2.TRANSFER_STATE_DONE,
             "done",
@@ -922,7 +1023,9 @@ class MemoryDaemon:
             handshaked=fresh,
         )
 
-    def _copy(self, peer: MemoryDaemon, req: _Request, write: bool) -> tuple[TransferPlan, int]:
+    def _copy(
+        self, peer: MemoryDaemon, req: _Request, write: bool
+    ) -> tuple[TransferPlan, int, grants.Grant]:
         """Plan with the core over both maps, then copy (holding both locks)."""
         local = self._get(req.local)
         remote = peer._workers.get(req.remote)
@@ -944,8 +1047,7 @@ class MemoryDaemon:
         grant = peer._admit(req, remote)
         for dst, src in _copies(table, plan, local, remote, write):
             dst[:] = src
-        peer._consume(grant)
-        return plan, remote.generation
+        return plan, remote.generation, peer._consume(grant)
 
 
 class MemoryTransport:
@@ -961,7 +1063,9 @@ class MemoryTransport:
     def register_worker(
         self, req: registry_pb2.RegisterWorkerRequest, timeout: float
     ) -> registry_pb2.RegisterWorkerResponse:
-        return registry_pb2.RegisterWorkerResponse(region_map=self.daemon.register_worker(req))
+        return registry_pb2.RegisterWorkerResponse(
+            region_map=self.daemon.register_worker(req), features=self.daemon.features
+        )
 
     def deregister_worker(
         self, req: registry_pb2.DeregisterWorkerRequest, timeout: float

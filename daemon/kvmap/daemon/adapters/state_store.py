@@ -490,10 +490,11 @@ class StateStore:
 
     @_mapped
     def update_grant(self, grant: Grant) -> None:
-        """What changes over a grant's life: its uses and its generation."""
+        """What changes over a grant's life: its uses, its generation and
+        (once, when its first claim fixes an open grant's) its use count."""
         self._db.execute(
-            "UPDATE grants SET generation = ?, uses = ? WHERE digest = ?",
-            (grant.generation, grant.uses, grant.digest),
+            "UPDATE grants SET generation = ?, uses = ?, max_uses = ? WHERE digest = ?",
+            (grant.generation, grant.uses, grant.max_uses, grant.digest),
         )
 
     @_mapped

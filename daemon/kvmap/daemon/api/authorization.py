@@ -22,7 +22,7 @@ import grpc
 import structlog
 from grpc import aio
 
-from kvmap.daemon.api.handlers import Ctx, is_kvmap_method, wrap_handler
+from kvmap.daemon.api.handlers import Ctx, WrappedHandlers, is_kvmap_method, wrap_handler
 from kvmap.daemon.core.errors import PermissionDenied
 from kvmap.daemon.core.peer_policy import INBOUND_DENIED, PeerPolicy, grpc_peer_address
 
@@ -33,6 +33,8 @@ log = structlog.get_logger("kvmapd.authorization")
 SAN_KEYS = ("peer_dns", "peer_uri")
 
 if TYPE_CHECKING:
+    from kvmap.daemon.api.handlers import Handler
+
     _Interceptor = aio.ServerInterceptor[Any, Any]
 else:
     _Interceptor = aio.ServerInterceptor
@@ -50,6 +52,7 @@ class PeerAuthorization(_Interceptor):
     def __init__(self, policy: PeerPolicy, mutual_tls: bool) -> None:
         self._policy = policy
         self._mutual_tls = mutual_tls
+        self._wrapped = WrappedHandlers(self._wrap)
 
     def authorized(self, context: Ctx) -> bool:
         if self._mutual_tls:
@@ -76,6 +79,10 @@ class PeerAuthorization(_Interceptor):
         handler = await continuation(handler_call_details)
         if handler is None or not is_kvmap_method(handler_call_details):
             return handler
+        wrapped = self._wrapped.get(str(handler_call_details.method), handler)
+        return handler if wrapped is None else wrapped  # _wrap never answers None
+
+    def _wrap(self, method: str, handler: Handler) -> Handler:
         # The request is parsed only once the caller is authorized: a stranger's
         # bytes are never decoded (and it sees no INVALID_ARGUMENT either).
         wrapped = wrap_handler(handler, self._guard)

@@ -48,6 +48,27 @@ def parser(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]
     return parse
 
 
+class WrappedHandlers:
+    """Each method's wrapped handler, built once: an interceptor runs for
+    every call, and re-wrapping (closures, a new grpc handler) per call is
+    work on the event loop every pull shares. Keyed by the handler itself
+    (grpcio hands out the one registered per method, or the inner
+    interceptor's cached one), so the cache holds one entry per served
+    method and an unknown method (no handler) is never cached."""
+
+    def __init__(self, wrap: Callable[[str, Handler], Handler | None]) -> None:
+        self._wrap = wrap
+        self._cache: dict[tuple[str, Handler], Handler | None] = {}
+
+    def get(self, method: str, handler: Handler) -> Handler | None:
+        key = (method, handler)
+        try:
+            return self._cache[key]
+        except KeyError:
+            wrapped = self._cache[key] = self._wrap(method, handler)
+            return wrapped
+
+
 def wrap_handler(handler: Handler, around: Around) -> Handler | None:
     """``handler`` with ``around`` entered for each call, or None for a
     streaming-request handler (none is served: the caller decides what a new

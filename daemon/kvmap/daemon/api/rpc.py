@@ -5,8 +5,9 @@ interceptor."""
 from __future__ import annotations
 
 import contextlib
+import itertools
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -16,21 +17,28 @@ from grpc import aio
 
 from kvmap.daemon.adapters.grpc_codes import reason_metadata
 from kvmap.daemon.adapters.metrics import Metrics
-from kvmap.daemon.api.handlers import is_kvmap_method, wrap_handler
+from kvmap.daemon.api.handlers import WrappedHandlers, is_kvmap_method, wrap_handler
 from kvmap.daemon.api.status import grpc_status
 from kvmap.daemon.core.errors import KvmapError
 
 log = structlog.get_logger("kvmapd.rpc")
+
+# Request ids for calls that bring none: a random prefix per process and a
+# counter, unique across restarts without a urandom read per RPC.
+_ID_PREFIX = secrets.token_hex(4)
+_ids = itertools.count(1)
 
 
 def _request_id(context: aio.ServicerContext[Any, Any]) -> str:
     for key, value in context.invocation_metadata() or ():
         if key == "x-request-id" and isinstance(value, str) and value:
             return value[:128]
-    return uuid.uuid4().hex[:16]
+    return f"{_ID_PREFIX}{next(_ids):08x}"
 
 
 if TYPE_CHECKING:
+    from kvmap.daemon.api.handlers import Handler
+
     # grpc's stubs make the interceptor generic; the runtime class is not.
     _Interceptor = aio.ServerInterceptor[Any, Any]
 else:
@@ -41,6 +49,7 @@ class ErrorsAndContext(_Interceptor):
     def __init__(self, metrics: Metrics, listener: str) -> None:
         self._metrics = metrics
         self._listener = listener
+        self._wrapped = WrappedHandlers(self._wrap)
 
     async def _fail(
         self, err: BaseException, method: str, context: aio.ServicerContext[Any, Any]
@@ -85,6 +94,9 @@ class ErrorsAndContext(_Interceptor):
         handler = await continuation(handler_call_details)
         if handler is None or not is_kvmap_method(handler_call_details):
             return handler
-        method = str(handler_call_details.method).rsplit("/", 1)[-1]
-        wrapped = wrap_handler(handler, lambda context: self._scope(method, context))
+        wrapped = self._wrapped.get(str(handler_call_details.method), handler)
         return handler if wrapped is None else wrapped
+
+    def _wrap(self, full_method: str, handler: Handler) -> Handler | None:
+        method = full_method.rsplit("/", 1)[-1]
+        return wrap_handler(handler, lambda context: self._scope(method, context))

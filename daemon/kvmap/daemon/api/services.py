@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 from kvmap.daemon.core import convert
 from kvmap.daemon.core import planner as planners
 from kvmap.daemon.core.errors import SHUTTING_DOWN, Unavailable
+from kvmap.daemon.core.features import DAEMON_FEATURES
 from kvmap.daemon.core.geometry import WorkerKey
 from kvmap.daemon.engine.app import DaemonApp
 from kvmap.v1 import (
@@ -49,7 +50,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         record = await self.app.registrar.register(request, self.app.planner)
         self.app.registered(record)
         return registry_pb2.RegisterWorkerResponse(
-            region_map=convert.region_map_to_proto(record.model)
+            region_map=convert.region_map_to_proto(record.model), features=DAEMON_FEATURES
         )
 
     async def DeregisterWorker(
@@ -104,11 +105,13 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
             groups=[(g.transfer_group, g.block_ids) for g in request.groups],
             ttl_ms=request.ttl_ms,
             max_uses=request.max_uses,
+            open_uses=request.open_uses,
         )
         return registry_pb2.GrantTransferResponse(
             capability=capability,
             generation=grant.generation,
             expires_unix_ms=grant.expires_unix_ms,
+            open_uses=grant.open,
         )
 
     async def RevokeTransfer(
@@ -232,6 +235,9 @@ class PeerService(peer_pb2_grpc.PeerServicer):
     async def BeginTransfer(
         self, request: peer_pb2.BeginTransferRequest, context: Ctx
     ) -> peer_pb2.BeginTransferResponse:
+        if request.release:
+            self.app.release_grant(request)
+            return peer_pb2.BeginTransferResponse()
         lease = self.app.begin_transfer(request)
         return peer_pb2.BeginTransferResponse(transfer_token=lease.token)
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
 
-from kvmap.daemon.core.errors import InvalidArgument, PermissionDenied
+from kvmap.daemon.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from kvmap.daemon.core.geometry import RegionMapModel, WorkerKey
 
 Int64Array = npt.NDArray[np.int64]
@@ -37,6 +37,9 @@ MAX_TTL_MS = 3_600_000
 # Completed transfers one capability allows at most (a decode that re-pulls
 # the same blocks, e.g. after a preemption).
 MAX_USES = 64
+# ``Grant.max_uses`` of an open grant (GrantTransferRequest.open_uses): its
+# first claim that declares how many readers it has fixes the count.
+OPEN_USES = 0
 MAX_REQUEST_ID = 256
 # Stated limits on what the table holds: grants per worker and in all, block
 # ids per grant and in all (16M ids are 128 MiB of int64).
@@ -64,7 +67,9 @@ def digest(capability: str) -> bytes:
 @dataclass(frozen=True)
 class Grant:
     """One capability's binding. ``blocks`` holds, per transfer group, the
-    granted block ids sorted and distinct; ``uses`` counts completed transfers."""
+    granted block ids sorted and distinct; ``uses`` counts completed
+    transfers and released uses. ``max_uses`` is ``OPEN_USES`` until the
+    first claim of an open grant fixes it."""
 
     digest: bytes
     worker: WorkerKey
@@ -81,6 +86,16 @@ class Grant:
 
     def expired(self, now_ms: int) -> bool:
         return now_ms >= self.expires_unix_ms
+
+    @property
+    def open(self) -> bool:
+        """Whether no claim fixed the grant's use count yet."""
+        return self.max_uses == OPEN_USES
+
+    @property
+    def exhausted(self) -> bool:
+        """Whether no use is left (never for an open grant)."""
+        return not self.open and self.uses >= self.max_uses
 
     def allows(self, groups: Iterable[tuple[int, BlockIds]]) -> bool:
         """Whether every (group, block id) named is inside the grant. Naming
@@ -163,6 +178,55 @@ def check_max_uses(max_uses: int) -> int:
     return max_uses
 
 
+def check_grant_uses(max_uses: int, open_uses: bool) -> int:
+    """The ``max_uses`` a grant is minted with: ``OPEN_USES`` for an open
+    grant, which takes no count of its own."""
+    if open_uses:
+        if max_uses:
+            raise InvalidArgument("max_uses", f"{max_uses}; must be 0 for an open grant")
+        return OPEN_USES
+    return check_max_uses(max_uses)
+
+
+def check_readers(readers: int, field: str = "readers") -> int:
+    """A declared reader count (hostile input): 0 (none declared) to ``MAX_USES``."""
+    if not 0 <= readers <= MAX_USES:
+        raise InvalidArgument(field, f"{readers}; must be in [0, {MAX_USES}]")
+    return readers
+
+
+def declare_readers(grant: Grant, readers: int) -> Grant:
+    """The grant as a claim declaring ``readers`` (0: none) sees it: an open
+    grant's count fixed (1 when none is declared), a fixed one unchanged.
+    A declared count other than a fixed one is refused: the other readers
+    would find the grant used up, or the owner would keep the blocks for
+    readers who never come."""
+    readers = check_readers(readers)
+    if grant.open:
+        return replace(grant, max_uses=readers or 1)
+    if readers and readers != grant.max_uses:
+        raise FailedPrecondition(
+            f"capability for request {grant.request_id} admits {grant.max_uses} readers; "
+            f"the caller declared {readers}"
+        )
+    return grant
+
+
+def release_use(grant: Grant, readers: int) -> Grant:
+    """The grant once a reader gave up its use without a transfer: one use
+    spent; with ``readers`` 0 (no one reads the grant) an open grant with
+    no use taken is used up at once (``max_uses`` 1, ``uses`` 1)."""
+    if readers == 0:
+        if not grant.open:
+            raise FailedPrecondition(
+                f"capability for request {grant.request_id} admits {grant.max_uses} readers; "
+                "the caller declared none"
+            )
+        return replace(grant, max_uses=1, uses=1)
+    fixed = declare_readers(grant, readers)
+    return replace(fixed, uses=fixed.uses + 1)
+
+
 def check_request_id(request_id: str, field: str = "request_id") -> str:
     if not request_id:
         raise InvalidArgument(field, "must not be empty")
@@ -203,12 +267,22 @@ def check_binding(
     """The grant a BeginTransfer presented, if it allows exactly this: the
     worker at its current generation, this request, these blocks. Anything
     else is one generic PermissionDenied."""
+    grant = check_owner(grant, worker=worker, generation=generation, request_id=request_id)
+    if not grant.allows(groups):
+        raise PermissionDenied(DENIED)
+    return grant
+
+
+def check_owner(
+    grant: Grant | None, *, worker: WorkerKey, generation: int, request_id: str
+) -> Grant:
+    """The grant a release presented, if it is this worker's (at its current
+    generation) for this request: one generic PermissionDenied otherwise."""
     if (
         grant is None
         or grant.worker != worker
         or grant.generation != generation
         or grant.request_id != request_id
-        or not grant.allows(groups)
     ):
         raise PermissionDenied(DENIED)
     return grant

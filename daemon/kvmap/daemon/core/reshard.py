@@ -19,10 +19,12 @@ chosen so that destination ranks spread over the replicas; replicated caches
 come whole from one rank, destination ranks spread round-robin.
 
 ``plan_rows`` gives, for one (destination view, source view, heads, block
-lists, token count), the *strided rows* that move exactly those heads of
-those tokens. A row ``(dst_addr, src_addr, len, dst_stride, src_stride,
-count)`` stands for ``count`` descriptor pairs ``(dst_addr + i * dst_stride,
-src_addr + i * src_stride, len)``. NIXL descriptors are ``(addr, len, dev)``
+lists, token count, first token on each side), the *strided rows* that move
+exactly those heads of those tokens; a first token need not start a block
+(a decode prefix hit ending inside a larger prefill block). A row
+``(dst_addr, src_addr, len, dst_stride, src_stride, count)`` stands for
+``count`` descriptor pairs ``(dst_addr + i * dst_stride, src_addr + i *
+src_stride, len)``. NIXL descriptors are ``(addr, len, dev)``
 rows; kvmap's prepared lists already take strided rows (``addr, len, dev,
 stride, count``) and expand them, so a strided row costs one row to plan and
 to ship, and ``count`` descriptors only inside NIXL. Where a rank's heads are
@@ -43,6 +45,7 @@ import numpy.typing as npt
 
 from kvmap.daemon.core.errors import FailedPrecondition, InvalidArgument
 from kvmap.daemon.core.geometry import TokenLayout
+from kvmap.daemon.core.grants import MAX_USES
 
 __all__ = ["BlockGrid", "TokenLayout", "expand_rows", "plan_rows", "rank_heads", "source_ranks"]
 
@@ -135,22 +138,60 @@ def source_ranks(
     return pulls
 
 
-def _tiles(num_tokens: int, src_tokens: int, dst_tokens: int) -> tuple[Int64Array, Int64Array]:
-    """Token runs [start, start + n) inside one block on each side."""
+# The largest tensor-parallel size ``source_readers`` counts for: as many
+# readers as one grant admits.
+MAX_TP = MAX_USES
+
+
+def source_readers(
+    total_heads: int, src_tp: int, dst_tp: int, *, replicated: bool
+) -> tuple[int, ...]:
+    """Per source rank, how many destination ranks read from it
+    (``source_ranks``): 0 for a rank no one reads (a replicated cache, or
+    replicated heads, read from fewer ranks than hold it). Equal sizes need
+    no head count: rank r reads rank r. Raises ``FailedPrecondition`` for
+    sizes the heads do not split over."""
+    if not 1 <= src_tp <= MAX_TP or not 1 <= dst_tp <= MAX_TP:
+        raise FailedPrecondition(
+            f"tensor-parallel sizes {src_tp} -> {dst_tp}: not in [1, {MAX_TP}]"
+        )
+    if src_tp == dst_tp:
+        return (1,) * src_tp
+    counts = [0] * src_tp
+    for rank in range(dst_tp):
+        for src, _ in source_ranks(total_heads, src_tp, dst_tp, rank, replicated=replicated):
+            counts[src] += 1
+    return tuple(counts)
+
+
+def _tiles(
+    num_tokens: int, src: tuple[int, int], dst: tuple[int, int]
+) -> tuple[Int64Array, Int64Array]:
+    """Runs ``[start, start + n)`` of the transfer's tokens inside one block on
+    each side; a side is ``(block tokens, first token)``: transfer token ``i``
+    is that side's token ``first + i``."""
+    (st, sf), (dt, df) = src, dst
     cuts = np.union1d(
-        np.arange(0, num_tokens, src_tokens, dtype=np.int64),
-        np.arange(0, num_tokens, dst_tokens, dtype=np.int64),
+        np.arange(-sf % st, num_tokens, st, dtype=np.int64),
+        np.arange(-df % dt, num_tokens, dt, dtype=np.int64),
     )
+    cuts = np.union1d(np.zeros(1 if num_tokens > 0 else 0, dtype=np.int64), cuts)
     return cuts, np.diff(np.append(cuts, num_tokens))
 
 
-def check_blocks(field: str, ids: Int64Array, grid: BlockGrid, num_tokens: int) -> None:
-    """The block ids must cover ``num_tokens`` tokens and lie in the grid."""
-    need = -(-num_tokens // grid.block_tokens)
+def check_blocks(
+    field: str, ids: Int64Array, grid: BlockGrid, num_tokens: int, first: int = 0
+) -> None:
+    """The block ids must cover tokens ``[first, first + num_tokens)`` and lie
+    in the grid (every id listed up to the last one used)."""
+    if first < 0:
+        raise InvalidArgument(f"{field}.first", f"{first} is negative")
+    need = -(-(first + num_tokens) // grid.block_tokens)
     if len(ids) < need:
+        what = f"{num_tokens} tokens" + (f" from token {first}" if first else "")
         raise InvalidArgument(
-            field,
-            f"{len(ids)} blocks of {grid.block_tokens} tokens cannot hold {num_tokens} tokens",
+            f"{field}.first" if first else field,
+            f"{len(ids)} blocks of {grid.block_tokens} tokens cannot hold {what}",
         )
     bad = np.flatnonzero((ids[:need] < 0) | (ids[:need] >= grid.num_blocks))
     if bad.size:
@@ -192,35 +233,41 @@ def plan_rows(
     *,
     heads: range,
     num_tokens: int,
+    dst_first: int = 0,
+    src_first: int = 0,
 ) -> Int64Array:
-    """Strided rows (module docstring) moving heads ``heads`` of tokens
-    ``[0, num_tokens)`` of a request whose tokens fill ``src_blocks`` (in
-    order) on the source and ``dst_blocks`` on the destination."""
+    """Strided rows (module docstring) moving heads ``heads`` of ``num_tokens``
+    tokens of a request whose tokens fill ``src_blocks`` (in order) on the
+    source and ``dst_blocks`` on the destination: token ``i`` of the transfer
+    is token ``src_first + i`` of the source blocks and ``dst_first + i`` of
+    the destination blocks (0: each list's first block starts with the
+    transfer's first token; another start need not be a block boundary)."""
     _check_heads(dst, src, heads)
     dids = np.asarray(dst_blocks, dtype=np.int64).reshape(-1)
     sids = np.asarray(src_blocks, dtype=np.int64).reshape(-1)
-    check_blocks("dst_blocks", dids, dst, num_tokens)
-    used = dids[: -(-num_tokens // dst.block_tokens)]
+    check_blocks("dst_blocks", dids, dst, num_tokens, dst_first)
+    used = dids[dst_first // dst.block_tokens : -(-(dst_first + num_tokens) // dst.block_tokens)]
     if len(np.unique(used)) != len(used):
         raise InvalidArgument("dst_blocks", "a destination block is listed twice")
-    check_blocks("src_blocks", sids, src, num_tokens)
+    check_blocks("src_blocks", sids, src, num_tokens, src_first)
     if num_tokens <= 0:
         return np.zeros((0, 6), dtype=np.int64)
-    start, n = _tiles(num_tokens, src.block_tokens, dst.block_tokens)
+    start, n = _tiles(num_tokens, (src.block_tokens, src_first), (dst.block_tokens, dst_first))
     hb, nh = dst.head_bytes, len(heads)
     (dhp, dtp, dpp), (shp, stp, spp) = dst.pitches(), src.pitches()
     # Address of (first selected head, first token of the tile) on each side.
+    dt, st = start + dst_first, start + src_first
     d0 = (
         dst.base
-        + dids[start // dst.block_tokens] * dst.stride
+        + dids[dt // dst.block_tokens] * dst.stride
         + (heads.start - dst.heads.start) * dhp
-        + (start % dst.block_tokens) * dtp
+        + (dt % dst.block_tokens) * dtp
     )
     s0 = (
         src.base
-        + sids[start // src.block_tokens] * src.stride
+        + sids[st // src.block_tokens] * src.stride
         + (heads.start - src.heads.start) * shp
-        + (start % src.block_tokens) * stp
+        + (st % src.block_tokens) * stp
     )
     rows = _tile_rows(d0, s0, n, hb=hb, nh=nh, dst_pitch=(dhp, dtp), src_pitch=(shp, stp))
     plane: Int64Array = np.concatenate(rows).astype(np.int64)

@@ -2,8 +2,10 @@
 workers whose block sizes or tensor-parallel sizes differ.
 
 A token-mode group names the request's blocks in token order on each side
-(their counts may differ) and a token count; the plan moves, for each
-selected layer, tokens ``[0, num_tokens)`` of the KV heads the local worker
+(their counts may differ), a token count and where the remote side's
+tokens start (``remote_first_token``: local token ``i`` is remote token
+``remote_first_token + i``, which need not start a remote block); the plan
+moves, for each selected layer, those tokens of the KV heads the local worker
 holds that the remote worker holds too (``core.reshard``): every head a
 replicated cache (MLA, indexer) has, or the intersection of the two ranks'
 heads of a head-split (MHA) one, which needs both maps' ``HeadLayout``.
@@ -57,6 +59,8 @@ class TokenGroup:
     local_block_ids: Sequence[int] | Int64Array
     remote_block_ids: Sequence[int] | Int64Array
     num_tokens: int
+    # Local token i is remote token remote_first_token + i (wire field).
+    remote_first_token: int = 0
 
 
 def check_token_sizes(groups: Sequence[TokenGroup]) -> None:
@@ -72,6 +76,12 @@ def check_token_sizes(groups: Sequence[TokenGroup]) -> None:
             raise InvalidArgument(
                 f"groups[{i}].num_tokens", f"{g.num_tokens} is not in [1, {MAX_TOKENS}]"
             )
+        if not 0 <= g.remote_first_token <= MAX_TOKENS:
+            # The remote blocks listed bound it further (``plan_rows``).
+            raise InvalidArgument(
+                f"groups[{i}].remote_first_token",
+                f"{g.remote_first_token} is not in [0, {MAX_TOKENS}]",
+            )
 
 
 def token_groups(spec: transfers_pb2.TransferSpec) -> tuple[TokenGroup, ...]:
@@ -85,6 +95,13 @@ def token_groups(spec: transfers_pb2.TransferSpec) -> tuple[TokenGroup, ...]:
                 f"spec.groups[{i}].num_tokens",
                 "0 in a transfer whose other groups are in token mode; all or none must be",
             )
+        for i, g in enumerate(spec.groups):
+            if g.remote_first_token:
+                # Refused, not ignored: block pairs have no token offset.
+                raise InvalidArgument(
+                    f"spec.groups[{i}].remote_first_token",
+                    f"{g.remote_first_token} without num_tokens; an offset needs token mode",
+                )
         return ()
     groups = tuple(
         TokenGroup(
@@ -93,6 +110,7 @@ def token_groups(spec: transfers_pb2.TransferSpec) -> tuple[TokenGroup, ...]:
             list(g.local_block_ids),
             list(g.remote_block_ids),
             g.num_tokens,
+            g.remote_first_token,
         )
         for g in spec.groups
     )
@@ -245,17 +263,30 @@ def _group_rows(
             continue  # an alias of a layer already moved: its bytes once
         seen.add(key)
         for lgrid, rgrid, heads in grids:
-            pairs = ((lgrid, lids, "local"), (rgrid, rids, "remote"))
-            (dg, did, dn), (sg, sid, sn) = pairs if destination is Side.LOCAL else pairs[::-1]
+            first = g.remote_first_token
+            pairs = ((lgrid, lids, "local", 0), (rgrid, rids, "remote", first))
+            (dg, did, dn, df), (sg, sid, sn, sf) = (
+                pairs if destination is Side.LOCAL else pairs[::-1]
+            )
             try:
-                rows = plan_rows(dg, did, sg, sid, heads=heads, num_tokens=g.num_tokens)
+                rows = plan_rows(
+                    dg, did, sg, sid, heads=heads, num_tokens=g.num_tokens,
+                    dst_first=df, src_first=sf,
+                )  # fmt: skip
             except InvalidArgument as err:
-                # Name the wire field: dst/src_blocks are local/remote_block_ids.
-                field = err.field.replace("dst_blocks", f"groups[{i}].{dn}_block_ids")
-                field = field.replace("src_blocks", f"groups[{i}].{sn}_block_ids")
-                raise InvalidArgument(field, err.problem) from None
+                raise _wire_error(i, err, dst=dn, src=sn) from None
             out.append(rows)
     return out
+
+
+def _wire_error(i: int, err: InvalidArgument, *, dst: str, src: str) -> InvalidArgument:
+    """``plan_rows``' error naming the wire field: dst/src_blocks are
+    local/remote_block_ids, and the remote side's start remote_first_token."""
+    field = err.field
+    for side, name in (("dst_blocks", dst), ("src_blocks", src)):
+        field = field.replace(f"{side}.first", f"groups[{i}].{name}_first_token")
+        field = field.replace(side, f"groups[{i}].{name}_block_ids")
+    return InvalidArgument(field, err.problem)
 
 
 def plan_token_transfer(

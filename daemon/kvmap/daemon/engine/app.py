@@ -258,7 +258,7 @@ class DaemonApp:
                 if lease is None:
                     self._unmatched_notif(peer, message, token)
                     continue
-                self.grants.complete(lease.grant)
+                used = self.grants.complete(lease.grant)
                 self.counters.served_done += 1
                 self.counters.served_blocks += lease.blocks
                 direction = (
@@ -266,15 +266,22 @@ class DaemonApp:
                     if lease.write
                     else registry_pb2.TRANSFER_DIRECTION_PULLED_FROM
                 )
-                event = registry_pb2.AttachResponse(
-                    transfer_finished=registry_pb2.TransferFinishedEvent(
-                        request_id=lease.request_id, direction=direction, peer_agent=peer
-                    )
+                done = registry_pb2.TransferFinishedEvent(
+                    request_id=lease.request_id, direction=direction, peer_agent=peer
                 )
-                # Persisted until an Attach stream has sent it: a restart
-                # between the notification and the worker loses nothing.
-                key = lease.record.key
-                self.table.publish(key, event, self._persist_event(key, event))
+                self._tell_finished(lease.record.key, done, used)
+
+    def _tell_finished(
+        self, key: WorkerKey, done: registry_pb2.TransferFinishedEvent, used: Grant | None
+    ) -> None:
+        """Send the worker a finished transfer (or released use), with its
+        grant's count, so its blocks are freed once no use is left. Persisted
+        until an Attach stream has sent it: a restart between the
+        notification and the worker loses nothing."""
+        if used is not None:
+            done.uses, done.max_uses, done.exhausted = used.uses, used.max_uses, used.exhausted
+        event = registry_pb2.AttachResponse(transfer_finished=done)
+        self.table.publish(key, event, self._persist_event(key, event))
 
     def _persist_event(self, key: WorkerKey, event: registry_pb2.AttachResponse) -> int:
         """The event's id in the store; 0 (sent live only) when the store
@@ -304,6 +311,7 @@ class DaemonApp:
         groups: Sequence[tuple[int, Sequence[int]]],
         ttl_ms: int,
         max_uses: int,
+        open_uses: bool = False,
     ) -> tuple[str, Grant]:
         """Registry.GrantTransfer: a capability for one request's blocks of an
         attached worker (its transfer_finished event must reach someone)."""
@@ -315,7 +323,12 @@ class DaemonApp:
             # the finished event waits in the store for its Attach.)
             raise FailedPrecondition(f"worker {key} has no Attach stream open")
         return self.grants.grant(
-            record, request_id=request_id, groups=groups, ttl_ms=ttl_ms, max_uses=max_uses
+            record,
+            request_id=request_id,
+            groups=groups,
+            ttl_ms=ttl_ms,
+            max_uses=max_uses,
+            open_uses=open_uses,
         )
 
     def revoke_transfer(self, key: WorkerKey, request_id: str) -> None:
@@ -333,6 +346,9 @@ class DaemonApp:
             # The claim and the completion notification are bound to it.
             raise InvalidArgument("peer_agent", "must not be empty")
         replaces = grants_core.check_replaced_agents(req.replaces_agents, req.peer_agent)
+        grants_core.check_readers(req.readers)
+        if req.release:
+            raise InvalidArgument("release", "a release is answered by release_grant")
         if self.draining:
             raise Unavailable(SHUTTING_DOWN)
         # No capability, no answer about workers or agents.
@@ -350,6 +366,7 @@ class DaemonApp:
             groups=[(g.transfer_group, g.block_ids) for g in req.groups],
             peer_agent=req.peer_agent,
             replaces=replaces,
+            readers=req.readers,
         )
         lease = self.leases.begin(
             record,
@@ -367,6 +384,43 @@ class DaemonApp:
         if self._progress is not None:
             self._progress.wake()  # the peer posts as soon as we answer
         return lease
+
+    def release_grant(self, req: peer_pb2.BeginTransferRequest) -> Grant:
+        """Peer.BeginTransfer with ``release``: a reader that needs none of
+        the blocks gives up its use. Every check (arguments, capability,
+        worker, request, claim, expiry, declared count) before one use is
+        spent and the worker told; no lease, no pin."""
+        if req.groups:
+            raise InvalidArgument("groups", "a release names no blocks")
+        if not req.peer_agent:
+            raise InvalidArgument("peer_agent", "must not be empty")
+        grants_core.check_readers(req.readers)
+        if self.draining:
+            raise Unavailable(SHUTTING_DOWN)
+        self.grants.find(req.capability)  # no capability, no answer about workers
+        record = self.worker_for_peer(convert.requested_worker(req.worker, "worker"))
+        used = self.grants.release_use(
+            req.capability,
+            record=record,
+            request_id=req.request_id,
+            readers=req.readers,
+            peer_agent=req.peer_agent,
+        )
+        log.info(
+            "transfer_use_released",
+            request_id=req.request_id,
+            peer=req.peer_agent,
+            uses=used.uses,
+            max_uses=used.max_uses,
+        )
+        done = registry_pb2.TransferFinishedEvent(
+            request_id=req.request_id,
+            direction=registry_pb2.TRANSFER_DIRECTION_PULLED_FROM,
+            peer_agent=req.peer_agent,
+            released=True,
+        )
+        self._tell_finished(record.key, done, used)
+        return used
 
     def _take_over(self, digest: bytes, replaces: frozenset[str]) -> None:
         """End the leases of a replaced agent under this grant (after the new

@@ -3,9 +3,11 @@
 A grant is minted for one worker's request (Registry.GrantTransfer, Unix
 socket only), persisted so that it survives a daemon restart, claimed by the
 first peer agent whose BeginTransfer it allows, consumed when that transfer's
-completion notification arrives, and released for a retry when the transfer
-fails or its lease runs out. Claims live only in memory: leases do not
-survive a restart either, and a peer re-announces after one.
+completion notification arrives (or when a reader releases its use without
+a transfer), and released for a retry when the transfer fails or its lease
+runs out. An open grant's use count is fixed, and stored, by its first
+claim. Claims live only in memory: leases do not survive a restart either,
+and a peer re-announces after one.
 """
 
 from __future__ import annotations
@@ -112,13 +114,14 @@ class GrantTable:
         groups: Sequence[tuple[int, BlockIds]],
         ttl_ms: int,
         max_uses: int,
+        open_uses: bool = False,
     ) -> tuple[str, Grant]:
         """Mint a capability for ``record``'s worker; the caller checked that
         the worker is attached. Returns the capability (the only copy) and
         its grant."""
         request_id = core.check_request_id(request_id)
         ttl_ms = core.check_ttl(ttl_ms)
-        max_uses = core.check_max_uses(max_uses)
+        max_uses = core.check_grant_uses(max_uses, open_uses)
         blocks = core.granted_blocks(groups, core.group_limits(record.model))
         self._check_room(record.key, sum(len(ids) for ids in blocks.values()))
         capability = new_capability()
@@ -201,11 +204,13 @@ class GrantTable:
         groups: Iterable[tuple[int, BlockIds]],
         peer_agent: str,
         replaces: frozenset[str] = frozenset(),
+        readers: int = 0,
     ) -> Grant:
         """Every check of a BeginTransfer's capability, changing nothing. A
         claim held by an agent in ``replaces`` (the caller's daemon before a
         restart) does not stand in the way: the caller takes it over
-        (``taken_over``) once everything else has passed."""
+        (``taken_over``) once everything else has passed. The grant returned
+        has the use count ``readers`` fixes (``claim`` keeps it)."""
         grant = core.check_binding(
             self.find(capability),
             worker=record.key,
@@ -220,6 +225,7 @@ class GrantTable:
         active = 0 if taken else entry.active
         if entry.claimed_by not in ("", peer_agent) and not taken:
             raise PermissionDenied(core.DENIED)
+        grant = core.declare_readers(grant, readers)
         if active + grant.uses >= grant.max_uses:
             raise PermissionDenied(core.DENIED)
         if grant.expired(self._clock()):
@@ -236,6 +242,40 @@ class GrantTable:
         entry = self._entries[grant.digest]
         entry.claimed_by = peer_agent
         entry.active += 1
+        if entry.grant.max_uses != grant.max_uses:
+            # The first claim fixed an open grant's count: a restart keeps it.
+            entry.grant = replace(entry.grant, max_uses=grant.max_uses)
+            self._persist("fix_uses", partial(self._store.update_grant, entry.grant))
+
+    def release_use(
+        self,
+        capability: str,
+        *,
+        record: WorkerRecord,
+        request_id: str,
+        readers: int,
+        peer_agent: str,
+    ) -> Grant:
+        """A reader that needs none of the blocks gives up its use
+        (BeginTransfer with ``release``): every check first, as ``admit``;
+        then one use spent (``core.release_use``). Returns the grant after."""
+        grant = core.check_owner(
+            self.find(capability),
+            worker=record.key,
+            generation=record.generation,
+            request_id=request_id,
+        )
+        entry = self._entries[grant.digest]
+        if entry.claimed_by not in ("", peer_agent):
+            raise PermissionDenied(core.DENIED)
+        if grant.expired(self._clock()):
+            raise FailedPrecondition(f"capability for request {request_id} expired")
+        after = core.release_use(grant, readers)
+        if entry.active + after.uses > after.max_uses:
+            # Every use left is held by a transfer in flight (or spent).
+            raise PermissionDenied(core.DENIED)
+        self._spend(entry, after)
+        return after
 
     def release(self, digest: bytes) -> None:
         """A transfer under the grant ended without completing: the claim goes,
@@ -247,15 +287,21 @@ class GrantTable:
         if entry.active == 0:
             entry.claimed_by = ""
 
-    def complete(self, digest: bytes) -> None:
-        """A transfer under the grant completed: one use is spent."""
+    def complete(self, digest: bytes) -> Grant | None:
+        """A transfer under the grant completed: one use is spent. Returns
+        the grant after (None when it was revoked or swept meanwhile)."""
         entry = self._entries.get(digest)
         if entry is None:
-            return
+            return None
         self.release(digest)
         grant = replace(entry.grant, uses=entry.grant.uses + 1)
-        if grant.uses >= grant.max_uses:
-            self._remove([digest])
+        self._spend(entry, grant)
+        return grant
+
+    def _spend(self, entry: _Entry, grant: Grant) -> None:
+        """``grant`` (one more use spent) replaces the entry's; used up, it goes."""
+        if grant.exhausted:
+            self._remove([grant.digest])
             return
         entry.grant = grant
         self._persist("use", partial(self._store.update_grant, grant))

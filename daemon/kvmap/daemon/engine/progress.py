@@ -33,7 +33,9 @@ class Progress:
         self._on_notifs = on_notifs
         self._busy = busy
         self._watched: dict[int, tuple[Xfer, asyncio.Future[XferState]]] = {}
-        self._wake = asyncio.Event()
+        # A wake since the last pass, and the pause it ends (if one is on).
+        self._woken = False
+        self._waiter: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -52,7 +54,7 @@ class Progress:
     def watch(self, xfer: Xfer) -> asyncio.Future[XferState]:
         fut: asyncio.Future[XferState] = asyncio.get_running_loop().create_future()
         self._watched[id(xfer)] = (xfer, fut)
-        self._wake.set()
+        self.wake()
         return fut
 
     def wake(self) -> None:
@@ -60,7 +62,9 @@ class Progress:
         move bytes through this agent (a lease began), and UCX moves them
         only while this side calls in. Waiting out the idle interval would
         add up to that interval to the peer's transfer."""
-        self._wake.set()
+        self._woken = True
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def forget(self, xfer: Xfer) -> None:
         self._watched.pop(id(xfer), None)
@@ -86,8 +90,26 @@ class Progress:
             if notifs:
                 self._on_notifs(notifs)
             busy = bool(self._watched) or self._busy()
-            self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    self._wake.wait(), BUSY_INTERVAL_S if busy else IDLE_INTERVAL_S
-                )
+            self._woken = False
+            await self._pause(BUSY_INTERVAL_S if busy else IDLE_INTERVAL_S)
+
+    async def _pause(self, seconds: float) -> None:
+        """Until ``wake`` or ``seconds`` pass: one future and one timer.
+        ``asyncio.wait_for`` on an event starts and cancels a task per pass,
+        thousands of passes a second while busy, on the loop every pull
+        shares (measured: docs/benchmarks.md, "Per-pull CPU")."""
+        if self._woken:
+            return
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_later(seconds, _settle, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+
+def _settle(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

@@ -61,6 +61,7 @@ from kvmap.daemon.core.errors import (
     status_of,
 )
 from kvmap.daemon.core.geometry import DeviceKind, RegionMapModel, WorkerKey
+from kvmap.daemon.core.grants import check_readers
 from kvmap.daemon.core.retry import RetryPolicy, retryable
 from kvmap.daemon.core.token_plan import TokenGroup, plan_token_transfer, token_groups
 from kvmap.daemon.core.transfer_pieces import LayerSelection, PieceTable, Side, build_piece_table
@@ -166,6 +167,10 @@ class Request:
     capability: str
     # Token-mode groups (wire num_tokens > 0; core.token_plan), else empty.
     tokens: tuple[TokenGroup, ...] = ()
+    # Transfers in all reading the owner's grant (0: not declared), and
+    # whether this one only gives up its use (spec.release).
+    readers: int = 0
+    release: bool = False
 
     @classmethod
     def parse(cls, spec: transfers_pb2.TransferSpec, default_timeout_s: float) -> Request:
@@ -173,6 +178,9 @@ class Request:
             raise InvalidArgument("spec.request_id", "must not be empty")
         if not spec.remote_target or ":" not in spec.remote_target:
             raise InvalidArgument("spec.remote_target", "expected HOST:PORT")
+        readers = check_readers(spec.readers, "spec.readers")
+        if spec.release:
+            return cls._release(spec, readers, default_timeout_s)
         if not spec.groups:
             raise InvalidArgument("spec.groups", "at least one transfer group is required")
         check_group_count(len(spec.groups))
@@ -200,6 +208,30 @@ class Request:
             timeout_s=spec.timeout_ms / 1000 if spec.timeout_ms else default_timeout_s,
             capability=spec.capability,
             tokens=tokens,
+            readers=readers,
+        )
+
+    @classmethod
+    def _release(
+        cls, spec: transfers_pb2.TransferSpec, readers: int, default_timeout_s: float
+    ) -> Request:
+        """A release: no blocks, only whose grant (a capability) it gives up."""
+        if spec.groups:
+            raise InvalidArgument("spec.groups", "a release names no blocks")
+        if not spec.capability:
+            raise PermissionDenied("spec.capability: a release needs the owner's capability")
+        return cls(
+            request_id=spec.request_id[:256],
+            local=requested_worker(spec.local_worker, "spec.local_worker"),
+            target=spec.remote_target,
+            remote=requested_worker(spec.remote_worker, "spec.remote_worker"),
+            selections=(),
+            pairs=(),
+            expected_generation=spec.remote_generation,
+            timeout_s=spec.timeout_ms / 1000 if spec.timeout_ms else default_timeout_s,
+            capability=spec.capability,
+            readers=readers,
+            release=True,
         )
 
 
@@ -475,6 +507,9 @@ class TransferEngine:
     ) -> AsyncIterator[transfers_pb2.TransferStatus]:
         """One attempt; ``renew`` asks the owner for a fresh handshake (a
         failed attempt may have met its restart)."""
+        if req.release:
+            yield await self._release_use(req)
+            return
         for attempt in (0, 1):
             hs, fresh = await self._remote(req, refresh=renew or attempt > 0)
             handshaked |= fresh
@@ -550,6 +585,22 @@ class TransferEngine:
         remote_mem = side_memory(hs.model, "remote worker")
         return Prepared(None, None, None, local_mem, remote_mem, users=1), plan
 
+    async def _release_use(self, req: Request) -> transfers_pb2.TransferStatus:
+        """Tell the owner this caller gives up its use of the grant: no
+        handshake, no plan, nothing moved."""
+        await self.peers.begin(
+            req.target,
+            peer_pb2.BeginTransferRequest(
+                request_id=req.request_id,
+                worker=worker_id_to_proto(req.remote),
+                peer_agent=self._agent_name,
+                capability=req.capability,
+                readers=req.readers,
+                release=True,
+            ),
+        )
+        return status(transfers_pb2.TRANSFER_STATE_DONE, "released")
+
     def _announcement(
         self, req: Request, hs: PeerHandshake, plan: TransferPlan, write: bool
     ) -> peer_pb2.BeginTransferRequest:
@@ -567,6 +618,7 @@ class TransferEngine:
             bytes=plan.bytes,
             capability=req.capability,
             replaces_agents=self._replaces_agents,
+            readers=req.readers,
             # The owner's blocks this transfer touches: each must be granted.
             groups=[
                 types_pb2.BlockGrant(

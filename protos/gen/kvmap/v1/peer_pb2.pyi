@@ -87,6 +87,8 @@ class BeginTransferRequest(_message.Message):
     CAPABILITY_FIELD_NUMBER: _builtins.int
     GROUPS_FIELD_NUMBER: _builtins.int
     REPLACES_AGENTS_FIELD_NUMBER: _builtins.int
+    READERS_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     generation: _builtins.int
     agent_name: _builtins.str
@@ -99,6 +101,20 @@ class BeginTransferRequest(_message.Message):
     bytes: _builtins.int
     capability: _builtins.str
     """Capability from Registry.GrantTransfer on the owner's side."""
+    readers: _builtins.int
+    """How many transfers (or releases) in all read the presented grant: the
+    caller's and its engine's other tensor-parallel ranks'; 0 declares
+    nothing. An open grant takes its use count from the first claim that
+    declares one; a count other than the grant's is refused
+    (FAILED_PRECONDITION) and changes nothing. At most 64.
+    """
+    release: _builtins.bool
+    """No transfer: the caller gives up its use of the grant (it needs none of
+    the blocks). The use counts as spent, the owner's worker is told
+    (TransferFinishedEvent.released), and the answer carries no token.
+    `groups` must be empty. With `readers` 0 on an open grant no use was
+    taken yet: no one reads the grant, which is used up at once.
+    """
     @_builtins.property
     def worker(self) -> _types_pb2.WorkerId: ...
     @_builtins.property
@@ -130,10 +146,12 @@ class BeginTransferRequest(_message.Message):
         capability: _builtins.str = ...,
         groups: _abc.Iterable[_types_pb2.BlockGrant] | None = ...,
         replaces_agents: _abc.Iterable[_builtins.str] | None = ...,
+        readers: _builtins.int = ...,
+        release: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["worker", b"worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "blocks", b"blocks", "bytes", b"bytes", "capability", b"capability", "generation", b"generation", "groups", b"groups", "lease_ms", b"lease_ms", "peer_agent", b"peer_agent", "replaces_agents", b"replaces_agents", "request_id", b"request_id", "worker", b"worker", "write", b"write"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "blocks", b"blocks", "bytes", b"bytes", "capability", b"capability", "generation", b"generation", "groups", b"groups", "lease_ms", b"lease_ms", "peer_agent", b"peer_agent", "readers", b"readers", "release", b"release", "replaces_agents", b"replaces_agents", "request_id", b"request_id", "worker", b"worker", "write", b"write"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -20,6 +20,48 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _DaemonFeature:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _DaemonFeatureEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DaemonFeature.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    DAEMON_FEATURE_UNSPECIFIED: _DaemonFeature.ValueType  # 0
+    DAEMON_FEATURE_TOKEN_MODE: _DaemonFeature.ValueType  # 1
+    """GroupBlocks.num_tokens: pulls mapped token by token between block grids
+    and head layouts.
+    """
+    DAEMON_FEATURE_REMOTE_FIRST_TOKEN: _DaemonFeature.ValueType  # 2
+    """GroupBlocks.remote_first_token: a token-mode pull starting inside a
+    remote block.
+    """
+    DAEMON_FEATURE_OPEN_GRANTS: _DaemonFeature.ValueType  # 3
+    """TransferSpec.readers and GrantTransferRequest.open_uses: grants whose
+    number of uses the first reader fixes.
+    """
+    DAEMON_FEATURE_RELEASE: _DaemonFeature.ValueType  # 4
+    """TransferSpec.release: give up a use of a grant without a transfer."""
+
+class DaemonFeature(_DaemonFeature, metaclass=_DaemonFeatureEnumTypeWrapper):
+    """Wire features a daemon may lack (an older kvmapd lists none of them)."""
+
+DAEMON_FEATURE_UNSPECIFIED: DaemonFeature.ValueType  # 0
+DAEMON_FEATURE_TOKEN_MODE: DaemonFeature.ValueType  # 1
+"""GroupBlocks.num_tokens: pulls mapped token by token between block grids
+and head layouts.
+"""
+DAEMON_FEATURE_REMOTE_FIRST_TOKEN: DaemonFeature.ValueType  # 2
+"""GroupBlocks.remote_first_token: a token-mode pull starting inside a
+remote block.
+"""
+DAEMON_FEATURE_OPEN_GRANTS: DaemonFeature.ValueType  # 3
+"""TransferSpec.readers and GrantTransferRequest.open_uses: grants whose
+number of uses the first reader fixes.
+"""
+DAEMON_FEATURE_RELEASE: DaemonFeature.ValueType  # 4
+"""TransferSpec.release: give up a use of a grant without a transfer."""
+Global___DaemonFeature: _TypeAlias = DaemonFeature  # noqa: Y015
+
 class _TransferDirection:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -99,16 +141,25 @@ class RegisterWorkerResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REGION_MAP_FIELD_NUMBER: _builtins.int
+    FEATURES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def region_map(self) -> _types_pb2.RegionMap: ...
+    @_builtins.property
+    def features(self) -> _containers.RepeatedScalarFieldContainer[Global___DaemonFeature.ValueType]:
+        """What this daemon understands beyond the first release of this API. A
+        connector uses a newer field only when its daemon lists it: an older
+        daemon would ignore the field and move the wrong bytes, not fail.
+        """
+
     def __init__(
         self,
         *,
         region_map: _types_pb2.RegionMap | None = ...,
+        features: _abc.Iterable[Global___DaemonFeature.ValueType] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["region_map", b"region_map"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["region_map", b"region_map"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["features", b"features", "region_map", b"region_map"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -185,19 +236,41 @@ class TransferFinishedEvent(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     DIRECTION_FIELD_NUMBER: _builtins.int
     PEER_AGENT_FIELD_NUMBER: _builtins.int
+    USES_FIELD_NUMBER: _builtins.int
+    MAX_USES_FIELD_NUMBER: _builtins.int
+    EXHAUSTED_FIELD_NUMBER: _builtins.int
+    RELEASED_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     direction: Global___TransferDirection.ValueType
     peer_agent: _builtins.str
+    uses: _builtins.int
+    """The grant's completed uses (transfers and releases) so far and how many
+    it admits; 0 and 0 when the grant was gone meanwhile (revoked) or the
+    daemon predates these fields.
+    """
+    max_uses: _builtins.int
+    exhausted: _builtins.bool
+    """No use of the grant is left (it was used up, or released by a reader
+    declaring that no one reads it): the blocks may be freed now.
+    """
+    released: _builtins.bool
+    """The use was released without a transfer (BeginTransferRequest.release):
+    nothing was read.
+    """
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         direction: Global___TransferDirection.ValueType = ...,
         peer_agent: _builtins.str = ...,
+        uses: _builtins.int = ...,
+        max_uses: _builtins.int = ...,
+        exhausted: _builtins.bool = ...,
+        released: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["direction", b"direction", "peer_agent", b"peer_agent", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["direction", b"direction", "exhausted", b"exhausted", "max_uses", b"max_uses", "peer_agent", b"peer_agent", "released", b"released", "request_id", b"request_id", "uses", b"uses"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -291,11 +364,18 @@ class GrantTransferRequest(_message.Message):
     GROUPS_FIELD_NUMBER: _builtins.int
     TTL_MS_FIELD_NUMBER: _builtins.int
     MAX_USES_FIELD_NUMBER: _builtins.int
+    OPEN_USES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     ttl_ms: _builtins.int
     """Lifetime of the capability; 0 means the daemon's default."""
     max_uses: _builtins.int
     """How many completed transfers the capability allows; 0 means 1."""
+    open_uses: _builtins.bool
+    """An open grant: the first BeginTransfer that declares `readers` fixes
+    how many uses it admits (1 when it declares none), for the prefill side
+    that does not know how many decode ranks will read the blocks. Needs
+    max_uses 0. The count, once fixed, is stored with the grant.
+    """
     @_builtins.property
     def worker(self) -> _types_pb2.WorkerId: ...
     @_builtins.property
@@ -310,10 +390,11 @@ class GrantTransferRequest(_message.Message):
         groups: _abc.Iterable[_types_pb2.BlockGrant] | None = ...,
         ttl_ms: _builtins.int = ...,
         max_uses: _builtins.int = ...,
+        open_uses: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["worker", b"worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "max_uses", b"max_uses", "request_id", b"request_id", "ttl_ms", b"ttl_ms", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "max_uses", b"max_uses", "open_uses", b"open_uses", "request_id", b"request_id", "ttl_ms", b"ttl_ms", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -326,21 +407,25 @@ class GrantTransferResponse(_message.Message):
     CAPABILITY_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
     EXPIRES_UNIX_MS_FIELD_NUMBER: _builtins.int
+    OPEN_USES_FIELD_NUMBER: _builtins.int
     capability: _builtins.str
     """Secret the decode side presents in Peer.BeginTransfer."""
     generation: _builtins.int
     """Generation of the worker the grant is bound to."""
     expires_unix_ms: _builtins.int
+    open_uses: _builtins.bool
+    """The grant is open (GrantTransferRequest.open_uses was honoured)."""
     def __init__(
         self,
         *,
         capability: _builtins.str = ...,
         generation: _builtins.int = ...,
         expires_unix_ms: _builtins.int = ...,
+        open_uses: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "expires_unix_ms", b"expires_unix_ms", "generation", b"generation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "expires_unix_ms", b"expires_unix_ms", "generation", b"generation", "open_uses", b"open_uses"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

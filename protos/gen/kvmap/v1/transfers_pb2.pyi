@@ -50,6 +50,7 @@ class GroupBlocks(_message.Message):
     REMOTE_BLOCK_IDS_FIELD_NUMBER: _builtins.int
     LAYER_NAMES_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    REMOTE_FIRST_TOKEN_FIELD_NUMBER: _builtins.int
     transfer_group: _builtins.int
     num_tokens: _builtins.int
     """Token mode, when > 0: local_block_ids and remote_block_ids are the
@@ -58,6 +59,14 @@ class GroupBlocks(_message.Message):
     worker holds that the remote worker holds too. For workers of different
     block sizes or tensor-parallel sizes; head-split layers need both
     region maps' head_layout. 0: block i of one side is block i of the other.
+    """
+    remote_first_token: _builtins.int
+    """Token mode only: the remote side's first token. Local token i, for i in
+    [0, num_tokens), is remote token remote_first_token + i, where remote
+    token t lies in remote_block_ids[t / B] at slot t % B (B: the remote
+    worker's block size): e.g. a decode prefix-cache hit that ends inside a
+    prefill block. remote_first_token + num_tokens must fit in the remote
+    blocks listed (each of which the capability must grant); 0 otherwise.
     """
     @_builtins.property
     def local_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -75,10 +84,11 @@ class GroupBlocks(_message.Message):
         remote_block_ids: _abc.Iterable[_builtins.int] | None = ...,
         layer_names: _abc.Iterable[_builtins.str] | None = ...,
         num_tokens: _builtins.int = ...,
+        remote_first_token: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["layer_names", b"layer_names", "local_block_ids", b"local_block_ids", "num_tokens", b"num_tokens", "remote_block_ids", b"remote_block_ids", "transfer_group", b"transfer_group"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["layer_names", b"layer_names", "local_block_ids", b"local_block_ids", "num_tokens", b"num_tokens", "remote_block_ids", b"remote_block_ids", "remote_first_token", b"remote_first_token", "transfer_group", b"transfer_group"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -96,6 +106,8 @@ class TransferSpec(_message.Message):
     REMOTE_GENERATION_FIELD_NUMBER: _builtins.int
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     CAPABILITY_FIELD_NUMBER: _builtins.int
+    READERS_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     remote_target: _builtins.str
     """Remote daemon's peer address, "host:port"."""
@@ -106,6 +118,14 @@ class TransferSpec(_message.Message):
     capability: _builtins.str
     """Capability the remote worker's daemon granted for this request
     (kv_transfer_params "kvmap_capability"); required.
+    """
+    readers: _builtins.int
+    """How many transfers in all read the remote worker's blocks for this
+    request (BeginTransferRequest.readers); 0 declares nothing. At most 64.
+    """
+    release: _builtins.bool
+    """Move nothing: give up this caller's use of the capability at the owner
+    (BeginTransferRequest.release); `groups` must be empty. Answered DONE.
     """
     @_builtins.property
     def local_worker(self) -> _types_pb2.WorkerId: ...
@@ -124,10 +144,12 @@ class TransferSpec(_message.Message):
         remote_generation: _builtins.int = ...,
         timeout_ms: _builtins.int = ...,
         capability: _builtins.str = ...,
+        readers: _builtins.int = ...,
+        release: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["local_worker", b"local_worker", "remote_worker", b"remote_worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "groups", b"groups", "local_worker", b"local_worker", "remote_generation", b"remote_generation", "remote_target", b"remote_target", "remote_worker", b"remote_worker", "request_id", b"request_id", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "groups", b"groups", "local_worker", b"local_worker", "readers", b"readers", "release", b"release", "remote_generation", b"remote_generation", "remote_target", b"remote_target", "remote_worker", b"remote_worker", "request_id", b"request_id", "timeout_ms", b"timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -9,7 +9,7 @@ schema; nothing else converts to or from the dict.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from kvmap.daemon.core.geometry import PlannerInfo
@@ -137,6 +137,9 @@ class Concurrency:
     post_max_seconds: float
     pull_p50_seconds: float
     pull_p95_seconds: float
+    # CPU time per pull over the level's rounds, by where it was spent
+    # (runner.CPU_PLACES); absent ({}) in results from before it was measured.
+    cpu_seconds_per_pull: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -329,11 +329,21 @@ class Pair:
         that worker granted for exactly those blocks (outside the timing)."""
         return _call(self.dw, self._pull_cmd(name, req, remote))
 
-    def pull_many(self, pulls: list[tuple[str, Request, str]]) -> list[dict[str, Any]]:
+    def pull_many(
+        self, pulls: list[tuple[str, Request, str]], cpu: dict[str, float] | None = None
+    ) -> list[dict[str, Any]]:
         """Every (decode worker, request, prefill worker) pull in flight at
-        once (granted first, outside the timing); their answers in order."""
+        once (granted first, outside the timing); their answers in order.
+        With ``cpu``, the pulls' CPU seconds are added to it by place
+        (``CPU_PLACES``; the grants are outside the count, as the timing)."""
         cmds = [self._pull_cmd(name, req, remote) for name, req, remote in pulls]
+        before = cpu_now(self) if cpu is not None else {}
         out: list[dict[str, Any]] = _call(self.dw, {"cmd": "pull_many", "pulls": cmds})["pulls"]
+        if cpu is not None:
+            for k, v in cpu_now(self).items():
+                # A thread's tick can land between the two reads that split
+                # main thread from the rest: never count less than nothing.
+                cpu[k] = cpu.get(k, 0.0) + max(0.0, v - before[k])
         return out
 
     def _pull_cmd(self, name: str, req: Request, remote: str) -> dict[str, Any]:
@@ -493,14 +503,51 @@ class PullSeries:
 NO_RSS = Rss(prefill=0, decode=0)  # not measured yet
 
 
+# Where a concurrency round's CPU time is counted: each daemon's event loop
+# (its main thread) and its other threads (the NIXL thread above all, and
+# grpc's), and the decode bench worker (the stand-in vLLM worker).
+CPU_PLACES = (
+    "prefill_loop",
+    "prefill_threads",
+    "decode_loop",
+    "decode_threads",
+    "decode_worker",
+)
+
+
+def _stat_cpu(path: str) -> float:
+    """utime + stime of a /proc stat file, in seconds."""
+    with open(path, encoding="ascii") as f:
+        utime, stime = f.read().rpartition(")")[2].split()[11:13]
+    return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+
+
+def _process_cpu(pid: int) -> tuple[float, float]:
+    """(main thread, other threads) CPU seconds of a process so far. The
+    process's own stat counts every thread, those that ended included, so
+    a thread ending between two readings takes nothing away."""
+    main = _stat_cpu(f"/proc/{pid}/task/{pid}/stat")
+    return main, _stat_cpu(f"/proc/{pid}/stat") - main
+
+
+def cpu_now(pair: Pair) -> dict[str, float]:
+    """CPU seconds so far in each of ``CPU_PLACES`` of a planner's pair."""
+    p_loop, p_threads = _process_cpu(pair.prefill.proc.pid)
+    d_loop, d_threads = _process_cpu(pair.decode.proc.pid)
+    worker = sum(_process_cpu(pair.dw.pid))
+    return dict(zip(CPU_PLACES, (p_loop, p_threads, d_loop, d_threads, worker), strict=True))
+
+
 @dataclass
 class Latency:
-    """Every pull of one concurrency level: kvmap's and raw NIXL's."""
+    """Every pull of one concurrency level: kvmap's and raw NIXL's, and the
+    CPU time the rounds took (``CPU_PLACES``)."""
 
     post: list[float] = field(default_factory=list)
     pull: list[float] = field(default_factory=list)
     raw_post: list[float] = field(default_factory=list)
     raw_pull: list[float] = field(default_factory=list)
+    cpu: dict[str, float] = field(default_factory=dict)
 
     def figures(self) -> Concurrency:
         return Concurrency(
@@ -509,6 +556,7 @@ class Latency:
             post_max_seconds=max(self.post, default=0.0),
             pull_p50_seconds=_pct(self.pull, 50),
             pull_p95_seconds=_pct(self.pull, 95),
+            cpu_seconds_per_pull={k: v / len(self.pull) for k, v in self.cpu.items() if self.pull},
         )
 
     def samples(self) -> LatencySamples:
@@ -803,7 +851,7 @@ def _concurrency(runs: list[PlannerRun], raw: RawPair, pp: ProfilePlan, opts: Op
     for n in opts.concurrency:
         for run in _rounds(runs, opts.repeats):
             lat = run.latency.setdefault(n, Latency())
-            for out in run.pair.pull_many(_conc_pulls(pp, n)):
+            for out in run.pair.pull_many(_conc_pulls(pp, n), cpu=lat.cpu):
                 lat.post.append(float(out["stats"]["post_seconds"]))
                 lat.pull.append(float(out["wall_seconds"]))
         reqs = [(f"c{w}", r) for w, r in pp.concurrent[:n]]
