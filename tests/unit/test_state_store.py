@@ -195,3 +195,18 @@ def test_without_a_state_dir_the_store_is_in_memory() -> None:
     store.save_worker(_request("one"), W1, {}, "coalesce", 1)
     assert store.generations() == {W1: 1}
     store.close()
+
+
+def test_one_worker_is_read_by_its_key(tmp_path: Path) -> None:
+    """``worker(key)`` answers the stored worker of that key (the one ``workers()`` lists,
+    request, planner and generation included), and None for a key never stored or deleted."""
+    store = _saved(tmp_path)
+    store.save_worker(_request("two"), W2, {}, "baseline", 3)
+    assert store.worker(W2) == next(w for w in store.workers() if w.worker == W2)
+    got = store.worker(W1)
+    assert got is not None and (got.planner, got.generation) == ("coalesce", 1)
+    assert got.request == _request("one")
+    assert store.worker(WorkerKey("three", 0, 0, 0)) is None
+    store.delete_worker(W2)
+    assert store.worker(W2) is None
+    store.close()

@@ -425,14 +425,21 @@ class StateStore:
 
     @_mapped
     def workers(self) -> list[StoredWorker]:
-        out = []
-        for key, blob, doc, planner, generation in self._db.execute(
-            "SELECT worker, request, reopen, planner, generation FROM workers ORDER BY worker"
-        ):
-            req = registry_pb2.RegisterWorkerRequest.FromString(blob)
-            reopen = {k: Reopen.from_json(v) for k, v in json.loads(doc).items()}
-            out.append(StoredWorker(_worker(key), req, reopen, str(planner), int(generation)))
-        return out
+        return [
+            _stored(*row)
+            for row in self._db.execute(
+                "SELECT worker, request, reopen, planner, generation FROM workers ORDER BY worker"
+            )
+        ]
+
+    @_mapped
+    def worker(self, worker: WorkerKey) -> StoredWorker | None:
+        """One stored worker, or None."""
+        row = self._db.execute(
+            "SELECT worker, request, reopen, planner, generation FROM workers WHERE worker = ?",
+            (_key(worker),),
+        ).fetchone()
+        return None if row is None else _stored(*row)
 
     # Pending events ---------------------------------------------------------
 
@@ -527,3 +534,10 @@ class StateStore:
                 )
             )
         return out
+
+
+def _stored(key: str, blob: bytes, doc: str, planner: str, generation: int) -> StoredWorker:
+    """A ``workers`` row as the worker it stores."""
+    req = registry_pb2.RegisterWorkerRequest.FromString(blob)
+    reopen = {k: Reopen.from_json(v) for k, v in json.loads(doc).items()}
+    return StoredWorker(_worker(key), req, reopen, str(planner), int(generation))

@@ -533,7 +533,7 @@ class DaemonApp:
         objects (same identity: process, device and inode, path or CUDA
         handle), at the same offsets, with the same geometry as ``before``."""
         try:
-            now = next((w for w in self.store.workers() if w.worker == key), None)
+            now = self.store.worker(key)
         except StateStoreError as err:
             # Unsure, so the safe answer: the grants go.
             log.error("worker_identity_unread", worker=str(key), error=str(err))

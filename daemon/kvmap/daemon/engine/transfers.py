@@ -383,21 +383,13 @@ class TransferEngine:
     async def _prepare(
         self, local: WorkerRecord, hs: PeerHandshake, req: Request, write: bool
     ) -> Prepared:
-        key = (
-            local.key,
-            local.generation,
-            req.target,
-            req.remote,
-            hs.generation,
-            hs.agent_name,
-            req.selections,
-        )
+        key = (*_pair_key(local, hs, req), req.selections)
         async with self._lock:
             found = self._prepared.get(key)
             if found is not None:
                 found.users += 1
                 return found
-            self._check_compatible(key[:6], local, hs)
+            self._check_compatible(local, hs, req)
             table = build_piece_table(local.model, hs.model, req.selections)
             local_mem = side_memory(local.model, "local worker")
             remote_mem = side_memory(hs.model, "remote worker")
@@ -416,10 +408,9 @@ class TransferEngine:
                 await self._retire(evicted)
             return prepared
 
-    def _check_compatible(
-        self, pair: tuple[Any, ...], local: WorkerRecord, hs: PeerHandshake
-    ) -> None:
+    def _check_compatible(self, local: WorkerRecord, hs: PeerHandshake, req: Request) -> None:
         """Both workers' KV caches mean the same thing (once per generations)."""
+        pair = _pair_key(local, hs, req)
         if self._compatible.get(pair) is None:
             check_compatible(local.model, hs.model)
             self._compatible.put(pair, True)
@@ -572,9 +563,8 @@ class TransferEngine:
     ) -> tuple[Prepared, TransferPlan]:
         """A token-mode plan: explicit descriptors, nothing prepared or cached
         (they depend on the request's block ids and token count)."""
-        pair = (local.key, local.generation, req.target, req.remote, hs.generation, hs.agent_name)
         async with self._lock:
-            self._check_compatible(pair, local, hs)
+            self._check_compatible(local, hs, req)
         plan = plan_token_transfer(
             local.model,
             hs.model,
@@ -712,3 +702,10 @@ class TransferEngine:
             await self._release(list(self._prepared))
             await self._agents.close()
         await self.peers.close()
+
+
+def _pair_key(local: WorkerRecord, hs: PeerHandshake, req: Request) -> tuple[Any, ...]:
+    """The two workers of a transfer as they are now (both generations and
+    the peer's agent): what a compatibility verdict and a prepared list
+    hold for."""
+    return (local.key, local.generation, req.target, req.remote, hs.generation, hs.agent_name)
