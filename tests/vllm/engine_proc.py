@@ -9,7 +9,11 @@ The engine core and its single worker run in this process
 KV cache tensors it registered are at hand for the test's questions. With
 ``--tensor-parallel-size`` above 1 the workers run in processes of their own;
 functions sent to every worker with vLLM's ``collective_rpc`` (pickled by
-value, this file being ``__main__``) read their caches.
+value, this file being ``__main__``) read their caches. With ``--log-stats``
+the engine keeps statistics, so it also answers with what vLLM's own stat
+loggers made of the connector's stats: the ``vllm:kvmap_*`` series of the
+Prometheus registry that ``vllm serve`` exposes on ``/metrics`` (``metrics``)
+and the "KV Transfer metrics" log lines (``log_stats``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 BLOCK_SIZE = 32
 NUM_BLOCKS = 512
+# What this engine was started with (``--num-blocks``), for block_digests.
+SERVED: dict[str, int] = {"num_blocks": NUM_BLOCKS}
 
 
 def build(model_dir: str, config_file: str = "") -> None:
@@ -85,7 +91,7 @@ def make_engine(args: argparse.Namespace, kv: Any) -> Any:
         model=args.model,
         skip_tokenizer_init=True,
         block_size=getattr(args, "block_size", BLOCK_SIZE),
-        num_gpu_blocks_override=NUM_BLOCKS,
+        num_gpu_blocks_override=SERVED["num_blocks"],
         enforce_eager=True,
         dtype="float32",
         max_model_len=1024,
@@ -118,7 +124,7 @@ def block_digests(block_ids: list[int]) -> dict[str, list[str]]:
             else [(layer, value)]
         )
         for name, cache in named:
-            assert cache.shape[0] == NUM_BLOCKS, cache.shape  # block-major per layer
+            assert cache.shape[0] == SERVED["num_blocks"], cache.shape  # block-major per layer
             out[name] = [
                 hashlib.sha1(cache[b].contiguous().numpy().tobytes()).hexdigest() for b in block_ids
             ]
@@ -293,6 +299,22 @@ def watch_scheduler(llm: Any) -> None:
     scheduler.update_from_output = recording
 
 
+class KVMetricsLines(logging.Handler):
+    """vLLM's "KV Transfer metrics" log lines, kept for the test."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if "KV Transfer metrics" in text:
+            self.lines.append(text)
+
+
+KV_METRICS_LINES = KVMetricsLines()
+
+
 def handle(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
@@ -334,6 +356,15 @@ def handle(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
         return {"tokens": PULLED_TOKENS.get(cmd["remote_request_id"])}
     if op == "prompt_sources":
         return {"sources": prompt_sources(llm)}
+    if op == "metrics":
+        # What vllm serve's /metrics shows: the process's default registry.
+        import prometheus_client
+
+        text = prometheus_client.generate_latest(prometheus_client.REGISTRY).decode()
+        return {"lines": [x for x in text.splitlines() if x.startswith("vllm:kvmap_")]}
+    if op == "log_stats":
+        llm.llm_engine.do_log_stats()
+        return {"lines": list(KV_METRICS_LINES.lines)}
     if op in ("rank_tokens", "rank_pulled"):
         total = llm.llm_engine.vllm_config.model_config.get_total_num_kv_heads()
         if op == "rank_tokens":
@@ -387,7 +418,10 @@ def serve(args: argparse.Namespace) -> int:
     kvmap_log.setLevel(logging.INFO)
     kvmap_log.addHandler(logging.StreamHandler(sys.stderr))
     start = time.monotonic()
+    SERVED["num_blocks"] = args.num_blocks
     llm = make_llm(args)
+    if args.log_stats:
+        logging.getLogger("vllm").addHandler(KV_METRICS_LINES)
     if args.role == "decode":
         watch_scheduler(llm)
     if args.role == "decode" and args.connector == "kvmap" and args.tensor_parallel_size == 1:
@@ -427,10 +461,15 @@ def main() -> int:
     p.add_argument("--transfer-timeout-s", type=float, default=20.0)
     p.add_argument("--lease-seconds", type=float, default=60.0)
     p.add_argument("--block-size", type=int, default=BLOCK_SIZE)
+    p.add_argument("--num-blocks", type=int, default=NUM_BLOCKS, help="num_gpu_blocks_override")
     p.add_argument("--no-prefix-caching", action="store_true", help="enable_prefix_caching=False")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--decode-tp-size", type=int, default=0, help="prefill: decode engines' TP")
-    p.add_argument("--log-stats", action="store_true", help="vLLM's metrics (prompt_sources)")
+    p.add_argument(
+        "--log-stats",
+        action="store_true",
+        help="vLLM's metrics (prompt_sources, metrics, log_stats)",
+    )
     p.add_argument("--rank-watch", action="store_true", help="decode: every rank digests its loads")
     args = p.parse_args()
     if args.action == "build":

