@@ -251,3 +251,50 @@ def test_memory_pull_copies_bytes_counts_and_notifies_owner() -> None:
         s.stop()
     pd.stop()
     dd.stop()
+
+
+class _GatedStream:
+    """An Attach stream whose events reach the session only once ``gate`` is
+    set: the daemon has not answered the stream yet (a gRPC stream is opened
+    by its first read, not by the call)."""
+
+    def __init__(self, inner: AttachStream, gate: threading.Event) -> None:
+        self._inner, self._gate = inner, gate
+
+    def __iter__(self) -> Iterator[registry_pb2.AttachResponse]:
+        self._gate.wait(30)
+        yield from self._inner
+
+    def cancel(self) -> None:
+        self._gate.set()
+        self._inner.cancel()
+
+
+class GatedClient(KvmapClient):
+    """A real client over the memory transport whose Attach answers wait for ``gate``."""
+
+    def __init__(self, daemon: MemoryDaemon, gate: threading.Event) -> None:
+        super().__init__(MemoryTransport(daemon))
+        self.gate = gate
+
+    def attach(self, worker: types_pb2.WorkerId) -> AttachStream:
+        return _GatedStream(super().attach(worker), self.gate)
+
+
+def test_start_returns_once_the_daemon_answered_the_attach_stream(daemon: MemoryDaemon) -> None:
+    """start() returns only after the stream's first event (``attached``), so the worker's
+    transfers can be granted at once (GrantTransfer refuses a worker whose Attach stream the
+    daemon has not opened); until the daemon answers, start() waits."""
+    req, fds, _kv = registration()
+    gate = threading.Event()
+    session = WorkerSession(GatedClient(daemon, gate), req, fds, backoff=FAST)
+    done = threading.Event()
+    starter = threading.Thread(target=lambda: (session.start(timeout_s=20), done.set()))
+    starter.start()
+    wait_for(lambda: daemon.workers() == [KEY])  # registered, stream not answered
+    assert not done.wait(0.3) and not session.attached.is_set()
+    gate.set()
+    starter.join(10)
+    assert done.is_set() and session.attached.is_set()
+    assert session.daemon_instance == daemon.instance
+    session.stop()

@@ -81,6 +81,10 @@ class WorkerSession:
         self.registrations = 0
         self.disconnects = 0
         self.connected = threading.Event()
+        # Set by the stream's first event (``attached``): the daemon has the
+        # stream open, so it grants this worker's transfers (GrantTransfer
+        # refuses a worker with no Attach stream: its events would reach no one).
+        self.attached = threading.Event()
         self._stream: AttachStream | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -121,6 +125,10 @@ class WorkerSession:
             target=self._run, name=f"kvmap-attach-{self.worker.tp_rank}", daemon=True
         )
         self._thread.start()
+        if not self.attached.wait(max(deadline.remaining(), 0.0)):
+            # Registered, but the daemon has not answered the Attach stream yet;
+            # the session keeps trying, and grants wait for it.
+            log.warning("kvmap worker %s: Attach not answered yet", _name(self.worker))
         assert self.region_map is not None
         return self.region_map
 
@@ -201,6 +209,7 @@ class WorkerSession:
         if which == "attached":
             self.daemon_instance = event.attached.daemon_instance
             self.connected.set()
+            self.attached.set()
             if event.attached.generation != self.generation:
                 # Restored by a restarted daemon: its map (best effort).
                 try:
