@@ -222,19 +222,22 @@ def _rejected_round(c: Cluster, round_no: int) -> None:
 
 
 ROUNDS, FLOOR_ROUNDS = 13, 5
-# The floor of a window of rounds still drifts by 10-40 MiB between runs of
-# the same code (the allocator hands the transient planning memory back in
-# cycles, not all of it each time); what this test guards against, each
-# refused request's prepared lists kept for good, grew it by megabytes per
-# request: 42 requests separate the two windows' last floors.
-FLOOR_GROWTH_LIMIT_KIB = 64 * 1024
+# The allocator hands the transient planning memory (hundreds of MiB a round)
+# back in a cycle of about four rounds whose phase drifts: one window's floor
+# or peak can miss the cycle's by 150 MiB in an unchanged daemon (seen in CI:
+# floors 534 -> 685 MiB with peaks 1070 -> 1028 MiB). What this test guards
+# against, each refused request's prepared lists kept for good (megabytes per
+# request), raises every round: the floor and the peak alike. So a growth of
+# both by this much fails; the drift moves one of them.
+GROWTH_LIMIT_KIB = 64 * 1024
 
 
 def test_rejected_requests_leave_the_daemons_memory_as_it_was(c: Cluster) -> None:
     """Pulls of ~20,000 groups are refused for the group limit; rounds of six pulls of ~1,000
-    groups, each a new layer selection, refused only after planning, grow the decode daemon's RSS
-    by less than 64 MiB from rounds 2-6 to rounds 9-13, floor to floor (before the fix each was
-    prepared and cached: megabytes per request, for good), and memory and workers are intact.
+    groups, each a new layer selection, refused only after planning, do not grow the decode
+    daemon's RSS by 64 MiB from rounds 2-6 to rounds 9-13 at both its floor and its peak (before
+    the fix each was prepared and cached: megabytes per request, for good), and memory and
+    workers are intact.
     (Pins: limits are checked, and transfers planned, before anything is prepared or cached.)"""
     assert _pull(c, granted(c, "warm-rss", [7]))[0] is Code.OK
     expect_transfer(c.dw, c.pw, 0, [0], [7])
@@ -249,9 +252,11 @@ def test_rejected_requests_leave_the_daemons_memory_as_it_was(c: Cluster) -> Non
     # the allocator hands back in a cycle of about four rounds), so the
     # floors of five rounds are compared: what is kept for good raises every
     # later floor, a transient peak does not.
-    warm = min(rss[1 : 1 + FLOOR_ROUNDS])
-    after = min(rss[-FLOOR_ROUNDS:])
+    first, last = rss[1 : 1 + FLOOR_ROUNDS], rss[-FLOOR_ROUNDS:]
+    floor_growth, peak_growth = min(last) - min(first), max(last) - max(first)
     print(f"\ndecode daemon RSS per round (KiB): {rss}")
-    assert after - warm < FLOOR_GROWTH_LIMIT_KIB, f"RSS floor grew {after - warm} KiB"
+    assert min(floor_growth, peak_growth) < GROWTH_LIMIT_KIB, (
+        f"RSS floor grew {floor_growth} KiB and its peak {peak_growth} KiB"
+    )
     c.assert_all_intact("after the rejected requests")
     c.d.assert_healthy()
