@@ -34,7 +34,7 @@ from kvmap.client.pd import (
     rank_capability,
     tp_readers,
 )
-from kvmap.client.transports.memory import MemoryNetwork, MemoryTransport
+from kvmap.client.transports.memory import MemoryDaemon, MemoryNetwork, MemoryTransport
 from kvmap.daemon.core.reshard import rank_heads, source_ranks, source_readers
 from kvmap.v1 import registry_pb2, types_pb2
 
@@ -110,33 +110,55 @@ def make_engine(
     daemon = net.daemon(addr)
     if features is not None:  # an older kvmapd, which lists fewer
         daemon.features = tuple(features)
-    opts = options(addr, decode_tp_size)
     per_rank = max(HEADS // tp, 1)
     specs = {n: LayerSpec(0, types_pb2.CACHE_KIND_MHA, NUM_BLOCKS) for n in LAYERS}
-    workers, kvs = [], []
+    kvs = []
     for r in range(tp):
-        wid = types_pb2.WorkerId(engine_id=engine, tp_rank=r)
         kv = {}
         for i, name in enumerate(LAYERS):
             g = torch.Generator().manual_seed(7 + 10 * r + i + tp * 100)
             shape = (NUM_BLOCKS, per_rank, BLOCK, 2 * HEAD_SIZE)
             kv[name] = torch.randint(0, 255, shape, generator=g, dtype=torch.uint8)
-        heads = head_layout(
-            kv, specs, total_kv_heads=HEADS, head_size=HEAD_SIZE, tp_size=tp, block_tokens=BLOCK
-        )
+        kvs.append(kv)
+    return assemble(daemon, options(addr, decode_tp_size), engine, specs, kvs, kv_heads=HEADS)
+
+
+def assemble(
+    daemon: MemoryDaemon,
+    opts: ConnectorOptions,
+    engine: str,
+    specs: dict[str, LayerSpec],
+    kvs: list[dict[str, torch.Tensor]],
+    *,
+    kv_heads: int = 0,
+    replicated: bool = False,
+) -> Engine:
+    """An engine of one registered worker per rank's caches in ``kvs`` (a head layout
+    published where the model has ``kv_heads``) and its scheduler, on ``daemon``."""
+    tp = len(kvs)
+    workers = []
+    for r, kv in enumerate(kvs):
+        wid = types_pb2.WorkerId(engine_id=engine, tp_rank=r)
+        heads = (
+            head_layout(
+                kv, specs, total_kv_heads=kv_heads, head_size=HEAD_SIZE, tp_size=tp,
+                block_tokens=BLOCK,
+            )
+            if kv_heads
+            else None
+        )  # fmt: skip
         req, fds = build_registration(
             wid, kv, specs, block_size_tokens=BLOCK, tp_size=tp, head_layout=heads
         )
         worker = CountingWorker(
             KvmapClient(MemoryTransport(daemon)), wid, opts,
-            tp_size=tp, block_size=BLOCK, kv_heads=HEADS,
+            tp_size=tp, block_size=BLOCK, kv_heads=kv_heads, replicated=replicated,
         )  # fmt: skip
         worker.register(req, fds)
         workers.append(worker)
-        kvs.append(kv)
     sched = SchedulerCore(
         engine, opts, client=KvmapClient(MemoryTransport(daemon)), tp_size=tp,
-        block_size=BLOCK, kv_heads=HEADS,
+        block_size=BLOCK, kv_heads=kv_heads, replicated=replicated,
     )  # fmt: skip
     return Engine(sched, workers, kvs)
 
@@ -389,30 +411,17 @@ def make_mla_engine(
     """An MLA engine (latent and indexer caches, [blocks, tokens, dim], no head layout): every
     rank holds the whole cache; here each rank's bytes differ, so a decode rank's bytes tell
     which prefill rank it read."""
-    daemon = net.daemon(addr)
-    opts = options(addr, decode_tp_size)
     specs = {n: LayerSpec(0, kind, NUM_BLOCKS) for n, kind in MLA_LAYERS.items()}
-    workers, kvs = [], []
+    kvs = []
     for r in range(tp):
-        wid = types_pb2.WorkerId(engine_id=engine, tp_rank=r)
         kv = {}
         for i, name in enumerate(MLA_LAYERS):
             g = torch.Generator().manual_seed(11 + 10 * r + i + tp * 100 + len(engine))
             shape = (NUM_BLOCKS, BLOCK, MLA_DIM)
             kv[name] = torch.randint(0, 255, shape, generator=g, dtype=torch.uint8)
-        req, fds = build_registration(wid, kv, specs, block_size_tokens=BLOCK, tp_size=tp)
-        worker = CountingWorker(
-            KvmapClient(MemoryTransport(daemon)), wid, opts,
-            tp_size=tp, block_size=BLOCK, replicated=True,
-        )  # fmt: skip
-        worker.register(req, fds)
-        workers.append(worker)
         kvs.append(kv)
-    sched = SchedulerCore(
-        engine, opts, client=KvmapClient(MemoryTransport(daemon)), tp_size=tp,
-        block_size=BLOCK, replicated=True,
-    )  # fmt: skip
-    return Engine(sched, workers, kvs)
+    opts = options(addr, decode_tp_size)
+    return assemble(net.daemon(addr), opts, engine, specs, kvs, replicated=True)
 
 
 def mla_arrived(p: Engine, p_rank: int, d: Engine, d_rank: int) -> bool:
