@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from test_pd_connector import RecordingTransport
 
 from kvmap.client.client import KvmapClient
 from kvmap.client.geometry import LayerSpec, build_registration
@@ -28,7 +29,7 @@ from kvmap.client.pd import (
     WorkerCore,
 )
 from kvmap.client.transports.memory import MemoryDaemon, MemoryNetwork, MemoryTransport
-from kvmap.v1 import registry_pb2, types_pb2
+from kvmap.v1 import types_pb2
 
 NB, PAGE = 48, 64
 P_ADDR, D_ADDR = "10.0.0.1:50051", "10.0.0.2:50051"
@@ -105,20 +106,6 @@ def test_group_windows_refuse_bad_input() -> None:
 
 
 # The P/D flow with several groups, in-memory daemons ---------------------------
-
-
-class RecordingTransport(MemoryTransport):
-    """The memory transport, keeping the GrantTransfer requests it carried."""
-
-    def __init__(self, daemon: MemoryDaemon) -> None:
-        super().__init__(daemon)
-        self.grants: list[registry_pb2.GrantTransferRequest] = []
-
-    def grant_transfer(
-        self, req: registry_pb2.GrantTransferRequest, timeout: float
-    ) -> registry_pb2.GrantTransferResponse:
-        self.grants.append(req)
-        return super().grant_transfer(req, timeout)
 
 
 @dataclass

@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from test_pd_connector import RecordingTransport
 
 from kvmap.client.client import KvmapClient
 from kvmap.client.geometry import (
@@ -35,7 +36,7 @@ from kvmap.client.pd import (
     WorkerCore,
 )
 from kvmap.client.transports.memory import MemoryDaemon, MemoryNetwork, MemoryTransport
-from kvmap.v1 import registry_pb2, types_pb2
+from kvmap.v1 import types_pb2
 
 NB = 32
 # One page per block for every group: the attention block's bytes; the
@@ -202,20 +203,6 @@ def test_registration_aliases_the_state_page_with_the_attention_block(form: str)
 
 
 # The P/D flow, in-memory daemons ------------------------------------------------
-
-
-class RecordingTransport(MemoryTransport):
-    """The memory transport, keeping the GrantTransfer requests it carried."""
-
-    def __init__(self, daemon: MemoryDaemon) -> None:
-        super().__init__(daemon)
-        self.grants: list[registry_pb2.GrantTransferRequest] = []
-
-    def grant_transfer(
-        self, req: registry_pb2.GrantTransferRequest, timeout: float
-    ) -> registry_pb2.GrantTransferResponse:
-        self.grants.append(req)
-        return super().grant_transfer(req, timeout)
 
 
 @dataclass
