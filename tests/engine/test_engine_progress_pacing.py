@@ -1,95 +1,166 @@
-"""The progress loop's pause (one future and one timer, not a task per
-pass): it ends on ``wake`` rather than after its interval, stopping the loop
-mid-pause leaves no timer or waiter behind, and a transfer watched during an
-idle pause is polled at once."""
+"""The progress pump on the NIXL thread: passes run at the pump's pace
+between NIXL calls, ``wake`` starts one at once, a pass that finds nothing
+does not touch the event loop, a watched transfer is seen done, and ``stop``
+ends the passes and cancels what was still watched."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any, TypeVar
+import threading
+from typing import Any
 
 import pytest
 
 from kvmap.daemon.adapters.nixl_port import Xfer, XferOp, XferState
+from kvmap.daemon.adapters.nixl_thread import NixlThread
 from kvmap.daemon.engine import progress
 from kvmap.daemon.engine.progress import Progress
 
 pytestmark = pytest.mark.timeout(30)
-T = TypeVar("T")
 
 
 class Agent:
-    """The two calls a pass makes; counts passes and lets a test await one."""
+    """The two calls a pass makes; counts passes (on the NIXL thread) and
+    lets a test wait for the next one."""
 
     def __init__(self) -> None:
         self.passes = 0
-        self.passed = asyncio.Event()
+        self.passed = threading.Event()
+        self.notifs: dict[str, list[bytes]] = {}
+        self.threads: set[str] = set()
 
     def poll(self, xfer: Xfer) -> XferState:
         return xfer.state
 
     def take_notifs(self) -> dict[str, list[bytes]]:
+        self.threads.add(threading.current_thread().name)
         self.passes += 1
         self.passed.set()
-        return {}
-
-
-async def inline(fn: Callable[[], T]) -> T:
-    return fn()
+        notifs, self.notifs = self.notifs, {}
+        return notifs
 
 
 def xfer() -> Xfer:
     return Xfer(XferOp.READ, "peer", 1, 0.0, object())
 
 
-def loop_with(agent: Agent, busy: Callable[[], bool] = lambda: False) -> Progress:
+async def next_pass(agent: Agent) -> None:
+    agent.passed.clear()
+    await asyncio.to_thread(agent.passed.wait, 10)
+
+
+def pump_for(agent: Agent, nixl: NixlThread, received: list[Any] | None = None) -> Progress:
     fake: Any = agent
-    return Progress(fake, inline, on_notifs=lambda notifs: None, busy=busy)
+    sink = received if received is not None else []
+    return Progress(fake, nixl, on_notifs=sink.append, busy=lambda: False)
 
 
-def test_wake_ends_an_idle_pause_and_stop_leaves_nothing(
+def test_wake_runs_a_pass_during_an_idle_pause_and_stop_ends_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With an idle interval far longer than the test, only ``wake`` can
-    start the next pass; ``stop`` in mid-pause cancels its timer and ends the
-    loop's task, and a watched transfer's future is cancelled with it."""
+    start the next pass; after ``stop`` no pass runs (a wake is then only a
+    queued no-op) and a watched transfer's future is cancelled."""
     monkeypatch.setattr(progress, "IDLE_INTERVAL_S", 3600.0)
 
     async def main() -> None:
-        agent = Agent()
-        p = loop_with(agent)
+        agent, nixl = Agent(), NixlThread()
+        p = pump_for(agent, nixl)
         p.start()
-        await agent.passed.wait()  # the first pass, then an hour's pause
-        for n in (2, 3):
-            agent.passed.clear()
+        # A call queued behind start's wake returns once its pass ran (the
+        # queue is FIFO and a wake's pass runs before the next item).
+        first = await nixl(lambda: agent.passes)
+        assert first >= 1
+        for n in (1, 2):
             p.wake()
-            await agent.passed.wait()
-            assert agent.passes == n
-        loop = asyncio.get_running_loop()
+            assert await nixl(lambda: agent.passes) == first + n
         pending = p.watch(x := xfer())
         await p.stop()
         assert pending.cancelled() and x.state is XferState.PROC
-        assert p._waiter is None
-        timers = [h for h in getattr(loop, "_scheduled", []) if not h.cancelled()]
-        assert timers == []
+        before = agent.passes
+        p.wake()
+        assert await nixl(lambda: agent.passes) == before  # a call after the wake: no pass ran
+        assert agent.threads == {"nixl_0"}
+        nixl.shutdown()
 
     asyncio.run(main())
 
 
-def test_a_watched_transfer_is_seen_done(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_watched_transfer_is_seen_done_and_notifs_reach_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A transfer watched during an idle pause is polled at once and its
-    future resolves with the state NIXL reports."""
+    future resolves with the state NIXL reports; notifications a pass takes
+    reach ``on_notifs`` on the event loop's thread."""
     monkeypatch.setattr(progress, "IDLE_INTERVAL_S", 3600.0)
 
     async def main() -> None:
-        agent = Agent()
-        p = loop_with(agent)
+        agent, nixl = Agent(), NixlThread()
+        received: list[Any] = []
+        p = pump_for(agent, nixl, received)
         p.start()
-        await agent.passed.wait()
+        await next_pass(agent)
         x = xfer()
         x.state = XferState.DONE
         assert await p.watch(x) is XferState.DONE
+        agent.notifs = {"peer": [b"done:1"]}
+        p.wake()
+        while not received:
+            await asyncio.sleep(0.001)
+        assert received == [{"peer": [b"done:1"]}]
         await p.stop()
+        nixl.shutdown()
+
+    asyncio.run(main())
+
+
+def test_an_empty_pass_does_not_wake_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Busy passes that find nothing stay on the NIXL thread: the loop sees
+    no callback from them (each would cost both threads a hop)."""
+    monkeypatch.setattr(progress, "IDLE_INTERVAL_S", progress.BUSY_INTERVAL_S)
+
+    async def main() -> None:
+        agent, nixl = Agent(), NixlThread()
+        p = pump_for(agent, nixl)
+        loop = asyncio.get_running_loop()
+        calls: list[object] = []
+        real = loop.call_soon_threadsafe
+
+        def counted(callback: Any, *args: Any, **kwargs: Any) -> Any:
+            calls.append(callback)
+            return real(callback, *args, **kwargs)
+
+        monkeypatch.setattr(loop, "call_soon_threadsafe", counted)
+        p.start()
+        while agent.passes < 50:
+            await asyncio.sleep(0.002)
+        delivered = [c for c in calls if getattr(c, "__func__", None) is Progress._deliver]
+        assert delivered == []  # 50 passes, not one of them handed to the loop
+        agent.notifs = {"peer": [b"x"]}
+        while not delivered:  # the check above can fail: a pass with news is handed over
+            await asyncio.sleep(0.002)
+            delivered = [c for c in calls if getattr(c, "__func__", None) is Progress._deliver]
+        await p.stop()
+        nixl.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_call_nobody_awaits_any_more_is_not_started() -> None:
+    """As with an executor: a call cancelled before the NIXL thread reaches
+    it never runs; one already queued behind it still does."""
+
+    async def main() -> None:
+        nixl = NixlThread()
+        gate, ran = threading.Event(), []
+        blocker = nixl(lambda: gate.wait(10))
+        dropped = asyncio.ensure_future(nixl(lambda: ran.append("dropped")))
+        kept = nixl(lambda: ran.append("kept"))
+        dropped.cancel()
+        gate.set()
+        await blocker
+        await kept
+        assert ran == ["kept"]
+        nixl.shutdown()
 
     asyncio.run(main())

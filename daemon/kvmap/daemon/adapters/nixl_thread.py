@@ -1,14 +1,32 @@
 """The one thread every NIXL call runs on. The agent is not documented as
-thread-safe, and a single thread also orders registration against posting."""
+thread-safe, and a single thread also orders registration against posting.
+
+The thread also runs the progress pump (``engine.progress``) between calls,
+at the pump's own pace: UCX moves bytes only while an agent is called into,
+so passes come thousands of times a second while transfers are in flight.
+A pass that finds nothing stays on this thread; waking the event loop for
+every pass (a future, a self-pipe write and an epoll wake per pass, on both
+threads) cost more CPU per pull than the pass itself (docs/benchmarks.md,
+"Per-pull CPU")."""
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import contextlib
+import queue
+import threading
+import time
 from collections.abc import Awaitable, Callable
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
+
+import structlog
 
 T = TypeVar("T")
+
+log = structlog.get_logger("kvmapd.nixl_thread")
+
+# A pump pass: runs on the NIXL thread, returns the seconds until the next.
+Pump = Callable[[], float]
 
 
 class NixlRunner(Protocol):
@@ -17,12 +35,116 @@ class NixlRunner(Protocol):
     def __call__(self, fn: Callable[[], T], /) -> Awaitable[T]: ...
 
 
+class _Job:
+    __slots__ = ("fn", "future", "loop")
+
+    def __init__(
+        self, fn: Callable[[], Any], future: asyncio.Future[Any], loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self.fn, self.future, self.loop = fn, future, loop
+
+
+# Queue items that are not calls: run a pump pass now; end the thread.
+_WAKE = object()
+_STOP = object()
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.cancelled():
+        return  # its caller stopped waiting; what the call did stands
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
 class NixlThread:
     def __init__(self) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
+        self._jobs: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._pump: Pump | None = None
+        self._due = 0.0  # time.monotonic() of the next pump pass
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
 
-    async def __call__(self, fn: Callable[[], T], /) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+    def __call__(self, fn: Callable[[], T], /) -> Awaitable[T]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._started()
+        self._jobs.put(_Job(fn, future, loop))
+        return future
+
+    def set_pump(self, pump: Pump | None) -> None:
+        """Run ``pump`` between calls, first at once, then each time the
+        seconds it returned have passed (None: no more passes)."""
+        self._pump = pump
+        self._due = 0.0
+        self.wake()
+
+    def wake(self) -> None:
+        """A pump pass as soon as the call now running (if any) returns."""
+        self._started()
+        self._jobs.put(_WAKE)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Finish the calls already queued, then end the thread."""
+        self._pump = None
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._jobs.put(_STOP)
+            thread.join()
+
+    def _started(self) -> None:
+        if self._thread is not None:
+            return
+        with self._lock:
+            if self._thread is None:
+                # A daemon thread, so that a runner never shut down cannot
+                # hold the interpreter open; shutdown() joins it.
+                self._thread = threading.Thread(target=self._main, name="nixl_0", daemon=True)
+                self._thread.start()
+
+    def _main(self) -> None:
+        jobs = self._jobs
+        while True:
+            item = self._next(jobs)
+            if item is _STOP:
+                return
+            if isinstance(item, _Job):
+                self._run(item)
+            elif item is _WAKE:
+                self._due = 0.0
+            pump = self._pump
+            if pump is not None and time.monotonic() >= self._due:
+                self._due = time.monotonic() + self._pass(pump)
+
+    def _next(self, jobs: queue.SimpleQueue[object]) -> object:
+        """The next queued item; a plain pump turn when none came in time."""
+        if self._pump is None:
+            return jobs.get()
+        wait = self._due - time.monotonic()
+        try:
+            return jobs.get(timeout=wait) if wait > 0 else jobs.get_nowait()
+        except queue.Empty:
+            return None
+
+    @staticmethod
+    def _run(job: _Job) -> None:
+        if job.future.cancelled():
+            return  # as an executor does: a call nobody awaits any more is not started
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = job.fn()
+        except BaseException as err:  # handed to the awaiting caller
+            error = err
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to tell
+            job.loop.call_soon_threadsafe(_settle, job.future, result, error)
+
+    @staticmethod
+    def _pass(pump: Pump) -> float:
+        try:
+            return pump()
+        except Exception:
+            log.exception("progress_pass_failed")
+            return 0.01

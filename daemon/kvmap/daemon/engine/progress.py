@@ -1,59 +1,61 @@
-"""Drives NIXL from the daemon's own loop instead of UCX's progress thread
-(which spins a whole core): polls posted transfers and incoming
-notifications on the NIXL thread, fast while anything is in flight and
-slowly when idle."""
+"""Drives NIXL from the daemon's own NIXL thread instead of UCX's progress
+thread (which spins a whole core): a pump on that thread polls posted
+transfers and takes incoming notifications, fast while anything is in
+flight and slowly when idle, and wakes the event loop only for a pass that
+found something (a finished transfer, a notification)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import threading
 from collections.abc import Callable
 
-import structlog
-
 from kvmap.daemon.adapters.nixl_port import NixlPort, Xfer, XferState
-from kvmap.daemon.adapters.nixl_thread import NixlRunner
-
-log = structlog.get_logger("kvmapd.progress")
+from kvmap.daemon.adapters.nixl_thread import NixlThread
 
 BUSY_INTERVAL_S = 0.0002
 IDLE_INTERVAL_S = 0.01
 
+Notifs = dict[str, list[bytes]]
+
 
 class Progress:
+    """``busy`` is called on the NIXL thread at every pass: it must be a
+    cheap read that is safe from any thread (``len`` of a dict is)."""
+
     def __init__(
         self,
         agent: NixlPort,
-        nixl: NixlRunner,
-        on_notifs: Callable[[dict[str, list[bytes]]], None],
+        nixl: NixlThread,
+        on_notifs: Callable[[Notifs], None],
         busy: Callable[[], bool],
     ) -> None:
         self._agent = agent
         self._nixl = nixl
         self._on_notifs = on_notifs
         self._busy = busy
+        # Read by the pump on the NIXL thread, changed on the event loop.
+        self._lock = threading.Lock()
         self._watched: dict[int, tuple[Xfer, asyncio.Future[XferState]]] = {}
-        # A wake since the last pass, and the pause it ends (if one is on).
-        self._woken = False
-        self._waiter: asyncio.Future[None] | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.passes = 0  # pump passes run, for tests and diagnostics
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="nixl-progress")
+        self._loop = asyncio.get_running_loop()
+        self._nixl.set_pump(self._pass)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        for _, fut in self._watched.values():
+        self._nixl.set_pump(None)
+        with self._lock:
+            watched, self._watched = self._watched, {}
+        for _, fut in watched.values():
             if not fut.done():
                 fut.cancel()
-        self._watched.clear()
 
     def watch(self, xfer: Xfer) -> asyncio.Future[XferState]:
         fut: asyncio.Future[XferState] = asyncio.get_running_loop().create_future()
-        self._watched[id(xfer)] = (xfer, fut)
+        with self._lock:
+            self._watched[id(xfer)] = (xfer, fut)
         self.wake()
         return fut
 
@@ -62,54 +64,36 @@ class Progress:
         move bytes through this agent (a lease began), and UCX moves them
         only while this side calls in. Waiting out the idle interval would
         add up to that interval to the peer's transfer."""
-        self._woken = True
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        self._nixl.wake()
 
     def forget(self, xfer: Xfer) -> None:
-        self._watched.pop(id(xfer), None)
+        with self._lock:
+            self._watched.pop(id(xfer), None)
 
-    def _tick(self) -> tuple[dict[int, XferState], dict[str, list[bytes]]]:
-        """Runs on the NIXL thread: one progress pass."""
-        states = {key: self._agent.poll(x) for key, (x, _) in list(self._watched.items())}
-        return states, self._agent.take_notifs()
+    def _pass(self) -> float:
+        """Runs on the NIXL thread: one progress pass; the seconds until
+        the next one."""
+        self.passes += 1
+        with self._lock:
+            watched = [(key, x) for key, (x, _) in self._watched.items()]
+        finished: dict[int, XferState] = {}
+        for key, x in watched:
+            state = self._agent.poll(x)
+            if state is not XferState.PROC:
+                finished[key] = state
+        notifs = self._agent.take_notifs()
+        loop = self._loop
+        if (finished or notifs) and loop is not None:
+            loop.call_soon_threadsafe(self._deliver, finished, notifs)
+        busy = bool(watched) or self._busy()
+        return BUSY_INTERVAL_S if busy else IDLE_INTERVAL_S
 
-    async def _run(self) -> None:
-        while True:
-            try:
-                states, notifs = await self._nixl(self._tick)
-            except Exception:
-                log.exception("progress_tick_failed")
-                states, notifs = {}, {}
-            for key, state in states.items():
-                if state is XferState.PROC:
-                    continue
+    def _deliver(self, finished: dict[int, XferState], notifs: Notifs) -> None:
+        """On the event loop: what a pass found."""
+        for key, state in finished.items():
+            with self._lock:
                 entry = self._watched.pop(key, None)
-                if entry is not None and not entry[1].done():
-                    entry[1].set_result(state)
-            if notifs:
-                self._on_notifs(notifs)
-            busy = bool(self._watched) or self._busy()
-            self._woken = False
-            await self._pause(BUSY_INTERVAL_S if busy else IDLE_INTERVAL_S)
-
-    async def _pause(self, seconds: float) -> None:
-        """Until ``wake`` or ``seconds`` pass: one future and one timer.
-        ``asyncio.wait_for`` on an event starts and cancels a task per pass,
-        thousands of passes a second while busy, on the loop every pull
-        shares (measured: docs/benchmarks.md, "Per-pull CPU")."""
-        if self._woken:
-            return
-        loop = asyncio.get_running_loop()
-        waiter = self._waiter = loop.create_future()
-        timer = loop.call_later(seconds, _settle, waiter)
-        try:
-            await waiter
-        finally:
-            timer.cancel()
-            self._waiter = None
-
-
-def _settle(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
+            if entry is not None and not entry[1].done():
+                entry[1].set_result(state)
+        if notifs:
+            self._on_notifs(notifs)
