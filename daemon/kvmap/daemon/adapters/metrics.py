@@ -3,7 +3,10 @@ daemons can live in one process, as the benchmark does)."""
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics import MetricWrapperBase
 
 from kvmap.daemon.core.config import parse_host_port
 
@@ -16,6 +19,8 @@ _LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
     0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
+
+_M = TypeVar("_M", bound=MetricWrapperBase)
 
 
 class Metrics:
@@ -67,6 +72,9 @@ class Metrics:
         self.remote_agents = Gauge("kvmap_remote_agents", "Loaded remote agents", registry=r)
         self._add_peer_metrics(r)
         self._peers: dict[str, str] = {}
+        # Labelled series once looked up (``labelled``): as many as the
+        # registry holds, whose label values are bounded (peer_label).
+        self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], MetricWrapperBase] = {}
 
     def _add_peer_metrics(self, r: CollectorRegistry) -> None:
         """Per-peer transfer series (bounded labels, ``peer_label``) and leases."""
@@ -104,18 +112,27 @@ class Metrics:
                 self._peers[target] = label
         return label
 
+    def labelled(self, metric: _M, *values: str) -> _M:
+        """``metric.labels(*values)``, looked up once: the per-transfer
+        series, where ``labels`` checks and locks on every call. Only for
+        label values from a bounded set (directions, codes, peer labels)."""
+        child = self._children.get((metric, values))
+        if child is None:
+            child = self._children[(metric, values)] = metric.labels(*values)
+        return child  # type: ignore[return-value]  # stored as metric.labels made it
+
     def transfer_ended(
         self, direction: str, target: str, code: str, seconds: float | None = None
     ) -> None:
         """One transfer's outcome; ``seconds`` for one that succeeded."""
         peer = self.peer_label(target)
-        self._peer_transfers.labels(direction, peer, code).inc()
+        self.labelled(self._peer_transfers, direction, peer, code).inc()
         if seconds is not None:
-            self._peer_seconds.labels(direction, peer).observe(seconds)
+            self.labelled(self._peer_seconds, direction, peer).observe(seconds)
 
     def transfer_moved(self, direction: str, target: str, nbytes: int, descriptors: int) -> None:
-        self._peer_bytes.labels(direction, self.peer_label(target)).inc(nbytes)
-        self._descriptors_per_transfer.labels(direction).observe(descriptors)
+        self.labelled(self._peer_bytes, direction, self.peer_label(target)).inc(nbytes)
+        self.labelled(self._descriptors_per_transfer, direction).observe(descriptors)
 
     def serve(self, listen: str) -> None:
         host, port = parse_host_port(listen, "metrics_listen")

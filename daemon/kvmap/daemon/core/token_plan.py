@@ -39,6 +39,7 @@ from kvmap.daemon.core.transfer_pieces import (
 from kvmap.daemon.core.transfer_plan import (
     MAX_BLOCKS_PER_TRANSFER,
     TransferPlan,
+    block_ids,
     check_group_count,
 )
 from kvmap.v1 import transfers_pb2
@@ -107,8 +108,8 @@ def token_groups(spec: transfers_pb2.TransferSpec) -> tuple[TokenGroup, ...]:
         TokenGroup(
             g.transfer_group,
             tuple(g.layer_names),
-            list(g.local_block_ids),
-            list(g.remote_block_ids),
+            block_ids(g.local_block_ids),
+            block_ids(g.remote_block_ids),
             g.num_tokens,
             g.remote_first_token,
         )

@@ -43,6 +43,10 @@ MAX_BLOCKS_PER_TRANSFER = 1 << 16
 MAX_GROUPS_PER_TRANSFER = 1024
 
 Int32Array = npt.NDArray[np.int32]
+# 2**63: no int64 is this large, every negative one is as uint64.
+_INT64_LIMIT = 1 << 63
+# Block counts up to which a repeat is looked for in a bitmap (a byte each).
+_BITMAP_BLOCKS = 1 << 16
 
 
 @dataclass(frozen=True, eq=False)
@@ -92,19 +96,48 @@ def run_dlist_rows(plan: TransferPlan, side: Side, dev_id: int) -> Int64Array:
     return np.stack([addr, plan.runs[:, 2], np.full_like(addr, dev_id)], axis=1)
 
 
+def block_ids(values: Sequence[int]) -> Int64Array:
+    """Wire block ids (a repeated int64 field) as a 1-D int64 array: upb's
+    container hands numpy its values in one copy, where a list of Python
+    ints, converted later, costs tens of microseconds per thousand ids."""
+    return np.array(values, dtype=np.int64).reshape(-1)
+
+
 def _ids(values: Sequence[int] | Int64Array) -> Int64Array:
+    if isinstance(values, np.ndarray) and values.dtype == np.int64 and values.ndim == 1:
+        return values  # as the daemon parses the wire ids: nothing to convert
     return np.asarray(values, dtype=np.int64).reshape(-1)
 
 
 def _check_range(field: str, ids: Int64Array, limit: int) -> None:
+    # One pass for the usual request, all in range: as unsigned, a negative
+    # id is at least 2**63, above every limit an int64 block count can be.
+    # Only a refused request is searched for its first offender.
+    if not ids.size or (limit <= _INT64_LIMIT and int(ids.view(np.uint64).max()) < limit):
+        return
     bad = np.flatnonzero((ids < 0) | (ids >= limit))
     if bad.size:
         j = int(bad[0])
         raise InvalidArgument(f"{field}[{j}]", f"block {ids[j]} out of range [0, {limit})")
 
 
-def _first_repeat(ids: Int64Array) -> tuple[int, int] | None:
-    """(later, earlier) positions of the first repeated id, or None."""
+def _repeats(ids: Int64Array, limit: int) -> bool:
+    """Whether any of ``ids``, all in ``[0, limit)``, repeats: a bitmap of
+    the blocks where that is small next to the ids (a few microseconds for
+    thousands), else a sort (still half an argsort)."""
+    if limit <= max(_BITMAP_BLOCKS, 16 * len(ids)):
+        seen = np.zeros(limit, dtype=np.bool_)
+        seen[ids] = True
+        return int(np.count_nonzero(seen)) != len(ids)
+    sorted_ids = np.sort(ids)
+    return bool((sorted_ids[1:] == sorted_ids[:-1]).any())
+
+
+def _first_repeat(ids: Int64Array, limit: int) -> tuple[int, int] | None:
+    """(later, earlier) positions of the first repeated id, or None; ``ids``
+    lie in ``[0, limit)``. Only a refused request pays for finding which."""
+    if not _repeats(ids, limit):
+        return None
     order = np.argsort(ids, kind="stable")
     sorted_ids = ids[order]
     dup = np.flatnonzero(sorted_ids[1:] == sorted_ids[:-1]) + 1
@@ -175,6 +208,8 @@ def _check_destination(
     shared by two groups whose layers cover common bytes, would race."""
     which = 0 if destination is Side.LOCAL else 1
     name = f"{destination.value}_block_ids"
+    # _validate checked each destination id against these.
+    limits = table.local_limits if destination is Side.LOCAL else table.remote_limits
     overlaps, shared = table.overlaps(destination), table.shared(destination)
     for i in range(len(groups)):
         dest = ids[i][which]
@@ -183,7 +218,7 @@ def _check_destination(
                 f"groups[{i}].layer_names",
                 f"{overlaps[i]} on the {destination.value} side: each block would be written twice",
             )
-        repeat = _first_repeat(dest)
+        repeat = _first_repeat(dest, limits[i])
         if repeat:
             later, earlier = repeat
             raise InvalidArgument(
@@ -209,8 +244,11 @@ def _group_descriptors(
     """(local indices, remote indices, runs) moving one request group's
     ``pieces`` (a span of ``table``) for every block pair ``(lids[k], rids[k])``."""
     loc, rem = table.local, table.remote
-    whole = pieces[table.whole_row[pieces]] if merge_runs else pieces[:0]
-    split = np.setdiff1d(pieces, whole, assume_unique=True)
+    if merge_runs:
+        is_whole = table.whole_row[pieces]
+        whole, split = pieces[is_whole], pieces[~is_whole]
+    else:
+        whole, split = pieces[:0], pieces
     # Pieces that are not whole rows: one descriptor per piece per block.
     li = [np.add.outer(loc.first_index[split], lids).ravel()]
     ri = [np.add.outer(rem.first_index[split], rids).ravel()]
@@ -218,17 +256,18 @@ def _group_descriptors(
         return li, ri, []
     # Whole-row pieces: a run of pairs (lb, rb), (lb+1, rb+1), ... is
     # contiguous on both sides, so k >= 2 blocks become one descriptor.
-    brk = np.flatnonzero((np.diff(lids) != 1) | (np.diff(rids) != 1)) + 1
+    brk = np.flatnonzero((lids[1:] - lids[:-1] != 1) | (rids[1:] - rids[:-1] != 1)) + 1
     first = np.concatenate(([0], brk))
-    length = np.diff(np.append(first, len(lids)))
-    single, multi = first[length == 1], first[length > 1]
+    length = np.append(brk, len(lids)) - first
+    long = length > 1
+    single, multi = first[length == 1], first[long]
     li.append(np.add.outer(loc.first_index[whole], lids[single]).ravel())
     ri.append(np.add.outer(rem.first_index[whole], rids[single]).ravel())
     if not multi.size:
         return li, ri, []
     la = loc.addr[whole, None] + loc.stride[whole, None] * lids[multi]
     ra = rem.addr[whole, None] + rem.stride[whole, None] * rids[multi]
-    ln = table.len_bytes[whole, None] * length[length > 1]
+    ln = table.len_bytes[whole, None] * length[long]
     return li, ri, [np.stack([la.ravel(), ra.ravel(), ln.ravel()], axis=1)]
 
 

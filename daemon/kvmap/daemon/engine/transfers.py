@@ -68,6 +68,7 @@ from kvmap.daemon.core.transfer_pieces import LayerSelection, PieceTable, Side, 
 from kvmap.daemon.core.transfer_plan import (
     GroupPairs,
     TransferPlan,
+    block_ids,
     check_group_count,
     check_sizes,
     piece_dlist_rows,
@@ -79,7 +80,7 @@ from kvmap.daemon.engine.leases import notification
 from kvmap.daemon.engine.progress import Progress
 from kvmap.daemon.engine.remote_agents import RemoteAgents
 from kvmap.daemon.engine.workers import WorkerRecord, WorkerTable
-from kvmap.v1 import admin_pb2, peer_pb2, transfers_pb2, types_pb2
+from kvmap.v1 import admin_pb2, peer_pb2, transfers_pb2
 
 log = structlog.get_logger("kvmapd.transfers")
 
@@ -171,6 +172,10 @@ class Request:
     # whether this one only gives up its use (spec.release).
     readers: int = 0
     release: bool = False
+    # The wire groups, whose remote block ids the owner is told
+    # (``_announcement`` copies them in C; ``pairs`` holds them as arrays).
+    # Messages are unhashable: left out of the request's hash, as derived.
+    wire_groups: tuple[transfers_pb2.GroupBlocks, ...] = field(default=(), compare=False)
 
     @classmethod
     def parse(cls, spec: transfers_pb2.TransferSpec, default_timeout_s: float) -> Request:
@@ -184,17 +189,16 @@ class Request:
         if not spec.groups:
             raise InvalidArgument("spec.groups", "at least one transfer group is required")
         check_group_count(len(spec.groups))
-        pairs = tuple(
-            GroupPairs(g.transfer_group, list(g.local_block_ids), list(g.remote_block_ids))
-            for g in spec.groups
-        )
+        groups = tuple(spec.groups)
         tokens = token_groups(spec)
         if not tokens:
-            check_sizes(pairs)
+            # On the wire fields' lengths: refused before any id is copied.
+            check_sizes([_wire_pairs(g) for g in groups])
         if not spec.capability:
             # Refused here, before any peer is dialled: a pull built from
             # params without a capability is never anyone's legitimate pull.
             raise PermissionDenied("spec.capability: a transfer needs the owner's capability")
+        pairs = tuple(_array_pairs(g) for g in groups)
         return cls(
             request_id=spec.request_id[:256],
             local=requested_worker(spec.local_worker, "spec.local_worker"),
@@ -209,6 +213,7 @@ class Request:
             capability=spec.capability,
             tokens=tokens,
             readers=readers,
+            wire_groups=groups,
         )
 
     @classmethod
@@ -233,6 +238,16 @@ class Request:
             readers=readers,
             release=True,
         )
+
+
+def _wire_pairs(g: transfers_pb2.GroupBlocks) -> GroupPairs:
+    """A wire group's block ids as the message holds them (for their lengths)."""
+    return GroupPairs(g.transfer_group, g.local_block_ids, g.remote_block_ids)
+
+
+def _array_pairs(g: transfers_pb2.GroupBlocks) -> GroupPairs:
+    """A wire group's block ids as int64 arrays, as planning takes them."""
+    return GroupPairs(g.transfer_group, block_ids(g.local_block_ids), block_ids(g.remote_block_ids))
 
 
 def _code_name(err: BaseException) -> str:
@@ -436,21 +451,21 @@ class TransferEngine:
             async with asyncio.timeout(req.timeout_s):
                 async for item in self._retried(req, record, write, deadline):
                     yield item
-            self._metrics.transfers.labels(direction, "done").inc()
+            self._metrics.labelled(self._metrics.transfers, direction, "done").inc()
             self._metrics.transfer_ended(direction, req.target, "OK", time.perf_counter() - started)
             if write:
                 self._counters.pushes_done += 1
             else:
                 self._counters.pulls_done += 1
         except TimeoutError:
-            self._metrics.transfers.labels(direction, "deadline").inc()
+            self._metrics.labelled(self._metrics.transfers, direction, "deadline").inc()
             self._metrics.transfer_ended(direction, req.target, "DEADLINE_EXCEEDED")
             self._counters.failed += 1
             raise DeadlineExceeded(
                 f"transfer {req.request_id}: no completion in {req.timeout_s}s"
             ) from None
         except BaseException as err:
-            self._metrics.transfers.labels(direction, type(err).__name__).inc()
+            self._metrics.labelled(self._metrics.transfers, direction, type(err).__name__).inc()
             self._metrics.transfer_ended(direction, req.target, _code_name(err))
             self._counters.failed += 1
             raise
@@ -594,7 +609,7 @@ class TransferEngine:
     def _announcement(
         self, req: Request, hs: PeerHandshake, plan: TransferPlan, write: bool
     ) -> peer_pb2.BeginTransferRequest:
-        return peer_pb2.BeginTransferRequest(
+        announced = peer_pb2.BeginTransferRequest(
             request_id=req.request_id,
             worker=worker_id_to_proto(req.remote),
             generation=hs.generation,
@@ -609,14 +624,14 @@ class TransferEngine:
             capability=req.capability,
             replaces_agents=self._replaces_agents,
             readers=req.readers,
-            # The owner's blocks this transfer touches: each must be granted.
-            groups=[
-                types_pb2.BlockGrant(
-                    transfer_group=p.transfer_group, block_ids=list(p.remote_block_ids)
-                )
-                for p in req.pairs
-            ],
         )
+        # The owner's blocks this transfer touches: each must be granted.
+        # Copied from the wire field to the wire field, in C: a list of
+        # Python ints, or a message handed to the constructor, costs tens of
+        # microseconds a group.
+        for g in req.wire_groups:
+            announced.groups.add(transfer_group=g.transfer_group, block_ids=g.remote_block_ids)
+        return announced
 
     async def _carry_out(
         self,
@@ -632,8 +647,10 @@ class TransferEngine:
         by EndTransfer when not."""
         completed = False
         try:
-            post_s, done_s = await self._post_and_wait(prepared, plan, hs, write)
-            await self._nixl(partial(self._agent.send_notif, hs.agent_name, notification(token)))
+            # The notification goes out in the same NIXL call that releases
+            # the finished transfers: one thread hop per pull, not three.
+            tell = partial(self._agent.send_notif, hs.agent_name, notification(token))
+            post_s, done_s = await self._post_and_wait(prepared, plan, hs, write, then=tell)
             completed = True
         finally:
             await self._done_with(prepared)
@@ -651,8 +668,17 @@ class TransferEngine:
         self._counters.blocks += plan.blocks
 
     async def _post_and_wait(
-        self, prepared: Prepared, plan: TransferPlan, hs: PeerHandshake, write: bool
+        self,
+        prepared: Prepared,
+        plan: TransferPlan,
+        hs: PeerHandshake,
+        write: bool,
+        *,
+        then: Callable[[], None],
     ) -> tuple[float, float]:
+        """Post the plan's transfers and wait for them; ``then`` runs on the
+        NIXL thread right after they are released, only if all of them
+        succeeded."""
         op = XferOp.WRITE if write else XferOp.READ
 
         def post() -> tuple[list[Xfer], float]:
@@ -688,14 +714,30 @@ class TransferEngine:
         start = time.perf_counter()
         try:
             states = await asyncio.gather(*(self._progress.watch(x) for x in xfers))
-        finally:
+        except BaseException:
+            await self._release_xfers(xfers, None)
+            raise
+        done_s = time.perf_counter() - start
+        failed = [x for x, state in zip(xfers, states, strict=True) if state is not XferState.DONE]
+        await self._release_xfers(xfers, None if failed else then)
+        if failed:
+            raise failed[0].error or TransferError("NIXL reported a failed transfer", "ERR")
+        return post_s, done_s
+
+    async def _release_xfers(self, xfers: list[Xfer], then: Callable[[], None] | None) -> None:
+        """Release ``xfers`` (and run ``then``) in one NIXL call. Shielded: a
+        pull cancelled meanwhile (its deadline) must not leave its handles
+        behind."""
+        for x in xfers:
+            self._progress.forget(x)
+
+        def release() -> None:
             for x in xfers:
-                self._progress.forget(x)
-                await self._nixl(partial(self._agent.release, x))
-        for x, state in zip(xfers, states, strict=True):
-            if state is not XferState.DONE:
-                raise x.error or TransferError("NIXL reported a failed transfer", "ERR")
-        return post_s, time.perf_counter() - start
+                self._agent.release(x)
+            if then is not None:
+                then()
+
+        await asyncio.shield(self._nixl(release))
 
     async def close(self) -> None:
         async with self._lock:
