@@ -25,13 +25,14 @@ import json
 import os
 import resource
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Concatenate, ParamSpec, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 import structlog
 
 from kvmap.daemon.core.errors import KvmapError, ResourceExhausted, Unavailable
@@ -77,7 +78,10 @@ CREATE TABLE IF NOT EXISTS grants (
 """
 
 
+@functools.lru_cache(maxsize=4096)
 def _key(worker: WorkerKey) -> str:
+    # Cached: every grant use and event of a worker writes its key (a frozen
+    # WorkerKey), and the JSON encoder costs more than the write in memory.
     return json.dumps([worker.engine_id, worker.dp_rank, worker.tp_rank, worker.pp_rank])
 
 
@@ -452,6 +456,28 @@ class StateStore:
         return int(cur.lastrowid or 0)
 
     @_mapped
+    def record_use(
+        self, grant: Grant | None, worker: WorkerKey, event: registry_pb2.AttachResponse
+    ) -> int:
+        """A completed transfer in one transaction (one WAL sync, where the
+        use and the event written apart took two, and never one of them
+        without the other): its grant's use (``grant`` as it is after: kept
+        with its count, or deleted once used up; None when the grant is
+        gone) and the worker's event. Returns the event's id. A failure
+        stores nothing."""
+        with self._db:
+            self._db.execute("BEGIN")
+            if grant is not None and grant.exhausted:
+                self._db.execute("DELETE FROM grants WHERE digest = ?", (grant.digest,))
+            elif grant is not None:
+                self._update_grant(grant)
+            cur = self._db.execute(
+                "INSERT INTO pending_events (worker, event) VALUES (?, ?)",
+                (_key(worker), event.SerializeToString()),
+            )
+        return int(cur.lastrowid or 0)
+
+    @_mapped
     def pending_events(self, worker: WorkerKey) -> list[tuple[int, registry_pb2.AttachResponse]]:
         rows = self._db.execute(
             "SELECT id, event FROM pending_events WHERE worker = ? ORDER BY id", (_key(worker),)
@@ -475,12 +501,6 @@ class StateStore:
 
     @_mapped
     def save_grant(self, grant: Grant) -> None:
-        groups = registry_pb2.GrantTransferRequest(
-            groups=[
-                types_pb2.BlockGrant(transfer_group=g, block_ids=ids.tolist())
-                for g, ids in grant.blocks.items()
-            ]
-        )
         self._db.execute(
             "INSERT OR REPLACE INTO grants VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (
@@ -488,7 +508,7 @@ class StateStore:
                 _key(grant.worker),
                 grant.generation,
                 grant.request_id,
-                groups.SerializeToString(),
+                groups_blob(grant.blocks),
                 grant.expires_unix_ms,
                 grant.max_uses,
                 grant.uses,
@@ -499,6 +519,9 @@ class StateStore:
     def update_grant(self, grant: Grant) -> None:
         """What changes over a grant's life: its uses, its generation and
         (once, when its first claim fixes an open grant's) its use count."""
+        self._update_grant(grant)
+
+    def _update_grant(self, grant: Grant) -> None:
         self._db.execute(
             "UPDATE grants SET generation = ?, uses = ?, max_uses = ? WHERE digest = ?",
             (grant.generation, grant.uses, grant.max_uses, grant.digest),
@@ -534,6 +557,17 @@ class StateStore:
                 )
             )
         return out
+
+
+def groups_blob(blocks: Mapping[int, npt.NDArray[np.int64]]) -> bytes:
+    """A grant's ``groups`` column: a GrantTransferRequest holding only its
+    groups."""
+    return registry_pb2.GrantTransferRequest(
+        groups=[
+            types_pb2.BlockGrant(transfer_group=g, block_ids=ids.tolist())
+            for g, ids in blocks.items()
+        ]
+    ).SerializeToString()
 
 
 def _stored(key: str, blob: bytes, doc: str, planner: str, generation: int) -> StoredWorker:

@@ -14,8 +14,7 @@ logged and counted like any other rejected RPC.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -27,6 +26,10 @@ from kvmap.daemon.core.errors import PermissionDenied
 from kvmap.daemon.core.peer_policy import INBOUND_DENIED, PeerPolicy, grpc_peer_address
 
 log = structlog.get_logger("kvmapd.authorization")
+
+# Peer strings whose answer is remembered at most (then forgotten at once):
+# connections, each with its own source port, are far fewer.
+MAX_REMEMBERED_PEERS = 4096
 
 # auth_context() keys under which grpcio reports the client certificate's DNS
 # and URI SANs (grpcio 1.85; pinned by tests/security/test_peer_authorization.py).
@@ -53,21 +56,30 @@ class PeerAuthorization(_Interceptor):
         self._policy = policy
         self._mutual_tls = mutual_tls
         self._wrapped = WrappedHandlers(self._wrap)
+        # Without mutual TLS the answer depends on the peer's address alone
+        # (the policy never changes): each peer string (address and port,
+        # one per connection) is parsed and matched once, not per call.
+        self._by_address: dict[str, bool] = {}
 
     def authorized(self, context: Ctx) -> bool:
         if self._mutual_tls:
             return self._policy.accepts_identities(certificate_identities(context))
-        return self._policy.accepts_address(grpc_peer_address(context.peer()))
+        peer = context.peer()
+        known = self._by_address.get(peer)
+        if known is None:
+            known = self._policy.accepts_address(grpc_peer_address(peer))
+            if len(self._by_address) >= MAX_REMEMBERED_PEERS:
+                self._by_address.clear()
+            self._by_address[peer] = known
+        return known
 
     def check(self, context: Ctx) -> None:
         if not self.authorized(context):
             log.warning("peer_refused", peer=context.peer())
             raise PermissionDenied(INBOUND_DENIED)
 
-    @contextlib.asynccontextmanager
-    async def _guard(self, context: Ctx) -> AsyncIterator[None]:
-        self.check(context)
-        yield
+    def _guard(self, context: Ctx) -> _Guard:
+        return _Guard(self, context)
 
     async def intercept_service(
         self,
@@ -94,3 +106,22 @@ class PeerAuthorization(_Interceptor):
 
     async def _refuse(self, request: Any, context: Ctx) -> Any:
         raise PermissionDenied(INBOUND_DENIED)
+
+
+class _Guard:
+    """``PeerAuthorization``'s check around one call, as a plain async
+    context manager (a generator-based one costs an async generator, which
+    the event loop tracks, per call): the caller is checked on entry, before
+    its request is parsed; nothing happens on exit."""
+
+    __slots__ = ("_context", "_owner")
+
+    def __init__(self, owner: PeerAuthorization, context: Ctx) -> None:
+        self._owner = owner
+        self._context = context
+
+    async def __aenter__(self) -> None:
+        self._owner.check(self._context)
+
+    async def __aexit__(self, *exc: object) -> bool:
+        return False

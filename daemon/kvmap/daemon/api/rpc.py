@@ -4,11 +4,11 @@ interceptor."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -37,6 +37,8 @@ def _request_id(context: aio.ServicerContext[Any, Any]) -> str:
 
 
 if TYPE_CHECKING:
+    from prometheus_client import Counter, Histogram
+
     from kvmap.daemon.api.handlers import Handler
 
     # grpc's stubs make the interceptor generic; the runtime class is not.
@@ -50,6 +52,8 @@ class ErrorsAndContext(_Interceptor):
         self._metrics = metrics
         self._listener = listener
         self._wrapped = WrappedHandlers(self._wrap)
+        # Each method's metric series (one entry per served method).
+        self._series: dict[str, _Series] = {}
 
     async def _fail(
         self, err: BaseException, method: str, context: aio.ServicerContext[Any, Any]
@@ -63,26 +67,12 @@ class ErrorsAndContext(_Interceptor):
         reason = err.reason if isinstance(err, KvmapError) else ""
         await context.abort(code, message, trailing_metadata=reason_metadata(reason))
 
-    @contextlib.asynccontextmanager
-    async def _scope(
-        self, method: str, context: aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[None]:
+    def _scope(self, method: str, context: aio.ServicerContext[Any, Any]) -> _Scope:
         """One RPC: its logging context, its latency, its status."""
-        structlog.contextvars.bind_contextvars(
-            rpc=method, request_id=_request_id(context), listener=self._listener
+        series = self._series.get(method) or self._series.setdefault(
+            method, _Series(self._metrics, method)
         )
-        start = time.perf_counter()
-        try:
-            yield
-        except aio.AbortError:
-            raise
-        except Exception as err:
-            await self._fail(err, method, context)
-            raise AssertionError("unreachable: abort raises") from err
-        finally:
-            self._metrics.rpc_seconds.labels(method).observe(time.perf_counter() - start)
-            structlog.contextvars.clear_contextvars()
-        self._metrics.rpcs.labels(method, "OK").inc()
+        return _Scope(self, method, series, context)
 
     async def intercept_service(
         self,
@@ -100,3 +90,71 @@ class ErrorsAndContext(_Interceptor):
     def _wrap(self, full_method: str, handler: Handler) -> Handler | None:
         method = full_method.rsplit("/", 1)[-1]
         return wrap_handler(handler, lambda context: self._scope(method, context))
+
+
+class _Series:
+    """One method's latency histogram and OK counter, each looked up once (a
+    ``labels`` call per RPC costs more than the observation itself); the
+    OK counter only once the method first succeeds, as before, so that a
+    method that never did exports no OK series."""
+
+    def __init__(self, metrics: Metrics, method: str) -> None:
+        self._metrics = metrics
+        self._method = method
+        self.seconds: Histogram = metrics.rpc_seconds.labels(method)
+        self._ok: Counter | None = None
+
+    @property
+    def ok(self) -> Counter:
+        if self._ok is None:
+            self._ok = self._metrics.rpcs.labels(self._method, "OK")
+        return self._ok
+
+
+class _Scope:
+    """``ErrorsAndContext``'s scope of one RPC, as a plain async context
+    manager: a generator-based one (``contextlib.asynccontextmanager``)
+    costs an async generator, which the event loop tracks and forgets, on
+    every call. Entered: the logging context is bound and the clock runs.
+    Left: an ``AbortError`` (a status already sent) passes, any other
+    ``Exception`` becomes its status (``_fail`` aborts the call), anything
+    else (cancellation) passes; the latency is observed and the logging
+    context cleared whichever way, and a call that raised nothing counts OK."""
+
+    __slots__ = ("_context", "_method", "_owner", "_series", "_start")
+
+    def __init__(
+        self,
+        owner: ErrorsAndContext,
+        method: str,
+        series: _Series,
+        context: aio.ServicerContext[Any, Any],
+    ) -> None:
+        self._owner = owner
+        self._method = method
+        self._series = series
+        self._context = context
+        self._start = 0.0
+
+    async def __aenter__(self) -> None:
+        structlog.contextvars.bind_contextvars(
+            rpc=self._method, request_id=_request_id(self._context), listener=self._owner._listener
+        )
+        self._start = time.perf_counter()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        err: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        try:
+            if isinstance(err, Exception) and not isinstance(err, aio.AbortError):
+                await self._owner._fail(err, self._method, self._context)
+                raise AssertionError("unreachable: abort raises") from err
+        finally:
+            self._series.seconds.observe(time.perf_counter() - self._start)
+            structlog.contextvars.clear_contextvars()
+        if err is None:
+            self._series.ok.inc()
+        return False

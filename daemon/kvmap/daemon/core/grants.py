@@ -109,11 +109,28 @@ class Grant:
                 continue
             named = True
             wanted = np.asarray(ids, dtype=np.int64)
-            at = np.searchsorted(granted, wanted)
-            inside = at < len(granted)
-            if not inside.all() or not (granted[at] == wanted).all():
+            if _same_ids(wanted, granted):
+                continue
+            # Whether each id is inside does not depend on their order, and
+            # a binary search runs about ten times faster over sorted needles
+            # than over a request's own order (cache misses).
+            wanted = np.sort(wanted)
+            if not _same_ids(wanted, granted) and not _inside(wanted, granted):
                 return False
         return named
+
+
+def _same_ids(wanted: Int64Array, granted: Int64Array) -> bool:
+    """Whether ``wanted`` is exactly the granted ids (sorted, distinct): the
+    usual pull names all of its blocks, and one comparison then answers."""
+    return len(wanted) == len(granted) and bool(np.array_equal(wanted, granted))
+
+
+def _inside(wanted: Int64Array, granted: Int64Array) -> bool:
+    """Whether every id of ``wanted`` is one of ``granted`` (sorted)."""
+    at = np.searchsorted(granted, wanted)
+    # (An id past the last granted one has ``at == len``: checked first.)
+    return bool((at < len(granted)).all() and (granted[at] == wanted).all())
 
 
 def group_limits(model: RegionMapModel) -> dict[int, int]:

@@ -258,7 +258,8 @@ class DaemonApp:
                 if lease is None:
                     self._unmatched_notif(peer, message, token)
                     continue
-                used = self.grants.complete(lease.grant)
+                # Its use is stored with the event (``_tell_finished``).
+                used = self.grants.complete(lease.grant, persist=False)
                 self.counters.served_done += 1
                 self.counters.served_blocks += lease.blocks
                 direction = (
@@ -269,19 +270,43 @@ class DaemonApp:
                 done = registry_pb2.TransferFinishedEvent(
                     request_id=lease.request_id, direction=direction, peer_agent=peer
                 )
-                self._tell_finished(lease.record.key, done, used)
+                self._tell_finished(lease.record.key, done, used, store_use=True)
 
     def _tell_finished(
-        self, key: WorkerKey, done: registry_pb2.TransferFinishedEvent, used: Grant | None
+        self,
+        key: WorkerKey,
+        done: registry_pb2.TransferFinishedEvent,
+        used: Grant | None,
+        store_use: bool = False,
     ) -> None:
         """Send the worker a finished transfer (or released use), with its
         grant's count, so its blocks are freed once no use is left. Persisted
         until an Attach stream has sent it: a restart between the
-        notification and the worker loses nothing."""
+        notification and the worker loses nothing. With ``store_use`` the
+        grant's use (``used``, which ``GrantTable.complete`` left unstored)
+        is stored with the event."""
         if used is not None:
             done.uses, done.max_uses, done.exhausted = used.uses, used.max_uses, used.exhausted
         event = registry_pb2.AttachResponse(transfer_finished=done)
-        self.table.publish(key, event, self._persist_event(key, event))
+        if store_use:
+            event_id = self._persist_use_and_event(key, event, used)
+        else:
+            event_id = self._persist_event(key, event)
+        self.table.publish(key, event, event_id)
+
+    def _persist_use_and_event(
+        self, key: WorkerKey, event: registry_pb2.AttachResponse, used: Grant | None
+    ) -> int:
+        """A completed transfer's grant use and its event, in one transaction
+        (one sync of the store per completion, not two). A store that cannot
+        take it gets each written on its own, as before: whatever it can
+        keep is kept, and each refusal is logged as it always was."""
+        try:
+            return self.store.record_use(used, key, event)
+        except StateStoreError:
+            if used is not None:
+                self.grants.persist_use(used)
+            return self._persist_event(key, event)
 
     def _persist_event(self, key: WorkerKey, event: registry_pb2.AttachResponse) -> int:
         """The event's id in the store; 0 (sent live only) when the store

@@ -28,7 +28,7 @@ from kvmap.daemon.core.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
-from kvmap.daemon.core.geometry import WorkerKey
+from kvmap.daemon.core.geometry import RegionMapModel, WorkerKey
 from kvmap.daemon.core.grants import BlockIds, Grant
 from kvmap.daemon.engine.workers import WorkerRecord
 
@@ -65,6 +65,10 @@ class GrantTable:
         self._entries: dict[bytes, _Entry] = {}
         self._per_worker: dict[WorkerKey, int] = {}
         self._blocks = 0
+        # Each worker's group limits, with the model they were read from: a
+        # model is a worker's plan, unchanged until it is re-planned, and
+        # reading the limits walks every region (one per layer) per grant.
+        self._limits: dict[WorkerKey, tuple[RegionMapModel, dict[int, int]]] = {}
         for grant in store.grants():
             self._add(grant)
         self.sweep()
@@ -91,7 +95,7 @@ class GrantTable:
         except KvmapError as err:
             log.error("grant_change_not_stored", action=action, error=str(err))
 
-    def _remove(self, digests: Sequence[bytes]) -> None:
+    def _remove(self, digests: Sequence[bytes], persist: bool = True) -> None:
         if not digests:
             return
         for d in digests:
@@ -102,7 +106,8 @@ class GrantTable:
             else:
                 del self._per_worker[grant.worker]
             self._blocks -= grant.block_count
-        self._persist("delete", partial(self._store.delete_grants, digests))
+        if persist:
+            self._persist("delete", partial(self._store.delete_grants, digests))
 
     # Minting and withdrawing --------------------------------------------------
 
@@ -122,7 +127,7 @@ class GrantTable:
         request_id = core.check_request_id(request_id)
         ttl_ms = core.check_ttl(ttl_ms)
         max_uses = core.check_grant_uses(max_uses, open_uses)
-        blocks = core.granted_blocks(groups, core.group_limits(record.model))
+        blocks = core.granted_blocks(groups, self._group_limits(record))
         self._check_room(record.key, sum(len(ids) for ids in blocks.values()))
         capability = new_capability()
         grant = Grant(
@@ -137,6 +142,14 @@ class GrantTable:
         self._store.save_grant(grant)  # first: a failed write leaves nothing behind
         self._add(grant)
         return capability, grant
+
+    def _group_limits(self, record: WorkerRecord) -> dict[int, int]:
+        cached = self._limits.get(record.key)
+        if cached is not None and cached[0] is record.model:
+            return cached[1]
+        limits = core.group_limits(record.model)
+        self._limits[record.key] = (record.model, limits)
+        return limits
 
     def _check_room(self, worker: WorkerKey, blocks: int) -> None:
         def full() -> str:
@@ -166,6 +179,7 @@ class GrantTable:
 
     def drop_worker(self, worker: WorkerKey) -> None:
         """The worker's memory is gone or replaced: none of its grants holds."""
+        self._limits.pop(worker, None)
         self._remove([d for d, e in self._entries.items() if e.grant.worker == worker])
 
     def rebind(self, worker: WorkerKey, generation: int) -> None:
@@ -287,24 +301,35 @@ class GrantTable:
         if entry.active == 0:
             entry.claimed_by = ""
 
-    def complete(self, digest: bytes) -> Grant | None:
+    def complete(self, digest: bytes, persist: bool = True) -> Grant | None:
         """A transfer under the grant completed: one use is spent. Returns
-        the grant after (None when it was revoked or swept meanwhile)."""
+        the grant after (None when it was revoked or swept meanwhile). With
+        ``persist`` False the caller stores the use (``StateStore.record_use``
+        with the worker's event, in one transaction) or, failing that, hands
+        it to ``persist_use``."""
         entry = self._entries.get(digest)
         if entry is None:
             return None
         self.release(digest)
         grant = replace(entry.grant, uses=entry.grant.uses + 1)
-        self._spend(entry, grant)
+        self._spend(entry, grant, persist)
         return grant
 
-    def _spend(self, entry: _Entry, grant: Grant) -> None:
+    def persist_use(self, grant: Grant) -> None:
+        """Store a use ``complete`` left to its caller, as ``complete`` does."""
+        if grant.exhausted:
+            self._persist("delete", partial(self._store.delete_grants, [grant.digest]))
+        else:
+            self._persist("use", partial(self._store.update_grant, grant))
+
+    def _spend(self, entry: _Entry, grant: Grant, persist: bool = True) -> None:
         """``grant`` (one more use spent) replaces the entry's; used up, it goes."""
         if grant.exhausted:
-            self._remove([grant.digest])
+            self._remove([grant.digest], persist)
             return
         entry.grant = grant
-        self._persist("use", partial(self._store.update_grant, grant))
+        if persist:
+            self._persist("use", partial(self._store.update_grant, grant))
 
 
 def new_capability() -> str:
