@@ -545,8 +545,8 @@ def run(
 ) -> list[transfers_pb2.TransferStatus]:
     t = world.transport(role)
     if push:
-        return [r.status for r in t.push(transfers_pb2.PushRequest(spec=spec), T)]
-    return [r.status for r in t.pull(transfers_pb2.PullRequest(spec=spec), T)]
+        return [r.status for r in t.push(spec, T)]
+    return [r.status for r in t.pull(spec, T)]
 
 
 @dataclass

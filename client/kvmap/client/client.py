@@ -111,18 +111,12 @@ class KvmapClient:
     def pull(
         self, spec: transfers_pb2.TransferSpec, timeout_s: float | None = None
     ) -> TransferResult:
-        stream = self.transport.pull(
-            transfers_pb2.PullRequest(spec=spec), timeout_s or self.timeout_s
-        )
-        return _result(r.status for r in stream)
+        return _result(r.status for r in self.transport.pull(spec, timeout_s or self.timeout_s))
 
     def push(
         self, spec: transfers_pb2.TransferSpec, timeout_s: float | None = None
     ) -> TransferResult:
-        stream = self.transport.push(
-            transfers_pb2.PushRequest(spec=spec), timeout_s or self.timeout_s
-        )
-        return _result(r.status for r in stream)
+        return _result(r.status for r in self.transport.push(spec, timeout_s or self.timeout_s))
 
     def get_region_map(self, worker: types_pb2.WorkerId) -> types_pb2.RegionMap:
         req = region_maps_pb2.GetRegionMapRequest(worker=worker)

@@ -40,12 +40,15 @@ class Transport(Protocol):
         self, req: registry_pb2.RevokeTransferRequest, timeout: float
     ) -> registry_pb2.RevokeTransferResponse: ...
 
+    # Pull and Push take the request's spec itself (the wire request is
+    # PullRequest{spec}/PushRequest{spec}): a transport that serializes it
+    # need not copy its block ids into a request message first.
     def pull(
-        self, req: transfers_pb2.PullRequest, timeout: float
+        self, spec: transfers_pb2.TransferSpec, timeout: float
     ) -> Iterator[transfers_pb2.PullResponse]: ...
 
     def push(
-        self, req: transfers_pb2.PushRequest, timeout: float
+        self, spec: transfers_pb2.TransferSpec, timeout: float
     ) -> Iterator[transfers_pb2.PushResponse]: ...
 
     def get_region_map(

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
+import grpc.experimental
 
 from kvmap.client import fd_handoff
 from kvmap.client.errors import from_rpc_error
@@ -17,10 +18,10 @@ from kvmap.v1 import (
     registry_pb2,
     registry_pb2_grpc,
     transfers_pb2,
-    transfers_pb2_grpc,
 )
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 class _GrpcAttachStream:
@@ -46,23 +47,70 @@ def _stream(call: Iterable[T]) -> Iterator[T]:
         raise from_rpc_error(err) from None
 
 
+_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+    # A restarted sidecar is back within a second or two: retry the
+    # socket quickly instead of gRPC's default backoff (up to 2 min).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+# Pull and Push answer a short stream per transfer, read to its end by the
+# thread that called: on a channel with this option that thread polls the
+# call's own completion queue, instead of the channel's spin thread taking
+# every event and waking the caller (two thread switches per message, the
+# cost that grows with transfers in flight). A Python-side option only: the
+# core sees the same arguments as ``_OPTIONS``, so both channels share one
+# connection to the daemon.
+_SINGLE_THREADED_STREAMS = (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)
+
+# Field 1 (``spec``), length-delimited: the tag of PullRequest and
+# PushRequest's only field.
+_SPEC_TAG = b"\x0a"
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def spec_request_bytes(spec: transfers_pb2.TransferSpec) -> bytes:
+    """``PullRequest(spec=spec)`` (or ``PushRequest``) as serialized, the
+    same bytes, without first deep-copying a spec of thousands of block ids
+    into a request message only to serialize it."""
+    body = spec.SerializeToString()
+    return _SPEC_TAG + _varint(len(body)) + body
+
+
+def _spec_call(
+    channel: grpc.Channel, method: str, deserializer: Callable[[bytes], R]
+) -> grpc.UnaryStreamMultiCallable[transfers_pb2.TransferSpec, R]:
+    """Transfers' ``method`` taking a TransferSpec (``spec_request_bytes``)."""
+    # Registered as the generated stub registers it (the core then skips
+    # looking the method path up per call); grpc's type stubs lack the flag.
+    return channel.unary_stream(  # type: ignore[call-arg]
+        f"/kvmap.v1.Transfers/{method}",
+        request_serializer=spec_request_bytes,
+        response_deserializer=deserializer,
+        _registered_method=True,
+    )
+
+
 class GrpcTransport:
     def __init__(self, socket_path: str, fd_socket_path: str | None = None) -> None:
         self.socket_path = socket_path
         self.fd_socket_path = fd_socket_path or f"{socket_path}.fds"
-        self._channel = grpc.insecure_channel(
-            f"unix://{socket_path}",
-            options=[
-                ("grpc.max_receive_message_length", 16 * 1024 * 1024),
-                # A restarted sidecar is back within a second or two: retry the
-                # socket quickly instead of gRPC's default backoff (up to 2 min).
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.min_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 1000),
-            ],
-        )
+        target = f"unix://{socket_path}"
+        self._channel = grpc.insecure_channel(target, options=_OPTIONS)
+        self._streams = grpc.insecure_channel(target, options=[*_OPTIONS, _SINGLE_THREADED_STREAMS])
         self._registry = registry_pb2_grpc.RegistryStub(self._channel)
-        self._transfers = transfers_pb2_grpc.TransfersStub(self._channel)
+        self._pull_spec = _spec_call(self._streams, "Pull", transfers_pb2.PullResponse.FromString)
+        self._push_spec = _spec_call(self._streams, "Push", transfers_pb2.PushResponse.FromString)
         self._maps = region_maps_pb2_grpc.RegionMapsStub(self._channel)
         self._admin = admin_pb2_grpc.AdminStub(self._channel)
 
@@ -105,14 +153,17 @@ class GrpcTransport:
             raise from_rpc_error(err) from None
 
     def pull(
-        self, req: transfers_pb2.PullRequest, timeout: float
+        self, spec: transfers_pb2.TransferSpec, timeout: float
     ) -> Iterator[transfers_pb2.PullResponse]:
-        return _stream(self._transfers.Pull(req, timeout=timeout))
+        """Pull{spec}: the spec is serialized once, straight into the
+        request's bytes (no PullRequest copy of its block ids)."""
+        return _stream(self._pull_spec(spec, timeout=timeout))
 
     def push(
-        self, req: transfers_pb2.PushRequest, timeout: float
+        self, spec: transfers_pb2.TransferSpec, timeout: float
     ) -> Iterator[transfers_pb2.PushResponse]:
-        return _stream(self._transfers.Push(req, timeout=timeout))
+        """Push{spec}, as ``pull``."""
+        return _stream(self._push_spec(spec, timeout=timeout))
 
     def get_region_map(
         self, req: region_maps_pb2.GetRegionMapRequest, timeout: float
@@ -129,4 +180,5 @@ class GrpcTransport:
             raise from_rpc_error(err) from None
 
     def close(self) -> None:
+        self._streams.close()
         self._channel.close()

@@ -1089,18 +1089,17 @@ class MemoryTransport:
         return registry_pb2.RevokeTransferResponse()
 
     def pull(
-        self, req: transfers_pb2.PullRequest, timeout: float
+        self, spec: transfers_pb2.TransferSpec, timeout: float
     ) -> Iterator[transfers_pb2.PullResponse]:
         return (
-            transfers_pb2.PullResponse(status=s)
-            for s in self.daemon.transfer(req.spec, write=False)
+            transfers_pb2.PullResponse(status=s) for s in self.daemon.transfer(spec, write=False)
         )
 
     def push(
-        self, req: transfers_pb2.PushRequest, timeout: float
+        self, spec: transfers_pb2.TransferSpec, timeout: float
     ) -> Iterator[transfers_pb2.PushResponse]:
         return (
-            transfers_pb2.PushResponse(status=s) for s in self.daemon.transfer(req.spec, write=True)
+            transfers_pb2.PushResponse(status=s) for s in self.daemon.transfer(spec, write=True)
         )
 
     def get_region_map(
