@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -155,6 +156,17 @@ def write_ready_file(path: str, daemon: Daemon) -> None:
     os.replace(tmp, path)
 
 
+def freeze_startup_heap() -> int:
+    """Move every object the daemon holds once started (modules, gRPC,
+    NIXL, restored state) out of the collector's generations, for good.
+    A full collection otherwise walks all of them, and under load one
+    stalls the event loop for tens of milliseconds, on the pulls' path
+    (docs/benchmarks.md). Returns how many objects are frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 async def serve(config: DaemonConfig, ready_file: str | None = None) -> int:
     # Sockets are born owner/group-only (no window before the chmod below);
     # "other" never gets access to anything the daemon creates.
@@ -167,6 +179,7 @@ async def serve(config: DaemonConfig, ready_file: str | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, daemon.app.request_replan)
+    freeze_startup_heap()
     if ready_file:
         write_ready_file(ready_file, daemon)
     await stop.wait()
