@@ -13,6 +13,7 @@ from harness import Cluster, Node, VirtualClock, Worker, cluster, next_event, ru
 
 from kvmap.daemon.core.errors import NotFound, PermissionDenied, Unavailable
 from kvmap.daemon.core.retry import RetryPolicy
+from kvmap.daemon.engine.workers import EventQueue
 from kvmap.v1 import transfers_pb2
 
 pytestmark = pytest.mark.timeout(60)
@@ -44,11 +45,16 @@ def test_a_pull_during_the_owners_restart_succeeds_after_it(tmp_path: Path) -> N
     restarted owner.)"""
     state: Any = str(tmp_path / "state")
     restarted: list[Node] = []
+    heard: list[EventQueue] = []
 
     async def main() -> None:
         async def restart_on_third_pause(n: int) -> None:
             if n == 3:
-                restarted.append(await c.node("b", instance="b2", state_dir=state))
+                b2 = await c.node("b", instance="b2", state_dir=state)
+                restarted.append(b2)
+                # Listening from the restart on: the owner may take the
+                # pull's notification before the pull's DONE reaches us.
+                heard.append(b2.app.table.subscribe(wb.key))
 
         async with cluster() as c:
             clock = VirtualClock(restart_on_third_pause)
@@ -60,7 +66,7 @@ def test_a_pull_during_the_owners_restart_succeeds_after_it(tmp_path: Path) -> N
             assert statuses[-1].state == DONE and statuses[-1].stats.remote_generation == 2
             assert (wa.block(0), wa.block(2)) == (wb.block(1), wb.block(6))
             assert len(clock.sleeps) == 3 and a.peers.handshakes == ["b:1"] * 4
-            events = b2.app.table.subscribe(wb.key)
+            (events,) = heard
             finished = (await next_event(events)).transfer_finished
             assert finished.request_id == "gap" and finished.peer_agent == a.app.agent_name
             assert events.empty() and b2.app.counters.served_done == 1
