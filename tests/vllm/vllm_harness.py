@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from kvmap.tools.launch import DaemonProc, local_env, start_daemon, stop_json_lines
+from kvmap.tools.launch import DaemonProc, local_env, start_daemon
 from kvmap.v1 import admin_pb2, admin_pb2_grpc
 
 try:
@@ -118,7 +118,15 @@ class EngineProc:
             return ""
 
     def stop(self, timeout: float = 60.0) -> None:
-        stop_json_lines(self.proc, timeout)
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(10)
 
 
 def stats(d: DaemonProc) -> admin_pb2.GetStatsResponse:

@@ -157,21 +157,6 @@ def start_daemon(
     )
 
 
-def stop_json_lines(proc: subprocess.Popen[str], timeout: float) -> None:
-    """Ask a process driven by JSON lines to exit; kill it if it does not
-    within ``timeout`` (or its stdin is already gone)."""
-    if proc.poll() is not None:
-        return
-    assert proc.stdin is not None
-    try:
-        proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
-        proc.stdin.flush()
-        proc.wait(timeout)
-    except (BrokenPipeError, subprocess.TimeoutExpired):
-        proc.kill()
-        proc.wait(10)
-
-
 @dataclass
 class WorkerProc:
     """A ``kvmap.tools.demo_worker`` process driven by JSON lines."""
@@ -198,7 +183,15 @@ class WorkerProc:
         return out
 
     def stop(self, timeout: float = 20.0) -> None:
-        stop_json_lines(self.proc, timeout)
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            try:
+                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(10)
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -25,13 +25,14 @@ import json
 import os
 import resource
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Concatenate, ParamSpec, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 import structlog
 
 from kvmap.daemon.core.errors import KvmapError, ResourceExhausted, Unavailable
@@ -500,12 +501,6 @@ class StateStore:
 
     @_mapped
     def save_grant(self, grant: Grant) -> None:
-        groups = registry_pb2.GrantTransferRequest(
-            groups=[
-                types_pb2.BlockGrant(transfer_group=g, block_ids=ids.tolist())
-                for g, ids in grant.blocks.items()
-            ]
-        )
         self._db.execute(
             "INSERT OR REPLACE INTO grants VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (
@@ -513,7 +508,7 @@ class StateStore:
                 _key(grant.worker),
                 grant.generation,
                 grant.request_id,
-                groups.SerializeToString(),
+                groups_blob(grant.blocks),
                 grant.expires_unix_ms,
                 grant.max_uses,
                 grant.uses,
@@ -562,6 +557,17 @@ class StateStore:
                 )
             )
         return out
+
+
+def groups_blob(blocks: Mapping[int, npt.NDArray[np.int64]]) -> bytes:
+    """A grant's ``groups`` column: a GrantTransferRequest holding only its
+    groups."""
+    return registry_pb2.GrantTransferRequest(
+        groups=[
+            types_pb2.BlockGrant(transfer_group=g, block_ids=ids.tolist())
+            for g, ids in blocks.items()
+        ]
+    ).SerializeToString()
 
 
 def _stored(key: str, blob: bytes, doc: str, planner: str, generation: int) -> StoredWorker:
