@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from kvmap.tools.grants import GrantRefused, granted
+from kvmap.tools.grants import GrantRefused, grant, granted
 from kvmap.tools.launch import DaemonProc, WorkerProc, start_daemon, start_worker
 from kvmap.v1 import admin_pb2, admin_pb2_grpc, region_maps_pb2, region_maps_pb2_grpc, types_pb2
 
@@ -236,3 +236,38 @@ def test_sighup_replans_from_the_config_file(tmp_path: Path) -> None:
     assert region_map(daemon).generation == 2
     worker.stop()
     assert daemon.terminate() == 0, daemon.log()
+
+
+def test_a_grant_at_once_after_the_daemon_is_back_succeeds(tmp_path: Path) -> None:
+    """The owner's first grant once its restarted daemon is ready is granted.
+    The worker's channel failed its calls while the daemon was down, so it
+    waits out a reconnect backoff when the daemon comes back; the client
+    must connect for the call instead of failing it with the old connect
+    error (seen as a prefill engine's first requests after a kvmapd upgrade
+    not offered to decode, their KV recomputed)."""
+    state = tmp_path / "state"
+    prefill = start_daemon(tmp_path / "prefill", "--state-dir", str(state), name="prefill")
+    worker = start_worker(prefill, "prefill", *GEO)
+    restarted: DaemonProc | None = None
+    blocks = [{"group": 0, "blocks": [1, 2, 3]}]
+    try:
+        assert grant(worker, "before", blocks)
+        prefill.kill()
+        # Grants while it is down fail at once, each a failed connect that
+        # lengthens the channel's reconnect backoff up to its longest.
+        codes = []
+        for i in range(12):
+            with pytest.raises(GrantRefused) as refused:
+                grant(worker, f"down-{i}", blocks)
+            codes.append(refused.value.answer["code"])
+            time.sleep(0.1)
+        assert set(codes) == {"UNAVAILABLE"}, codes
+        restarted = start_daemon(
+            tmp_path / "prefill", "--state-dir", str(state),
+            name="prefill", listen=prefill.tcp_target,
+        )  # fmt: skip
+        assert grant(worker, "after", blocks)
+    finally:
+        worker.stop()
+        if restarted is not None:
+            assert restarted.terminate() == 0, restarted.log()

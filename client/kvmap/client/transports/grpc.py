@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -50,11 +52,18 @@ def _stream(call: Iterable[T]) -> Iterator[T]:
 _OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_receive_message_length", 16 * 1024 * 1024),
     # A restarted sidecar is back within a second or two: retry the
-    # socket quickly instead of gRPC's default backoff (up to 2 min).
-    ("grpc.initial_reconnect_backoff_ms", 100),
+    # socket quickly instead of gRPC's default backoff (up to 2 min). A
+    # failed connect to a local socket costs microseconds, so the pace is
+    # set by how long a caller may find the daemon back but the channel
+    # still waiting (see ``_unary``), not by the attempts' cost.
+    ("grpc.initial_reconnect_backoff_ms", 50),
     ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_reconnect_backoff_ms", 250),
 ]
+
+# How long a unary call waits for the channel to reconnect to a daemon that
+# is listening again (several reconnect periods, well under a call's deadline).
+RECONNECT_WAIT_S = 2.0
 
 # Pull and Push answer a short stream per transfer, read to its end by the
 # thread that called: on a channel with this option that thread polls the
@@ -101,6 +110,18 @@ def _spec_call(
     )
 
 
+def daemon_listening(socket_path: str) -> bool:
+    """Whether something accepts connections on ``socket_path`` now (one
+    connect, closed at once: no gRPC, nothing sent)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(0.5)
+        try:
+            probe.connect(socket_path)
+        except OSError:  # no file, nobody listening, a path too long
+            return False
+    return True
+
+
 class GrpcTransport:
     def __init__(self, socket_path: str, fd_socket_path: str | None = None) -> None:
         self.socket_path = socket_path
@@ -120,18 +141,12 @@ class GrpcTransport:
     def register_worker(
         self, req: registry_pb2.RegisterWorkerRequest, timeout: float
     ) -> registry_pb2.RegisterWorkerResponse:
-        try:
-            return self._registry.RegisterWorker(req, timeout=timeout)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
+        return self._unary(self._registry.RegisterWorker, req, timeout)
 
     def deregister_worker(
         self, req: registry_pb2.DeregisterWorkerRequest, timeout: float
     ) -> registry_pb2.DeregisterWorkerResponse:
-        try:
-            return self._registry.DeregisterWorker(req, timeout=timeout)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
+        return self._unary(self._registry.DeregisterWorker, req, timeout)
 
     def attach(self, req: registry_pb2.AttachRequest) -> _GrpcAttachStream:
         return _GrpcAttachStream(self._registry.Attach(req))
@@ -139,18 +154,12 @@ class GrpcTransport:
     def grant_transfer(
         self, req: registry_pb2.GrantTransferRequest, timeout: float
     ) -> registry_pb2.GrantTransferResponse:
-        try:
-            return self._registry.GrantTransfer(req, timeout=timeout)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
+        return self._unary(self._registry.GrantTransfer, req, timeout)
 
     def revoke_transfer(
         self, req: registry_pb2.RevokeTransferRequest, timeout: float
     ) -> registry_pb2.RevokeTransferResponse:
-        try:
-            return self._registry.RevokeTransfer(req, timeout=timeout)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
+        return self._unary(self._registry.RevokeTransfer, req, timeout)
 
     def pull(
         self, spec: transfers_pb2.TransferSpec, timeout: float
@@ -168,14 +177,31 @@ class GrpcTransport:
     def get_region_map(
         self, req: region_maps_pb2.GetRegionMapRequest, timeout: float
     ) -> region_maps_pb2.GetRegionMapResponse:
-        try:
-            return self._maps.GetRegionMap(req, timeout=timeout)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
+        return self._unary(self._maps.GetRegionMap, req, timeout)
 
     def get_stats(self, timeout: float) -> admin_pb2.GetStatsResponse:
+        return self._unary(self._admin.GetStats, admin_pb2.GetStatsRequest(), timeout)
+
+    def _unary(self, call: Callable[..., R], req: Any, timeout: float) -> R:
+        """``call(req)``, typed errors. A daemon back after a restart (or an
+        upgrade) can find this channel still waiting out its reconnect
+        backoff, which fails calls at once with the old connect error: when
+        the socket accepts connections again, the call is made once more,
+        waiting (boundedly) for the channel to connect. A daemon that is
+        down fails at once, as before: callers (vLLM's scheduler among
+        them) must not block on a missing sidecar."""
+        started = time.monotonic()
         try:
-            return self._admin.GetStats(admin_pb2.GetStatsRequest(), timeout=timeout)
+            return call(req, timeout=timeout)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.UNAVAILABLE or not daemon_listening(self.socket_path):
+                raise from_rpc_error(err) from None
+            first = err
+        left = min(timeout - (time.monotonic() - started), RECONNECT_WAIT_S)
+        if left <= 0:
+            raise from_rpc_error(first) from None
+        try:
+            return call(req, timeout=left, wait_for_ready=True)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 

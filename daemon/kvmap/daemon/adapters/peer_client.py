@@ -76,6 +76,18 @@ def _peer_error(target: str, err: aio.AioRpcError) -> KvmapError:
 # Remote daemons this daemon keeps a channel open to at once.
 MAX_CHANNELS = 64
 
+PEER_CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    # A peer daemon restarted or upgraded is back within seconds, and pulls
+    # wait on it (transfer_retry): gRPC's default reconnect backoff (1 s,
+    # growing 1.6x to 2 min) would have the channel fail them at once for
+    # long after it is back. The connect timeout floor
+    # (grpc.min_reconnect_backoff_ms, 20 s) stays: a slow network still gets
+    # its time to connect.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
 
 class PeerHandshake:
     """What a remote daemon told us about one of its workers."""
@@ -167,7 +179,7 @@ class PeerClient:
             task = asyncio.get_running_loop().create_task(stale.close(grace=None))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
-        options: list[tuple[str, Any]] = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+        options: list[tuple[str, Any]] = [*PEER_CHANNEL_OPTIONS]
         if self._credentials is None:
             self._channels[target] = aio.insecure_channel(dial.address, options=options)
             return
