@@ -138,10 +138,9 @@ class PeerClient:
         # Under mutual TLS with listed identities, each new peer's server
         # certificate must carry one of them.
         self._tls_identity = tls_identity if policy.identities and credentials else None
-        self._channels: dict[str, aio.Channel] = {}
-        # Each channel's stub, made once: a stub per call costs microseconds
-        # on every transfer. Keys are a subset of _channels' (dropped with them).
-        self._stubs: dict[str, tuple[aio.Channel, peer_pb2_grpc.PeerAsyncStub]] = {}
+        # Each target's channel and its stub, made with it: a stub per call
+        # costs microseconds on every transfer.
+        self._channels: dict[str, tuple[aio.Channel, peer_pb2_grpc.PeerAsyncStub]] = {}
         self._closing: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -163,31 +162,28 @@ class PeerClient:
                 raise
             if target not in self._channels:  # another call may have dialled meanwhile
                 self._open(target, dial)
-        channel = self._channels.pop(target)
-        self._channels[target] = channel  # most recently used last
-        made = self._stubs.get(target)
-        if made is None or made[0] is not channel:
-            made = self._stubs[target] = (channel, peer_pb2_grpc.PeerStub(channel))
-        return made[1]
+        entry = self._channels.pop(target)
+        self._channels[target] = entry  # most recently used last
+        return entry[1]
 
     def _open(self, target: str, dial: Dial) -> None:
         if len(self._channels) >= MAX_CHANNELS:
             # Targets come from requests: keep a bounded set of channels.
             oldest = next(iter(self._channels))
-            stale = self._channels.pop(oldest)
-            self._stubs.pop(oldest, None)
+            stale, _ = self._channels.pop(oldest)
             task = asyncio.get_running_loop().create_task(stale.close(grace=None))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
         options: list[tuple[str, Any]] = [*PEER_CHANNEL_OPTIONS]
         if self._credentials is None:
-            self._channels[target] = aio.insecure_channel(dial.address, options=options)
+            self._add(target, aio.insecure_channel(dial.address, options=options))
             return
         # The address is the checked one; the certificate must still name the host.
         options.append(("grpc.ssl_target_name_override", dial.tls_name))
-        self._channels[target] = aio.secure_channel(
-            dial.address, self._credentials, options=options
-        )
+        self._add(target, aio.secure_channel(dial.address, self._credentials, options=options))
+
+    def _add(self, target: str, channel: aio.Channel) -> None:
+        self._channels[target] = (channel, peer_pb2_grpc.PeerStub(channel))
 
     async def _checked(self, target: str) -> Dial:
         """Resolve and check ``target``; PermissionDenied (one message) unless allowed."""
@@ -274,10 +270,9 @@ class PeerClient:
             )
 
     async def close(self) -> None:
-        for channel in self._channels.values():
+        for channel, _ in self._channels.values():
             await channel.close(grace=None)
         self._channels.clear()
-        self._stubs.clear()
 
 
 def peer_credentials(config: DaemonConfig) -> grpc.ChannelCredentials | None:

@@ -25,14 +25,13 @@ import json
 import os
 import resource
 import sqlite3
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Concatenate, ParamSpec, TypeVar
 
 import numpy as np
-import numpy.typing as npt
 import structlog
 
 from kvmap.daemon.core.errors import KvmapError, ResourceExhausted, Unavailable
@@ -468,7 +467,7 @@ class StateStore:
         with self._db:
             self._db.execute("BEGIN")
             if grant is not None and grant.exhausted:
-                self._db.execute("DELETE FROM grants WHERE digest = ?", (grant.digest,))
+                self._delete_grants([grant.digest])
             elif grant is not None:
                 self._update_grant(grant)
             cur = self._db.execute(
@@ -501,6 +500,12 @@ class StateStore:
 
     @_mapped
     def save_grant(self, grant: Grant) -> None:
+        groups = registry_pb2.GrantTransferRequest(
+            groups=[
+                types_pb2.BlockGrant(transfer_group=g, block_ids=ids.tolist())
+                for g, ids in grant.blocks.items()
+            ]
+        )
         self._db.execute(
             "INSERT OR REPLACE INTO grants VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (
@@ -508,7 +513,7 @@ class StateStore:
                 _key(grant.worker),
                 grant.generation,
                 grant.request_id,
-                groups_blob(grant.blocks),
+                groups.SerializeToString(),
                 grant.expires_unix_ms,
                 grant.max_uses,
                 grant.uses,
@@ -531,7 +536,10 @@ class StateStore:
     def delete_grants(self, digests: Sequence[bytes]) -> None:
         with self._db:
             self._db.execute("BEGIN")
-            self._db.executemany("DELETE FROM grants WHERE digest = ?", [(d,) for d in digests])
+            self._delete_grants(digests)
+
+    def _delete_grants(self, digests: Sequence[bytes]) -> None:
+        self._db.executemany("DELETE FROM grants WHERE digest = ?", [(d,) for d in digests])
 
     @_mapped
     def grants(self) -> list[Grant]:
@@ -557,17 +565,6 @@ class StateStore:
                 )
             )
         return out
-
-
-def groups_blob(blocks: Mapping[int, npt.NDArray[np.int64]]) -> bytes:
-    """A grant's ``groups`` column: a GrantTransferRequest holding only its
-    groups."""
-    return registry_pb2.GrantTransferRequest(
-        groups=[
-            types_pb2.BlockGrant(transfer_group=g, block_ids=ids.tolist())
-            for g, ids in blocks.items()
-        ]
-    ).SerializeToString()
 
 
 def _stored(key: str, blob: bytes, doc: str, planner: str, generation: int) -> StoredWorker:

@@ -325,11 +325,11 @@ class GrantTable:
     def _spend(self, entry: _Entry, grant: Grant, persist: bool = True) -> None:
         """``grant`` (one more use spent) replaces the entry's; used up, it goes."""
         if grant.exhausted:
-            self._remove([grant.digest], persist)
-            return
-        entry.grant = grant
+            self._remove([grant.digest], persist=False)
+        else:
+            entry.grant = grant
         if persist:
-            self._persist("use", partial(self._store.update_grant, grant))
+            self.persist_use(grant)
 
 
 def new_capability() -> str:

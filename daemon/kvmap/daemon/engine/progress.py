@@ -38,7 +38,6 @@ class Progress:
         self._lock = threading.Lock()
         self._watched: dict[int, tuple[Xfer, asyncio.Future[XferState]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.passes = 0  # pump passes run, for tests and diagnostics
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -73,7 +72,6 @@ class Progress:
     def _pass(self) -> float:
         """Runs on the NIXL thread: one progress pass; the seconds until
         the next one."""
-        self.passes += 1
         with self._lock:
             watched = [(key, x) for key, (x, _) in self._watched.items()]
         finished: dict[int, XferState] = {}

@@ -59,12 +59,19 @@ def _target(conn: multiprocessing.connection.Connection, nbytes: int) -> None:
 
 
 class _CopyThread:
-    """One thread with its own agent, copying its part on every round."""
+    """One thread with its own agent, copying bytes ``[start, stop)`` on every round."""
 
     def __init__(
-        self, index: int, part: slice, dst: np.ndarray[Any, Any], owner_metadata: bytes, src: int
+        self,
+        index: int,
+        start: int,
+        stop: int,
+        dst: np.ndarray[Any, Any],
+        *,
+        owner_metadata: bytes,
+        src: int,
     ):
-        self.index, self.part, self.dst = index, part, dst
+        self.index, self.start, self.stop, self.dst = index, start, stop, dst
         self.owner_metadata, self.src = owner_metadata, src
         self.ready = threading.Event()
         self.error: BaseException | None = None
@@ -84,9 +91,9 @@ class _CopyThread:
             base = self.dst.ctypes.data
             agent.register_dram(base, self.dst.nbytes)
             remote = agent.add_remote(self.owner_metadata)
-            start, length = self.part.start or 0, (self.part.stop or 0) - (self.part.start or 0)
-            local_rows = np.array([[base + start, length, 0]], dtype=np.uint64)
-            remote_rows = np.array([[self.src + start, length, 0]], dtype=np.uint64)
+            length = self.stop - self.start
+            local_rows = np.array([[base + self.start, length, 0]], dtype=np.uint64)
+            remote_rows = np.array([[self.src + self.start, length, 0]], dtype=np.uint64)
             self.ready.set()
             for _ in range(rounds):
                 go.wait()
@@ -111,7 +118,7 @@ def copy_gbps(
     dst = np.zeros(nbytes, dtype=np.uint8)
     cuts = np.linspace(0, nbytes, threads + 1).astype(int)
     workers = [
-        _CopyThread(i, slice(int(cuts[i]), int(cuts[i + 1])), dst, owner_metadata, src)
+        _CopyThread(i, int(cuts[i]), int(cuts[i + 1]), dst, owner_metadata=owner_metadata, src=src)
         for i in range(threads)
     ]
     go, done = threading.Barrier(threads + 1), threading.Barrier(threads + 1)

@@ -95,7 +95,7 @@ def _ids(values: list[int] | str) -> npt.NDArray[np.int64]:
 def _id_list(values: list[int] | str) -> list[int]:
     """``_ids`` as the list a TransferSpec's repeated field takes fastest."""
     if isinstance(values, str):
-        ids: list[int] = np.frombuffer(binascii.a2b_base64(values), dtype="<i8").tolist()
+        ids: list[int] = _ids(values).tolist()
         return ids
     return values
 
@@ -138,6 +138,18 @@ def _register_request(
     return req
 
 
+def timed_pull(client: KvmapClient, spec: transfers_pb2.TransferSpec) -> dict[str, Any]:
+    """One pull's answer: its wall time from the Pull call to DONE, as a
+    decode worker sees it, and its stats; or the status it failed with."""
+    start = time.perf_counter()
+    try:
+        result = client.pull(spec, timeout_s=120.0)
+    except KvmapClientError as err:
+        return {"ok": False, "code": err.code.name, "message": err.message}
+    wall = time.perf_counter() - start
+    return {"ok": True, "wall_seconds": wall, "stats": dict(result.__dict__)}
+
+
 class _Staged:
     """Pulls whose threads wait at a gate, each with its spec built: the
     gate opens when ``release`` joins it (``parties`` includes the caller)."""
@@ -159,14 +171,7 @@ class _Staged:
         except threading.BrokenBarrierError:
             self.out[i] = {"ok": False, "code": "NOT_RELEASED", "message": "gate broken"}
             return
-        start = time.perf_counter()
-        try:
-            result = self.client.pull(self.specs[i], timeout_s=120.0)
-        except KvmapClientError as err:
-            self.out[i] = {"ok": False, "code": err.code.name, "message": err.message}
-            return
-        wall = time.perf_counter() - start
-        self.out[i] = {"ok": True, "wall_seconds": wall, "stats": dict(result.__dict__)}
+        self.out[i] = timed_pull(self.client, self.specs[i])
 
     def release(self) -> list[dict[str, Any]]:
         self.gate.wait(timeout=STAGED_TIMEOUT_S)
@@ -305,14 +310,7 @@ class BenchWorker:
         return {"ok": True, "bad_blocks": bad, "bytes": nbytes}
 
     def pull(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        spec = self._spec(cmd)
-        start = time.perf_counter()
-        try:
-            result = self.client.pull(spec, timeout_s=120.0)
-        except KvmapClientError as err:
-            return {"ok": False, "code": err.code.name, "message": err.message}
-        wall = time.perf_counter() - start
-        return {"ok": True, "wall_seconds": wall, "stats": dict(result.__dict__)}
+        return timed_pull(self.client, self._spec(cmd))
 
     def pull_many(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """The ``pulls`` (each a ``pull`` command) all in flight at once, one
