@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvmap.daemon.core import planner as planners
+from kvmap.core import planner as planners
 from kvmap.tools.bench import blockpool, plot, report, results, runner
 from kvmap.tools.bench.profiles import DEFAULT_PROFILES, PROFILES, get_profile
 

@@ -35,7 +35,7 @@ from kvmap.client.pd import (
     tp_readers,
 )
 from kvmap.client.transports.memory import MemoryDaemon, MemoryNetwork, MemoryTransport
-from kvmap.daemon.core.reshard import rank_heads, source_ranks, source_readers
+from kvmap.core.reshard import rank_heads, source_ranks, source_readers
 from kvmap.v1 import registry_pb2, types_pb2
 
 HEADS, HEAD_SIZE, BLOCK, NUM_BLOCKS = 4, 4, 16, 12

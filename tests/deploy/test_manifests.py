@@ -686,7 +686,7 @@ def check_network_policy(docs: Docs) -> list[str]:
 def check_peer_allow_lists(docs: Docs) -> list[str]:
     """kvmapd's allow-lists are set (not the loopback default, which no peer could use), parse,
     and admit no whole address space."""
-    from kvmap.daemon.core.peer_policy import PeerPolicy
+    from kvmap.core.peer_policy import PeerPolicy
 
     problems = []
     for name, spec in each_pod(docs):

@@ -33,6 +33,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from kvmap.core.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    TransferError,
+    Unavailable,
+)
 from kvmap.daemon.adapters.nixl_port import (
     DlistHandle,
     IndexArray,
@@ -41,14 +49,6 @@ from kvmap.daemon.adapters.nixl_port import (
     Xfer,
     XferOp,
     XferState,
-)
-from kvmap.daemon.core.errors import (
-    AlreadyExists,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    TransferError,
-    Unavailable,
 )
 
 # (address, length, dev_id, memory type) of a registered range or a descriptor.

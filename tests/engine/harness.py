@@ -17,15 +17,15 @@ from typing import Any
 from fake_nixl import FakeAgent, FakeNetwork
 
 from kvmap.client.fd_handoff import send_fds
+from kvmap.core import convert
+from kvmap.core.config import DaemonConfig
+from kvmap.core.errors import HandshakeAgain, StaleGeneration, Unavailable
+from kvmap.core.geometry import WorkerKey
 from kvmap.daemon.adapters.cuda_driver import CudaUnavailable
 from kvmap.daemon.adapters.cuda_ipc import CudaDriver, CudaIpcImporter
 from kvmap.daemon.adapters.memory import ShmImporter
 from kvmap.daemon.adapters.metrics import Metrics
 from kvmap.daemon.adapters.peer_client import PeerHandshake
-from kvmap.daemon.core import convert
-from kvmap.daemon.core.config import DaemonConfig
-from kvmap.daemon.core.errors import HandshakeAgain, StaleGeneration, Unavailable
-from kvmap.daemon.core.geometry import WorkerKey
 from kvmap.daemon.engine.app import Adapters, DaemonApp
 from kvmap.daemon.engine.transfers import Pacing
 from kvmap.daemon.engine.workers import EventQueue, WorkerRecord

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from harness import Cluster, Node, Worker, cluster, next_event, run, spec
 
-from kvmap.daemon.core.errors import InvalidArgument, PermissionDenied
-from kvmap.daemon.core.grants import MAX_AGENT_NAME, MAX_REPLACED_AGENTS, digest
+from kvmap.core.errors import InvalidArgument, PermissionDenied
+from kvmap.core.grants import MAX_AGENT_NAME, MAX_REPLACED_AGENTS, digest
 from kvmap.daemon.engine.leases import Lease, notification
 from kvmap.v1 import peer_pb2, transfers_pb2, types_pb2
 

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from harness import BLOCKS, Cluster, VirtualClock, Worker, cluster, run, spec
 
-from kvmap.daemon.core import compat
-from kvmap.daemon.core.compat import Incompatible
+from kvmap.core import compat
+from kvmap.core.compat import Incompatible
 from kvmap.daemon.engine import transfers
 from kvmap.v1 import registry_pb2, types_pb2
 

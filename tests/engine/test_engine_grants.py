@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from harness import Cluster, Node, Worker, cluster, next_event, run, spec
 
-from kvmap.daemon.core.errors import PermissionDenied
+from kvmap.core.errors import PermissionDenied
 from kvmap.daemon.engine.leases import notification
 from kvmap.v1 import peer_pb2, transfers_pb2
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from harness import Cluster, Node, Worker, cluster, next_event, run, spec
 
-from kvmap.daemon.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from kvmap.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from kvmap.daemon.engine.workers import EventQueue
 from kvmap.v1 import peer_pb2, registry_pb2, transfers_pb2
 

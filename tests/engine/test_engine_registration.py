@@ -10,13 +10,13 @@ import os
 import pytest
 from harness import BLOCKS, SIZE, Node, cluster, run, spec
 
-from kvmap.daemon.adapters.nixl_port import DlistHandle
-from kvmap.daemon.core.errors import (
+from kvmap.core.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
     ResourceExhausted,
 )
+from kvmap.daemon.adapters.nixl_port import DlistHandle
 from kvmap.v1 import types_pb2
 
 pytestmark = pytest.mark.timeout(60)

@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 import pytest
 from harness import BLOCKS, SIZE, Cluster, Node, Worker, cluster, run, spec
 
-from kvmap.daemon.core.errors import InvalidArgument, ResourceExhausted, Unavailable
-from kvmap.daemon.core.retry import RetryPolicy
-from kvmap.daemon.core.transfer_plan import MAX_GROUPS_PER_TRANSFER
+from kvmap.core.errors import InvalidArgument, ResourceExhausted, Unavailable
+from kvmap.core.retry import RetryPolicy
+from kvmap.core.transfer_plan import MAX_GROUPS_PER_TRANSFER
 from kvmap.daemon.engine import transfers
 from kvmap.v1 import transfers_pb2
 

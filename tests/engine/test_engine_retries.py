@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from harness import Cluster, Node, VirtualClock, Worker, cluster, next_event, run, spec
 
-from kvmap.daemon.core.errors import NotFound, PermissionDenied, Unavailable
-from kvmap.daemon.core.retry import RetryPolicy
+from kvmap.core.errors import NotFound, PermissionDenied, Unavailable
+from kvmap.core.retry import RetryPolicy
 from kvmap.daemon.engine.workers import EventQueue
 from kvmap.v1 import transfers_pb2
 

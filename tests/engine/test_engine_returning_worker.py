@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from harness import Cluster, Node, Worker, cluster, run, spec
 
-from kvmap.daemon.core.errors import FailedPrecondition, PermissionDenied, Unavailable
+from kvmap.core.errors import FailedPrecondition, PermissionDenied, Unavailable
 from kvmap.daemon.engine import registration
 from kvmap.v1 import registry_pb2, transfers_pb2
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from harness import BLOCKS, PAGE, Cluster, Node, Worker, cluster, run, spec
 
-from kvmap.daemon.core.errors import InvalidArgument
+from kvmap.core.errors import InvalidArgument
 from kvmap.v1 import transfers_pb2
 
 pytestmark = pytest.mark.timeout(60)

@@ -20,7 +20,7 @@ from harness import (
     spec,
 )
 
-from kvmap.daemon.core.errors import DeadlineExceeded, NotFound, StaleGeneration, Unavailable
+from kvmap.core.errors import DeadlineExceeded, NotFound, StaleGeneration, Unavailable
 from kvmap.daemon.engine.transfers import Pacing
 from kvmap.v1 import registry_pb2, transfers_pb2
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from fake_nixl import FakeAgent, FakeNetwork, read
 
+from kvmap.core.errors import NotFound, TransferError, Unavailable
 from kvmap.daemon.adapters.nixl_port import MemoryType, XferOp, XferState
-from kvmap.daemon.core.errors import NotFound, TransferError, Unavailable
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -14,9 +14,9 @@ import pytest
 from cuda_env import REASON, Exporter, copy_in, copy_out
 from exporter import expected
 
+from kvmap.core.errors import InvalidArgument, KvmapError
 from kvmap.daemon.adapters.cuda_driver import LibCuda
 from kvmap.daemon.adapters.cuda_ipc import CudaIpcImporter, CudaMapping, parse_uuid
-from kvmap.daemon.core.errors import InvalidArgument, KvmapError
 
 pytestmark = [
     pytest.mark.cuda,

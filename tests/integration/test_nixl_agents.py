@@ -240,10 +240,10 @@ def initiator_main(conn: Connection, fd_socket: str) -> None:
 
 
 async def _initiator(conn: Connection, fd_socket: str) -> None:
+    from kvmap.core import errors
     from kvmap.daemon.adapters import memory
     from kvmap.daemon.adapters.fd_handoff import FdHandoffServer
     from kvmap.daemon.adapters.nixl_agent import NixlAgent, XferOp, XferState
-    from kvmap.daemon.core import errors
 
     agent = NixlAgent.create("initiator")
     fds = FdHandoffServer(fd_socket)
@@ -369,8 +369,8 @@ def survivor_main(conn: Connection) -> None:
 def _survivor(conn: Connection) -> None:
     """Reads from a target, outlives it, and reports what NIXL then says."""
     os.environ["UCX_NET_DEVICES"] = "lo"
+    from kvmap.core import errors
     from kvmap.daemon.adapters.nixl_agent import NixlAgent, XferOp, XferState
-    from kvmap.daemon.core import errors
 
     agent = NixlAgent.create("survivor")
     buf = np.zeros(ALLOC_SIZES[0], dtype=np.uint8)
@@ -581,8 +581,8 @@ def test_every_nixl_exception_class_is_mapped(cluster: Cluster) -> None:
 
 def test_translate_matches_the_documented_table() -> None:
     """Each row of the module docstring's table is what ``translate`` does."""
+    from kvmap.core import errors
     from kvmap.daemon.adapters import nixl_agent
-    from kvmap.daemon.core import errors
 
     assert nixl_agent.__doc__ is not None
     rows = [

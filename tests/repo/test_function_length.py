@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-ROOTS = ("daemon", "client", "tools")
+ROOTS = ("core", "daemon", "client", "tools")
 MAX_LINES = 60
 _MARK = re.compile(r"#\s*long-function:\s*\S")
 

@@ -35,10 +35,10 @@ _MACHINE_PATH = re.compile(r"(?<![\w.])/work(?:/|\b)")
 _MARKDOWN_NAME = re.compile(r"(?<![\w.\-/])((?:\.{1,2}/)*[\w\-][\w.\-/]*\.md)\b")
 # Markdown links and images: [text](target) / ![alt](target).
 _MARKDOWN_LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)\s]*)?\)")
-# A Python name quoted in a document: `kvmap.daemon.core.planner.PLANNERS`.
+# A Python name quoted in a document: `kvmap.core.planner.PLANNERS`.
 # kvmap.v1.* also names gRPC services (kvmap.v1.Registry): not checked.
 _QUOTED_MODULE = re.compile(r"`(kvmap(?:\.(?!v1\b)[A-Za-z_]\w*)+)`")
-# A repository path quoted in a document: `daemon/kvmap/daemon/core/planner.py`.
+# A repository path quoted in a document: `core/kvmap/core/planner.py`.
 _QUOTED_PATH = re.compile(r"`((?:\.ci|client|daemon|deploy|docs|protos|tests|tools)/[^`\s]*)`")
 
 
@@ -66,7 +66,7 @@ def _markdown_exists(name: str, here: Path, basenames: set[str]) -> bool:
 def _module_source(dotted: str) -> str | None:
     """The source of module or package ``dotted`` in a source root; "" for a
     namespace folder; None when there is none."""
-    for root in ("daemon", "client", "protos/gen", "tools"):
+    for root in ("core", "daemon", "client", "protos/gen", "tools"):
         base = REPO / root / dotted.replace(".", "/")
         for candidate in (base.with_suffix(".py"), base / "__init__.py"):
             if candidate.is_file():
@@ -167,7 +167,7 @@ def test_no_file_refers_outside_the_repository() -> None:
         ("README.md", f"`{SIBLING}/DESIGN.md` for the architecture and the coalescing rules."),
         ("docs/benchmarks.md", f"(vLLM PR 60851, `{SIBLING}/reference/vllm-pr-60851.txt`:"),
         ("tools/kvmap/tools/bench/profiles.py", f"# {SIBLING}/reference/vllm-pr-60851.txt"),
-        ("daemon/kvmap/daemon/core/planner.py", "applies the coalescing rules of DESIGN.md:"),
+        ("core/kvmap/core/planner.py", "applies the coalescing rules of DESIGN.md:"),
         ("README.md", "See [the design](../DESIGN.md)."),
         ("docs/gpu.md", "See [the notes](../../notes/gpu.md)."),
         ("docs/gpu.md", "Logs are in /work/main/.venv/logs."),
@@ -175,7 +175,7 @@ def test_no_file_refers_outside_the_repository() -> None:
         ("README.md", "Examples: [docs/examples](docs/examples/glm53-rank.json)."),
         ("docs/benchmarks.md", "Defined in `daemon/bench/profiles.py`, each with its source:"),
         ("docs/load.md", "Planners live in `kvmap.daemon.planner` (`PLANNERS`)."),
-        ("docs/load.md", "Every planner in `kvmap.daemon.core.planner.PLANERS`."),
+        ("docs/load.md", "Every planner in `kvmap.core.planner.PLANERS`."),
     ],
 )
 def test_catches_references_that_leave_the_repository(name: str, line: str) -> None:
@@ -195,7 +195,7 @@ def test_catches_references_that_leave_the_repository(name: str, line: str) -> N
         ("README.md", "All options: [docs/vllm.md](docs/vllm.md), https://example.com/x.md"),
         ("docs/gpu.md", "See [the README](../README.md) and /tmp/kvmap-0/kvmapd.sock."),
         ("README.md", "- `protos/kvmap/v1/*.proto` and `deploy/k8s/` and `tests/unit/`"),
-        ("README.md", "`kvmap.daemon.core.planner.PLANNERS`, `kvmap.tools`, `kvmap.v1.Peer`"),
+        ("README.md", "`kvmap.core.planner.PLANNERS`, `kvmap.tools`, `kvmap.v1.Peer`"),
     ],
 )
 def test_accepts_references_inside_the_repository(name: str, line: str) -> None:

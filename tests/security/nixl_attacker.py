@@ -22,8 +22,8 @@ from typing import Any
 import grpc
 import numpy as np
 
+from kvmap.core.errors import KvmapError
 from kvmap.daemon.adapters.nixl_agent import NixlAgent, XferOp, XferState
-from kvmap.daemon.core.errors import KvmapError
 from kvmap.v1 import peer_pb2, peer_pb2_grpc, types_pb2
 
 LOCAL_BYTES = 1 << 20

@@ -23,14 +23,14 @@ import pytest
 from security_support import Cluster, Live, expect_transfer, start_cluster
 
 from kvmap.client.fd_handoff import send_fds
-from kvmap.daemon.api.server import MAX_MESSAGE_BYTES
-from kvmap.daemon.core.transfer_plan import MAX_BLOCKS_PER_TRANSFER
-from kvmap.daemon.core.validation import (
+from kvmap.core.transfer_plan import MAX_BLOCKS_PER_TRANSFER
+from kvmap.core.validation import (
     MAX_ALLOCATIONS,
     MAX_BLOCKS,
     MAX_DESCRIPTORS,
     MAX_VIEWS,
 )
+from kvmap.daemon.api.server import MAX_MESSAGE_BYTES
 from kvmap.daemon.engine.leases import MAX_LEASES_PER_PEER
 from kvmap.v1 import (
     peer_pb2,

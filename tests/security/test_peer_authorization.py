@@ -20,7 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pki import Ca, Leaf, spiffe
 
-from kvmap.daemon.core.peer_policy import INBOUND_DENIED, OUTBOUND_DENIED
+from kvmap.core.peer_policy import INBOUND_DENIED, OUTBOUND_DENIED
 from kvmap.tools.launch import DaemonProc, WorkerProc, start_daemon, start_worker
 from kvmap.v1 import (
     peer_pb2,

@@ -21,7 +21,7 @@ import grpc
 import pytest
 from security_support import Cluster, Live, ShmWorker, expect_transfer
 
-from kvmap.daemon.core.transfer_plan import MAX_GROUPS_PER_TRANSFER
+from kvmap.core.transfer_plan import MAX_GROUPS_PER_TRANSFER
 from kvmap.daemon.engine.transfers import MAX_HANDSHAKES_IN_FLIGHT
 from kvmap.tools.launch import start_daemon
 from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from kvmap.daemon.core.geometry import (
+from kvmap.core.geometry import (
     AllocationSpec,
     CacheKind,
     DeviceKind,

@@ -10,15 +10,15 @@ from geometry_strategies import geometries, geometry, view
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmap.daemon.core import convert
-from kvmap.daemon.core.compat import (
+from kvmap.core import convert
+from kvmap.core.compat import (
     INCOMPATIBLE,
     Incompatible,
     check_compatible,
     first_difference,
 )
-from kvmap.daemon.core.errors import ErrorCode
-from kvmap.daemon.core.geometry import (
+from kvmap.core.errors import ErrorCode
+from kvmap.core.geometry import (
     CacheKind,
     ModelIdentity,
     RegionMapModel,
@@ -26,8 +26,8 @@ from kvmap.daemon.core.geometry import (
     WorkerGeometry,
     WorkerKey,
 )
-from kvmap.daemon.core.planner import get_planner
-from kvmap.daemon.core.retry import retryable
+from kvmap.core.planner import get_planner
+from kvmap.core.retry import retryable
 
 LLAMA = ModelIdentity(
     name="tiny-llama",

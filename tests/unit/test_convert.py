@@ -12,9 +12,9 @@ from google.protobuf import json_format
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmap.daemon.core import convert
-from kvmap.daemon.core.errors import InvalidArgument
-from kvmap.daemon.core.geometry import (
+from kvmap.core import convert
+from kvmap.core.errors import InvalidArgument
+from kvmap.core.geometry import (
     AllocationSpec,
     CacheKind,
     DeviceKind,
@@ -24,7 +24,7 @@ from kvmap.daemon.core.geometry import (
     WorkerGeometry,
     WorkerKey,
 )
-from kvmap.daemon.core.planner import BASELINE, COALESCE, Planner
+from kvmap.core.planner import BASELINE, COALESCE, Planner
 from kvmap.v1 import registry_pb2, types_pb2
 
 EXAMPLES = Path(str(resources.files("kvmap.daemon.examples")))

@@ -1,4 +1,4 @@
-"""The core stays pure: importing every module of kvmap.daemon.core loads no
+"""The core stays pure: importing every module of kvmap.core loads no
 grpc, nixl or torch (checked in a fresh interpreter, whose sys.modules holds
 only what these imports pulled in)."""
 
@@ -9,7 +9,7 @@ import pkgutil
 import subprocess
 import sys
 
-import kvmap.daemon.core
+import kvmap.core
 
 FORBIDDEN = ("grpc", "nixl", "torch")
 
@@ -36,18 +36,15 @@ def _forbidden_after_importing(modules: list[str]) -> list[str]:
 
 
 def _core_modules() -> list[str]:
-    return [
-        info.name
-        for info in pkgutil.walk_packages(kvmap.daemon.core.__path__, "kvmap.daemon.core.")
-    ]
+    return [info.name for info in pkgutil.walk_packages(kvmap.core.__path__, "kvmap.core.")]
 
 
 def test_core_imports_no_grpc_nixl_or_torch() -> None:
-    """Importing every module of kvmap.daemon.core in a fresh interpreter loads no grpc, nixl or
+    """Importing every module of kvmap.core in a fresh interpreter loads no grpc, nixl or
     torch module."""
     modules = _core_modules()
-    assert "kvmap.daemon.core.errors" in modules
-    assert _forbidden_after_importing(["kvmap.daemon.core", *modules]) == []
+    assert "kvmap.core.errors" in modules
+    assert _forbidden_after_importing(["kvmap.core", *modules]) == []
 
 
 def test_the_probe_sees_a_grpc_import() -> None:

@@ -13,6 +13,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from kvmap.core.errors import (
+    FailedPrecondition,
+    InternalError,
+    InvalidArgument,
+    ResourceExhausted,
+)
 from kvmap.daemon.adapters import cuda_ipc
 from kvmap.daemon.adapters.cuda_driver import CudaCallError, CudaUnavailable, LibCuda
 from kvmap.daemon.adapters.cuda_ipc import (
@@ -23,12 +29,6 @@ from kvmap.daemon.adapters.cuda_ipc import (
     parse_uuid,
 )
 from kvmap.daemon.adapters.nixl_port import MemoryType
-from kvmap.daemon.core.errors import (
-    FailedPrecondition,
-    InternalError,
-    InvalidArgument,
-    ResourceExhausted,
-)
 from kvmap.v1 import types_pb2
 
 pytestmark = pytest.mark.timeout(30)

@@ -7,11 +7,11 @@ import grpc
 import pytest
 from grpc import aio
 
+from kvmap.core import errors
+from kvmap.core.errors import MAX_STATUS_MESSAGE, ErrorCode
 from kvmap.daemon.adapters import peer_client
 from kvmap.daemon.adapters.grpc_codes import GRPC_STATUS, error_code
 from kvmap.daemon.api.status import grpc_status
-from kvmap.daemon.core import errors
-from kvmap.daemon.core.errors import MAX_STATUS_MESSAGE, ErrorCode
 
 
 @pytest.mark.parametrize("code", list(ErrorCode))

@@ -17,8 +17,8 @@ import pytest
 
 from kvmap.client import errors as client_errors
 from kvmap.client.fd_handoff import fd_socket_path, send_fds
+from kvmap.core.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from kvmap.daemon.adapters.fd_handoff import FdHandoffServer
-from kvmap.daemon.core.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 pytestmark = pytest.mark.timeout(30)
 T = TypeVar("T")

@@ -14,8 +14,8 @@ import torch
 
 from kvmap.client.cuda_export import CudaStorage
 from kvmap.client.shm_export import SharedView
-from kvmap.daemon.core import convert
-from kvmap.daemon.core import planner as planners
+from kvmap.core import convert
+from kvmap.core import planner as planners
 from kvmap.tools import gpu_demo_worker
 from kvmap.tools.demo_worker import DemoGeometry, pattern
 from kvmap.tools.gpu_demo import Phase, Pull, pull_line, scattered, summary_table

@@ -15,11 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_grants import _model, _Record
 
+from kvmap.core import grants as core
+from kvmap.core.errors import ErrorCode, InvalidArgument, PermissionDenied, status_of
+from kvmap.core.geometry import WorkerKey
+from kvmap.core.grants import BlockIds, Grant, Int64Array
 from kvmap.daemon.adapters.state_store import StateStore
-from kvmap.daemon.core import grants as core
-from kvmap.daemon.core.errors import ErrorCode, InvalidArgument, PermissionDenied, status_of
-from kvmap.daemon.core.geometry import WorkerKey
-from kvmap.daemon.core.grants import BlockIds, Grant, Int64Array
 from kvmap.daemon.engine.grants import GrantTable
 from kvmap.v1 import peer_pb2, types_pb2
 

@@ -13,15 +13,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmap.daemon.adapters.state_store import StateStore
-from kvmap.daemon.core import grants as core
-from kvmap.daemon.core.errors import (
+from kvmap.core import grants as core
+from kvmap.core.errors import (
     FailedPrecondition,
     InvalidArgument,
     PermissionDenied,
     ResourceExhausted,
 )
-from kvmap.daemon.core.geometry import PlannerInfo, Region, RegionMapModel, WorkerKey
+from kvmap.core.geometry import PlannerInfo, Region, RegionMapModel, WorkerKey
+from kvmap.daemon.adapters.state_store import StateStore
 from kvmap.daemon.engine.grants import GrantTable
 
 W = WorkerKey("prefill", 0, 0, 0)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvmap.daemon.core.errors import InvalidArgument
-from kvmap.daemon.core.geometry import HeadLayout, TokenLayout
-from kvmap.daemon.core.head_layout import head_layout_from_proto, head_layout_to_proto
+from kvmap.core.errors import InvalidArgument
+from kvmap.core.geometry import HeadLayout, TokenLayout
+from kvmap.core.head_layout import head_layout_from_proto, head_layout_to_proto
 from kvmap.v1 import types_pb2
 
 

@@ -16,11 +16,11 @@ import pytest
 import structlog
 from grpc import aio
 
+from kvmap.core.errors import Unavailable
+from kvmap.core.peer_policy import INBOUND_DENIED, PeerPolicy
 from kvmap.daemon.adapters.metrics import Metrics
 from kvmap.daemon.api.authorization import PeerAuthorization
 from kvmap.daemon.api.rpc import ErrorsAndContext
-from kvmap.daemon.core.errors import Unavailable
-from kvmap.daemon.core.peer_policy import INBOUND_DENIED, PeerPolicy
 from kvmap.v1 import peer_pb2
 
 METHOD = "BeginTransfer"

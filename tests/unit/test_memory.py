@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from kvmap.client.shm_export import export_tensor, export_tensors
+from kvmap.core.errors import InvalidArgument
 from kvmap.daemon.adapters import memory
-from kvmap.daemon.core.errors import InvalidArgument
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvmap.daemon.core import grants as core
-from kvmap.daemon.core.errors import FailedPrecondition, InvalidArgument
-from kvmap.daemon.core.geometry import WorkerKey
+from kvmap.core import grants as core
+from kvmap.core.errors import FailedPrecondition, InvalidArgument
+from kvmap.core.geometry import WorkerKey
 
 
 def grant(max_uses: int, uses: int = 0) -> core.Grant:

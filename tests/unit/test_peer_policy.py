@@ -10,9 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvmap.daemon.adapters.config_files import load_config
-from kvmap.daemon.core.config import DaemonConfig
-from kvmap.daemon.core.peer_policy import (
+from kvmap.core.config import DaemonConfig
+from kvmap.core.peer_policy import (
     LOOPBACK,
     PeerPolicy,
     grpc_peer_address,
@@ -20,6 +19,7 @@ from kvmap.daemon.core.peer_policy import (
     parse_identity,
     parse_network,
 )
+from kvmap.daemon.adapters.config_files import load_config
 
 ipv4 = st.integers(0, 2**32 - 1).map(ipaddress.IPv4Address)
 ipv6 = st.integers(0, 2**128 - 1).map(ipaddress.IPv6Address)

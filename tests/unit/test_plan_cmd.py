@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from google.protobuf import json_format
 
+from kvmap.core import convert
 from kvmap.daemon.cli.kvmapd import plan_cmd
-from kvmap.daemon.core import convert
 from kvmap.v1 import types_pb2
 
 EXAMPLES = Path(str(resources.files("kvmap.daemon.examples")))

@@ -16,18 +16,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_transfer_plan import DECODE, PREFILL, _maps, region_map, scenarios
 
-from kvmap.daemon.core import transfer_plan as tp
-from kvmap.daemon.core.errors import InvalidArgument, KvmapError
-from kvmap.daemon.core.geometry import WorkerKey
-from kvmap.daemon.core.token_plan import token_groups
-from kvmap.daemon.core.transfer_pieces import (
+from kvmap.core import transfer_plan as tp
+from kvmap.core.errors import InvalidArgument, KvmapError
+from kvmap.core.geometry import WorkerKey
+from kvmap.core.token_plan import token_groups
+from kvmap.core.transfer_pieces import (
     Int64Array,
     LayerSelection,
     PieceTable,
     Side,
     build_piece_table,
 )
-from kvmap.daemon.core.transfer_plan import (
+from kvmap.core.transfer_plan import (
     MAX_BLOCKS_PER_TRANSFER,
     MAX_GROUPS_PER_TRANSFER,
     GroupPairs,

@@ -10,10 +10,10 @@ import pytest
 from geometry_strategies import geometries, geometry, view
 from hypothesis import given, settings
 
-from kvmap.daemon.core import convert
-from kvmap.daemon.core.errors import InvalidArgument
-from kvmap.daemon.core.geometry import CacheKind, Plan, Region, ViewSpec, WorkerGeometry
-from kvmap.daemon.core.planner import (
+from kvmap.core import convert
+from kvmap.core.errors import InvalidArgument
+from kvmap.core.geometry import CacheKind, Plan, Region, ViewSpec, WorkerGeometry
+from kvmap.core.planner import (
     BASELINE,
     COALESCE,
     DEFAULT_PLANNER,
@@ -21,7 +21,7 @@ from kvmap.daemon.core.planner import (
     Planner,
     get_planner,
 )
-from kvmap.daemon.core.validation import validate_geometry
+from kvmap.core.validation import validate_geometry
 
 EXAMPLES = Path(str(resources.files("kvmap.daemon.examples")))
 PLANS: list[Planner] = [BASELINE, COALESCE]

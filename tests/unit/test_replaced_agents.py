@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvmap.daemon.core.errors import InvalidArgument
-from kvmap.daemon.core.grants import MAX_AGENT_NAME, MAX_REPLACED_AGENTS, check_replaced_agents
+from kvmap.core.errors import InvalidArgument
+from kvmap.core.grants import MAX_AGENT_NAME, MAX_REPLACED_AGENTS, check_replaced_agents
 
 CALLER = "kvmapd-new"
 names = st.text(max_size=MAX_AGENT_NAME + 2) | st.just(CALLER) | st.just("")

@@ -20,8 +20,8 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from kvmap.daemon.core.errors import FailedPrecondition, InvalidArgument
-from kvmap.daemon.core.reshard import (
+from kvmap.core.errors import FailedPrecondition, InvalidArgument
+from kvmap.core.reshard import (
     BlockGrid,
     TokenLayout,
     expand_rows,

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvmap.daemon.core import errors
-from kvmap.daemon.core.retry import RetryPolicy, retryable
+from kvmap.core import errors
+from kvmap.core.retry import RetryPolicy, retryable
 
 policies = st.builds(
     lambda initial, span, multiplier, jitter: RetryPolicy(

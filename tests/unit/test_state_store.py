@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
+from kvmap.core.errors import ErrorCode, status_of
+from kvmap.core.geometry import WorkerKey
 from kvmap.daemon.adapters.state_store import (
     DB_NAME,
     StateStore,
@@ -21,8 +23,6 @@ from kvmap.daemon.adapters.state_store import (
     StoreUnavailable,
     store_error,
 )
-from kvmap.daemon.core.errors import ErrorCode, status_of
-from kvmap.daemon.core.geometry import WorkerKey
 from kvmap.v1 import registry_pb2
 
 W1 = WorkerKey("one", 0, 0, 0)

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvmap.core.geometry import WorkerKey
+from kvmap.core.grants import Grant
 from kvmap.daemon.adapters.state_store import StateStore
-from kvmap.daemon.core.geometry import WorkerKey
-from kvmap.daemon.core.grants import Grant
 from kvmap.v1 import registry_pb2
 
 _COMPLETE = """
@@ -22,8 +22,8 @@ import os, sys
 from dataclasses import replace
 import numpy as np
 from kvmap.daemon.adapters.state_store import StateStore
-from kvmap.daemon.core.geometry import WorkerKey
-from kvmap.daemon.core.grants import Grant
+from kvmap.core.geometry import WorkerKey
+from kvmap.core.grants import Grant
 from kvmap.v1 import registry_pb2
 w = WorkerKey("p", 0, 0, 0)
 store = StateStore(sys.argv[1])

@@ -22,8 +22,8 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from kvmap.daemon.core.errors import FailedPrecondition, InvalidArgument
-from kvmap.daemon.core.geometry import (
+from kvmap.core.errors import FailedPrecondition, InvalidArgument
+from kvmap.core.geometry import (
     CacheKind,
     DeviceRef,
     HeadLayout,
@@ -35,9 +35,9 @@ from kvmap.daemon.core.geometry import (
     TokenLayout,
     WorkerKey,
 )
-from kvmap.daemon.core.reshard import rank_heads, source_ranks
-from kvmap.daemon.core.token_plan import TokenGroup, plan_token_transfer
-from kvmap.daemon.core.transfer_pieces import Side
+from kvmap.core.reshard import rank_heads, source_ranks
+from kvmap.core.token_plan import TokenGroup, plan_token_transfer
+from kvmap.core.transfer_pieces import Side
 
 HND, NHD = TokenLayout.HEADS_OUTER, TokenLayout.TOKENS_OUTER
 KV_INNER = TokenLayout.HEADS_KV_TOKENS

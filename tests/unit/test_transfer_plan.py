@@ -19,8 +19,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvmap.daemon.core.errors import FailedPrecondition, InvalidArgument, KvmapError, NotFound
-from kvmap.daemon.core.geometry import (
+from kvmap.core.errors import FailedPrecondition, InvalidArgument, KvmapError, NotFound
+from kvmap.core.geometry import (
     CacheKind,
     DeviceRef,
     LayerPlacement,
@@ -31,8 +31,8 @@ from kvmap.daemon.core.geometry import (
     ViewSpec,
     WorkerKey,
 )
-from kvmap.daemon.core.transfer_pieces import LayerSelection, PieceTable, Side, build_piece_table
-from kvmap.daemon.core.transfer_plan import (
+from kvmap.core.transfer_pieces import LayerSelection, PieceTable, Side, build_piece_table
+from kvmap.core.transfer_plan import (
     MAX_BLOCKS_PER_TRANSFER,
     GroupPairs,
     TransferPlan,

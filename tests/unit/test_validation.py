@@ -14,16 +14,16 @@ from geometry_strategies import geometries, geometry, view
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmap.daemon.core import validation
-from kvmap.daemon.core.errors import InvalidArgument
-from kvmap.daemon.core.geometry import (
+from kvmap.core import validation
+from kvmap.core.errors import InvalidArgument
+from kvmap.core.geometry import (
     AllocationSpec,
     DeviceRef,
     ViewSpec,
     WorkerGeometry,
     WorkerKey,
 )
-from kvmap.daemon.core.validation import (
+from kvmap.core.validation import (
     MAX_ALLOCATIONS,
     MAX_BLOCKS,
     MAX_CROSS_STRIDE_PAIRS,

@@ -58,10 +58,10 @@ from kvmap.client.client import KvmapClient, TransferResult
 from kvmap.client.errors import KvmapClientError, NotFound, Unavailable
 from kvmap.client.session import Backoff, WorkerSession
 from kvmap.client.stats import TransferStatsBook
-from kvmap.daemon.core.errors import SHUTTING_DOWN, KvmapError
-from kvmap.daemon.core.grants import MAX_USES
-from kvmap.daemon.core.reshard import rank_heads, source_ranks, source_readers
-from kvmap.daemon.core.retry import RetryPolicy
+from kvmap.core.errors import SHUTTING_DOWN, KvmapError
+from kvmap.core.grants import MAX_USES
+from kvmap.core.reshard import rank_heads, source_ranks, source_readers
+from kvmap.core.retry import RetryPolicy
 from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
 
 log = logging.getLogger("kvmap.client.pd")

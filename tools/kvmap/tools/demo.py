@@ -18,9 +18,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from kvmap.core import planner as planners
+from kvmap.core.convert import geometry_from_json
 from kvmap.daemon.adapters.logs import configure_logging
-from kvmap.daemon.core import planner as planners
-from kvmap.daemon.core.convert import geometry_from_json
 from kvmap.daemon.examples import example_path
 from kvmap.tools.grants import GrantRefused, granted
 from kvmap.tools.launch import DaemonProc, WorkerProc, start_daemon, start_worker

@@ -29,7 +29,7 @@ from google.protobuf import json_format
 from kvmap.client.client import KvmapClient
 from kvmap.client.errors import KvmapClientError
 from kvmap.client.session import Backoff, WorkerSession
-from kvmap.daemon.core.config import DaemonConfig
+from kvmap.core.config import DaemonConfig
 from kvmap.tools import block_pattern, json_lines
 from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
 

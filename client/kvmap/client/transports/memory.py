@@ -9,7 +9,7 @@ registered shared memory is mapped, as the real daemon maps it), counts them
 on both sides and tells the owner's worker that its blocks were read.
 
 It decides what kvmapd decides with kvmapd's own core
-(``kvmap.daemon.core``): registrations are converted and validated by
+(``kvmap.core``): registrations are converted and validated by
 ``convert.parse_and_validate``, planned by the daemon's planners (``baseline``
 unless the daemon is made with another) and published by
 ``convert.region_map_to_proto``; pulls and pushes are planned by
@@ -26,7 +26,7 @@ across a restart other than the generation counters (as with ``--state-dir``
 for workers whose memory the daemon cannot reopen by itself).
 
 Capabilities are checked as kvmapd checks them, with the same core
-(``kvmap.daemon.core.grants``): GrantTransfer validates against the worker's
+(``kvmap.core.grants``): GrantTransfer validates against the worker's
 geometry and mints a secret kept only as its digest; a transfer presents it
 and the owner's side admits it after the puller's own checks, before any
 byte moves.
@@ -66,16 +66,16 @@ from kvmap.client.errors import (
     from_status,
 )
 from kvmap.client.fd_handoff import SCM_MAX_FD
-from kvmap.daemon.core import convert, grants
-from kvmap.daemon.core import errors as core
-from kvmap.daemon.core.compat import check_compatible
-from kvmap.daemon.core.config import MAX_REGION_MAP_BYTES
-from kvmap.daemon.core.features import DAEMON_FEATURES
-from kvmap.daemon.core.geometry import Plan, RegionMapModel, WorkerGeometry
-from kvmap.daemon.core.geometry import WorkerKey as CoreKey
-from kvmap.daemon.core.planner import get_planner
-from kvmap.daemon.core.token_plan import TokenGroup, plan_token_transfer, token_groups
-from kvmap.daemon.core.transfer_pieces import (
+from kvmap.core import convert, grants
+from kvmap.core import errors as core
+from kvmap.core.compat import check_compatible
+from kvmap.core.config import MAX_REGION_MAP_BYTES
+from kvmap.core.features import DAEMON_FEATURES
+from kvmap.core.geometry import Plan, RegionMapModel, WorkerGeometry
+from kvmap.core.geometry import WorkerKey as CoreKey
+from kvmap.core.planner import get_planner
+from kvmap.core.token_plan import TokenGroup, plan_token_transfer, token_groups
+from kvmap.core.transfer_pieces import (
     Int64Array,
     LayerSelection,
     PieceTable,
@@ -83,7 +83,7 @@ from kvmap.daemon.core.transfer_pieces import (
     SideRows,
     build_piece_table,
 )
-from kvmap.daemon.core.transfer_plan import GroupPairs, TransferPlan, check_sizes, plan_transfer
+from kvmap.core.transfer_plan import GroupPairs, TransferPlan, check_sizes, plan_transfer
 from kvmap.v1 import admin_pb2, region_maps_pb2, registry_pb2, transfers_pb2, types_pb2
 
 # (engine_id, dp_rank, tp_rank, pp_rank): how tests name a worker.

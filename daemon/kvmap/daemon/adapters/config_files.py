@@ -9,7 +9,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from kvmap.daemon.core.config import DaemonConfig
+from kvmap.core.config import DaemonConfig
 
 
 def default_runtime_dir(uid: int | None = None) -> Path:

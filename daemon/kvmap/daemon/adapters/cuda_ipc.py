@@ -50,6 +50,13 @@ from typing import Protocol
 
 import structlog
 
+from kvmap.core.errors import (
+    FailedPrecondition,
+    InternalError,
+    InvalidArgument,
+    KvmapError,
+    ResourceExhausted,
+)
 from kvmap.daemon.adapters.cuda_driver import (
     IPC_HANDLE_SIZE,
     UUID_SIZE,
@@ -58,13 +65,6 @@ from kvmap.daemon.adapters.cuda_driver import (
     LibCuda,
 )
 from kvmap.daemon.adapters.nixl_port import MemoryType
-from kvmap.daemon.core.errors import (
-    FailedPrecondition,
-    InternalError,
-    InvalidArgument,
-    KvmapError,
-    ResourceExhausted,
-)
 from kvmap.v1 import types_pb2
 
 log = structlog.get_logger("kvmapd.cuda_ipc")

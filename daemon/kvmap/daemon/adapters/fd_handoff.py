@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from kvmap.daemon.core.errors import (
+from kvmap.core.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import grpc
 
-from kvmap.daemon.core.errors import ErrorCode
+from kvmap.core.errors import ErrorCode
 
 # Every ErrorCode, to the gRPC status of the same name (a unit test holds both).
 GRPC_STATUS: Mapping[ErrorCode, grpc.StatusCode] = types.MappingProxyType(

@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable
 from types import TracebackType
 
-from kvmap.daemon.core.errors import InvalidArgument
+from kvmap.core.errors import InvalidArgument
 
 _PAGE = mmap.ALLOCATIONGRANULARITY
 

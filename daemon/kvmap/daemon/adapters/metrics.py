@@ -8,7 +8,7 @@ from typing import TypeVar
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.metrics import MetricWrapperBase
 
-from kvmap.daemon.core.config import parse_host_port
+from kvmap.core.config import parse_host_port
 
 # Peers that get their own label value; the rest share "other", so a daemon
 # that pulls from many prefill pods keeps a bounded number of series.

@@ -71,6 +71,18 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvmap.core.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InternalError,
+    InvalidArgument,
+    KvmapError,
+    NotFound,
+    TransferError,
+    Unavailable,
+    Unimplemented,
+)
+
 # The value types live with the engine's port (which imports no NIXL); they
 # are re-exported here so ``from nixl_agent import XferOp`` keeps working.
 from kvmap.daemon.adapters.nixl_port import (
@@ -82,17 +94,6 @@ from kvmap.daemon.adapters.nixl_port import (
     Xfer,
     XferOp,
     XferState,
-)
-from kvmap.daemon.core.errors import (
-    AlreadyExists,
-    FailedPrecondition,
-    InternalError,
-    InvalidArgument,
-    KvmapError,
-    NotFound,
-    TransferError,
-    Unavailable,
-    Unimplemented,
 )
 
 _CLOSE_PROGRESS_ROUNDS = 8

@@ -3,7 +3,7 @@
 ``NixlPort`` is the seam between the engine and ``nixl_agent.NixlAgent``
 (the real agent, over NIXL and UCX); the engine's tests run it over an
 in-memory fake (``tests/engine/fake_nixl.py``) that keeps the same contract:
-errors from ``kvmap.daemon.core.errors`` as documented in ``nixl_agent``,
+errors from ``kvmap.core.errors`` as documented in ``nixl_agent``,
 transfers that complete through ``poll``, notifications through
 ``take_notifs``. The value types that cross the seam live here too.
 """
@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from kvmap.daemon.core.errors import TransferError, Unavailable
+from kvmap.core.errors import TransferError, Unavailable
 
 IndexArray = Sequence[int] | npt.NDArray[np.integer[Any]]
 

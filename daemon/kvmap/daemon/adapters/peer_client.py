@@ -25,11 +25,9 @@ import grpc
 import structlog
 from grpc import aio
 
-from kvmap.daemon.adapters.config_files import read_pem
-from kvmap.daemon.adapters.grpc_codes import error_code, reason_of
-from kvmap.daemon.core import convert
-from kvmap.daemon.core.config import DaemonConfig, parse_host_port
-from kvmap.daemon.core.errors import (
+from kvmap.core import convert
+from kvmap.core.config import DaemonConfig, parse_host_port
+from kvmap.core.errors import (
     HANDSHAKE_AGAIN,
     DeadlineExceeded,
     ErrorCode,
@@ -41,14 +39,16 @@ from kvmap.daemon.core.errors import (
     StaleGeneration,
     Unavailable,
 )
-from kvmap.daemon.core.geometry import RegionMapModel, WorkerKey
-from kvmap.daemon.core.peer_policy import (
+from kvmap.core.geometry import RegionMapModel, WorkerKey
+from kvmap.core.peer_policy import (
     LOOPBACK,
     OUTBOUND_DENIED,
     IPAddress,
     PeerPolicy,
     is_host_name,
 )
+from kvmap.daemon.adapters.config_files import read_pem
+from kvmap.daemon.adapters.grpc_codes import error_code, reason_of
 from kvmap.v1 import peer_pb2, peer_pb2_grpc
 
 log = structlog.get_logger("kvmapd.peers")

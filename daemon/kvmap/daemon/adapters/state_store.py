@@ -34,9 +34,9 @@ from typing import Concatenate, ParamSpec, TypeVar
 import numpy as np
 import structlog
 
-from kvmap.daemon.core.errors import KvmapError, ResourceExhausted, Unavailable
-from kvmap.daemon.core.geometry import WorkerKey
-from kvmap.daemon.core.grants import Grant
+from kvmap.core.errors import KvmapError, ResourceExhausted, Unavailable
+from kvmap.core.geometry import WorkerKey
+from kvmap.core.grants import Grant
 from kvmap.v1 import registry_pb2, types_pb2
 
 log = structlog.get_logger("kvmapd.state_store")

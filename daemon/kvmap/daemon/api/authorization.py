@@ -1,5 +1,5 @@
 """Who may call kvmap's services on the TCP port: a server interceptor that
-answers only authorized peers (``kvmap.daemon.core.peer_policy`` decides).
+answers only authorized peers (``kvmap.core.peer_policy`` decides).
 
 Everything of ``kvmap.v1`` on TCP is guarded: ``Peer`` hands out the NIXL
 agent metadata (with it, a NIXL agent can READ every registered byte) and
@@ -21,9 +21,9 @@ import grpc
 import structlog
 from grpc import aio
 
+from kvmap.core.errors import PermissionDenied
+from kvmap.core.peer_policy import INBOUND_DENIED, PeerPolicy, grpc_peer_address
 from kvmap.daemon.api.handlers import Ctx, WrappedHandlers, is_kvmap_method, wrap_handler
-from kvmap.daemon.core.errors import PermissionDenied
-from kvmap.daemon.core.peer_policy import INBOUND_DENIED, PeerPolicy, grpc_peer_address
 
 log = structlog.get_logger("kvmapd.authorization")
 

@@ -19,7 +19,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc import aio
 
-from kvmap.daemon.core.errors import InvalidArgument
+from kvmap.core.errors import InvalidArgument
 
 Ctx = aio.ServicerContext[Any, Any]
 if TYPE_CHECKING:

@@ -15,11 +15,11 @@ import grpc
 import structlog
 from grpc import aio
 
+from kvmap.core.errors import KvmapError
 from kvmap.daemon.adapters.grpc_codes import reason_metadata
 from kvmap.daemon.adapters.metrics import Metrics
 from kvmap.daemon.api.handlers import WrappedHandlers, is_kvmap_method, wrap_handler
 from kvmap.daemon.api.status import grpc_status
-from kvmap.daemon.core.errors import KvmapError
 
 log = structlog.get_logger("kvmapd.rpc")
 

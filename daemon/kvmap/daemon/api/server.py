@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from kvmap.core.config import MAX_MESSAGE_BYTES, DaemonConfig
 from kvmap.daemon.adapters.config_files import read_pem
 from kvmap.daemon.adapters.metrics import Metrics
 from kvmap.daemon.adapters.socket_lock import SocketLock
@@ -31,7 +32,6 @@ from kvmap.daemon.api.services import (
     tcp_service_names,
     unix_service_names,
 )
-from kvmap.daemon.core.config import MAX_MESSAGE_BYTES, DaemonConfig
 from kvmap.daemon.engine.app import DaemonApp
 
 log = structlog.get_logger("kvmapd")

@@ -11,11 +11,11 @@ from grpc import aio
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 
-from kvmap.daemon.core import convert
-from kvmap.daemon.core import planner as planners
-from kvmap.daemon.core.errors import SHUTTING_DOWN, Unavailable
-from kvmap.daemon.core.features import DAEMON_FEATURES
-from kvmap.daemon.core.geometry import WorkerKey
+from kvmap.core import convert
+from kvmap.core import planner as planners
+from kvmap.core.errors import SHUTTING_DOWN, Unavailable
+from kvmap.core.features import DAEMON_FEATURES
+from kvmap.core.geometry import WorkerKey
 from kvmap.daemon.engine.app import DaemonApp
 from kvmap.v1 import (
     admin_pb2,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import grpc
 
+from kvmap.core.errors import status_of
 from kvmap.daemon.adapters.grpc_codes import GRPC_STATUS
-from kvmap.daemon.core.errors import status_of
 
 
 def grpc_status(err: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -14,11 +14,11 @@ from pathlib import Path
 
 from google.protobuf import json_format
 
+from kvmap.core import convert, tables
+from kvmap.core.errors import InvalidArgument
+from kvmap.core.planner import DEFAULT_PLANNER, PLANNERS, get_planner
+from kvmap.core.validation import validate_geometry
 from kvmap.daemon import examples
-from kvmap.daemon.core import convert, tables
-from kvmap.daemon.core.errors import InvalidArgument
-from kvmap.daemon.core.planner import DEFAULT_PLANNER, PLANNERS, get_planner
-from kvmap.daemon.core.validation import validate_geometry
 
 EXIT_INVALID_INPUT = 2
 

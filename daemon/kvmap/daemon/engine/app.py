@@ -17,6 +17,21 @@ from typing import Any
 
 import structlog
 
+from kvmap.core import convert
+from kvmap.core import grants as grants_core
+from kvmap.core import planner as planners
+from kvmap.core.config import DaemonConfig
+from kvmap.core.errors import (
+    SHUTTING_DOWN,
+    FailedPrecondition,
+    HandshakeAgain,
+    InvalidArgument,
+    KvmapError,
+    NotFound,
+    Unavailable,
+)
+from kvmap.core.geometry import WorkerKey
+from kvmap.core.grants import Grant
 from kvmap.daemon.adapters.config_files import load_config
 from kvmap.daemon.adapters.cuda_ipc import CudaIpcImporter
 from kvmap.daemon.adapters.fd_handoff import FdHandoffServer
@@ -27,21 +42,6 @@ from kvmap.daemon.adapters.nixl_port import AgentFactory, NixlPort
 from kvmap.daemon.adapters.nixl_thread import NixlThread
 from kvmap.daemon.adapters.peer_client import PeerClient
 from kvmap.daemon.adapters.state_store import StateStore, StateStoreError, StoredWorker
-from kvmap.daemon.core import convert
-from kvmap.daemon.core import grants as grants_core
-from kvmap.daemon.core import planner as planners
-from kvmap.daemon.core.config import DaemonConfig
-from kvmap.daemon.core.errors import (
-    SHUTTING_DOWN,
-    FailedPrecondition,
-    HandshakeAgain,
-    InvalidArgument,
-    KvmapError,
-    NotFound,
-    Unavailable,
-)
-from kvmap.daemon.core.geometry import WorkerKey
-from kvmap.daemon.core.grants import Grant
 from kvmap.daemon.engine.grants import GrantTable
 from kvmap.daemon.engine.leases import DEFAULT_LEASE_S, Lease, LeaseTable, token_of
 from kvmap.daemon.engine.progress import Progress

@@ -14,7 +14,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from kvmap.daemon.core.errors import ResourceExhausted
+from kvmap.core.errors import ResourceExhausted
 
 K = TypeVar("K")
 V = TypeVar("V")

@@ -21,15 +21,15 @@ from typing import Protocol
 
 import structlog
 
-from kvmap.daemon.core import grants as core
-from kvmap.daemon.core.errors import (
+from kvmap.core import grants as core
+from kvmap.core.errors import (
     FailedPrecondition,
     KvmapError,
     PermissionDenied,
     ResourceExhausted,
 )
-from kvmap.daemon.core.geometry import RegionMapModel, WorkerKey
-from kvmap.daemon.core.grants import BlockIds, Grant
+from kvmap.core.geometry import RegionMapModel, WorkerKey
+from kvmap.core.grants import BlockIds, Grant
 from kvmap.daemon.engine.workers import WorkerRecord
 
 log = structlog.get_logger("kvmapd.grants")

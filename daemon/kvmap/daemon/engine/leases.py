@@ -10,7 +10,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from kvmap.daemon.core.errors import ResourceExhausted, StaleGeneration
+from kvmap.core.errors import ResourceExhausted, StaleGeneration
 from kvmap.daemon.engine.workers import WorkerRecord
 
 # Notification payload a puller sends to the owner's agent when it is done.

@@ -19,6 +19,15 @@ from typing import Any
 import numpy as np
 import structlog
 
+from kvmap.core import convert
+from kvmap.core.config import (
+    DEFAULT_MAX_REGISTERED_BYTES,
+    DEFAULT_MAX_WORKERS,
+    MAX_REGION_MAP_BYTES,
+)
+from kvmap.core.errors import InvalidArgument, KvmapError, ResourceExhausted
+from kvmap.core.geometry import Plan, RegionMapModel, WorkerGeometry, WorkerKey
+from kvmap.core.planner import Planner
 from kvmap.daemon.adapters.cuda_ipc import CudaIpcImporter, CudaMapping, import_allocation
 from kvmap.daemon.adapters.fd_handoff import FdHandoffServer
 from kvmap.daemon.adapters.memory import MappedMemory, ShmImporter
@@ -30,15 +39,6 @@ from kvmap.daemon.adapters.state_store import (
     StateStoreError,
     StoredWorker,
 )
-from kvmap.daemon.core import convert
-from kvmap.daemon.core.config import (
-    DEFAULT_MAX_REGISTERED_BYTES,
-    DEFAULT_MAX_WORKERS,
-    MAX_REGION_MAP_BYTES,
-)
-from kvmap.daemon.core.errors import InvalidArgument, KvmapError, ResourceExhausted
-from kvmap.daemon.core.geometry import Plan, RegionMapModel, WorkerGeometry, WorkerKey
-from kvmap.daemon.core.planner import Planner
 from kvmap.daemon.engine.workers import AttachedMemory, WorkerRecord, WorkerTable
 from kvmap.v1 import registry_pb2, types_pb2
 

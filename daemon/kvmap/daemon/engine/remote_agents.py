@@ -17,9 +17,9 @@ from functools import partial
 
 import structlog
 
+from kvmap.core.errors import FailedPrecondition
 from kvmap.daemon.adapters.nixl_port import NixlPort
 from kvmap.daemon.adapters.nixl_thread import NixlRunner
-from kvmap.daemon.core.errors import FailedPrecondition
 
 log = structlog.get_logger("kvmapd.remote_agents")
 

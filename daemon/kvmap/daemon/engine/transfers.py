@@ -34,21 +34,10 @@ from typing import Any, Protocol
 
 import structlog
 
-from kvmap.daemon.adapters.metrics import Metrics
-from kvmap.daemon.adapters.nixl_port import (
-    DlistHandle,
-    MemoryType,
-    NixlPort,
-    Xfer,
-    XferOp,
-    XferState,
-)
-from kvmap.daemon.adapters.nixl_thread import NixlRunner
-from kvmap.daemon.adapters.peer_client import MAX_CHANNELS, PeerHandshake
-from kvmap.daemon.core.compat import check_compatible
-from kvmap.daemon.core.config import DaemonConfig
-from kvmap.daemon.core.convert import requested_worker, worker_id_to_proto
-from kvmap.daemon.core.errors import (
+from kvmap.core.compat import check_compatible
+from kvmap.core.config import DaemonConfig
+from kvmap.core.convert import requested_worker, worker_id_to_proto
+from kvmap.core.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
@@ -60,12 +49,12 @@ from kvmap.daemon.core.errors import (
     Unavailable,
     status_of,
 )
-from kvmap.daemon.core.geometry import DeviceKind, RegionMapModel, WorkerKey
-from kvmap.daemon.core.grants import check_readers
-from kvmap.daemon.core.retry import RetryPolicy, retryable
-from kvmap.daemon.core.token_plan import TokenGroup, plan_token_transfer, token_groups
-from kvmap.daemon.core.transfer_pieces import LayerSelection, PieceTable, Side, build_piece_table
-from kvmap.daemon.core.transfer_plan import (
+from kvmap.core.geometry import DeviceKind, RegionMapModel, WorkerKey
+from kvmap.core.grants import check_readers
+from kvmap.core.retry import RetryPolicy, retryable
+from kvmap.core.token_plan import TokenGroup, plan_token_transfer, token_groups
+from kvmap.core.transfer_pieces import LayerSelection, PieceTable, Side, build_piece_table
+from kvmap.core.transfer_plan import (
     GroupPairs,
     TransferPlan,
     block_ids,
@@ -75,6 +64,17 @@ from kvmap.daemon.core.transfer_plan import (
     plan_transfer,
     run_dlist_rows,
 )
+from kvmap.daemon.adapters.metrics import Metrics
+from kvmap.daemon.adapters.nixl_port import (
+    DlistHandle,
+    MemoryType,
+    NixlPort,
+    Xfer,
+    XferOp,
+    XferState,
+)
+from kvmap.daemon.adapters.nixl_thread import NixlRunner
+from kvmap.daemon.adapters.peer_client import MAX_CHANNELS, PeerHandshake
 from kvmap.daemon.engine.bounded import Lru, SingleFlight
 from kvmap.daemon.engine.leases import notification
 from kvmap.daemon.engine.progress import Progress

@@ -11,9 +11,9 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmap.core.errors import NotFound
+from kvmap.core.geometry import RegionMapModel, WorkerGeometry, WorkerKey
 from kvmap.daemon.adapters.nixl_port import DlistHandle, Registration
-from kvmap.daemon.core.errors import NotFound
-from kvmap.daemon.core.geometry import RegionMapModel, WorkerGeometry, WorkerKey
 from kvmap.v1 import registry_pb2
 
 # (persisted event id or 0, event)

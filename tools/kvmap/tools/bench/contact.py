@@ -22,14 +22,14 @@ import statistics
 import time
 from typing import Any
 
+from kvmap.core import convert
+from kvmap.core import planner as planners
+from kvmap.core.geometry import WorkerKey
+from kvmap.core.transfer_pieces import LayerSelection, Side, build_piece_table
+from kvmap.core.transfer_plan import piece_dlist_rows
 from kvmap.daemon.adapters import memory
 from kvmap.daemon.adapters.nixl_agent import NixlAgent
 from kvmap.daemon.adapters.peer_client import PeerClient, PeerHandshake
-from kvmap.daemon.core import convert
-from kvmap.daemon.core import planner as planners
-from kvmap.daemon.core.geometry import WorkerKey
-from kvmap.daemon.core.transfer_pieces import LayerSelection, Side, build_piece_table
-from kvmap.daemon.core.transfer_plan import piece_dlist_rows
 from kvmap.tools.bench.profiles import get_profile
 
 STEPS = ("handshake", "load_agent", "piece_table", "prep_lists")

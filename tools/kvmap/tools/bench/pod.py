@@ -22,7 +22,7 @@ import contextlib
 import tempfile
 from pathlib import Path
 
-from kvmap.daemon.core import planner as planners
+from kvmap.core import planner as planners
 from kvmap.tools.bench import runner
 from kvmap.tools.bench.profiles import Profile, get_profile
 from kvmap.tools.bench.results import Tp8

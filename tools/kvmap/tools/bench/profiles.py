@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvmap.daemon.core.geometry import (
+from kvmap.core.geometry import (
     AllocationSpec,
     CacheKind,
     DeviceRef,

@@ -35,19 +35,19 @@ from typing import Any
 
 import numpy as np
 
-from kvmap.daemon.adapters import memory
-from kvmap.daemon.adapters.nixl_agent import DlistHandle, NixlAgent, Xfer, XferOp, XferState
-from kvmap.daemon.core import convert
-from kvmap.daemon.core import planner as planners
-from kvmap.daemon.core.geometry import WorkerGeometry
-from kvmap.daemon.core.transfer_pieces import LayerSelection, PieceTable, Side, build_piece_table
-from kvmap.daemon.core.transfer_plan import (
+from kvmap.core import convert
+from kvmap.core import planner as planners
+from kvmap.core.geometry import WorkerGeometry
+from kvmap.core.transfer_pieces import LayerSelection, PieceTable, Side, build_piece_table
+from kvmap.core.transfer_plan import (
     GroupPairs,
     TransferPlan,
     piece_dlist_rows,
     plan_transfer,
     run_dlist_rows,
 )
+from kvmap.daemon.adapters import memory
+from kvmap.daemon.adapters.nixl_agent import DlistHandle, NixlAgent, Xfer, XferOp, XferState
 from kvmap.daemon.engine.progress import BUSY_INTERVAL_S
 from kvmap.tools import json_lines
 from kvmap.tools.bench.profiles import get_profile

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from kvmap.daemon.core.geometry import PlannerInfo
+from kvmap.core.geometry import PlannerInfo
 
 SCHEMA = "kvmap-bench/1"
 # Figures every planner object has (the minimum, and the test's).

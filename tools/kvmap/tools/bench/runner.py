@@ -47,11 +47,11 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvmap.daemon.core import convert
-from kvmap.daemon.core import planner as planners
-from kvmap.daemon.core.geometry import RegionMapModel, WorkerGeometry
-from kvmap.daemon.core.transfer_pieces import LayerSelection, build_piece_table
-from kvmap.daemon.core.transfer_plan import GroupPairs, plan_transfer
+from kvmap.core import convert
+from kvmap.core import planner as planners
+from kvmap.core.geometry import RegionMapModel, WorkerGeometry
+from kvmap.core.transfer_pieces import LayerSelection, build_piece_table
+from kvmap.core.transfer_plan import GroupPairs, plan_transfer
 from kvmap.tools.bench import blockpool
 from kvmap.tools.bench.profiles import Profile, get_profile
 from kvmap.tools.bench.raw_nixl import RawPair

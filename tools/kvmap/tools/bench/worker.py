@@ -34,7 +34,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from kvmap.client.client import KvmapClient
 from kvmap.client.errors import KvmapClientError, Unavailable
-from kvmap.daemon.core.geometry import ViewSpec, WorkerGeometry
+from kvmap.core.geometry import ViewSpec, WorkerGeometry
 from kvmap.tools import block_pattern, json_lines
 from kvmap.tools.bench.profiles import WORD, get_profile
 from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2

@@ -24,8 +24,8 @@ from collections.abc import Mapping
 
 from google.protobuf import json_format
 
-from kvmap.daemon.core.errors import InvalidArgument
-from kvmap.daemon.core.geometry import (
+from kvmap.core.errors import InvalidArgument
+from kvmap.core.geometry import (
     AllocationSpec,
     CacheKind,
     DeviceKind,
@@ -41,8 +41,8 @@ from kvmap.daemon.core.geometry import (
     WorkerGeometry,
     WorkerKey,
 )
-from kvmap.daemon.core.head_layout import head_layout_from_proto, head_layout_to_proto
-from kvmap.daemon.core.validation import (
+from kvmap.core.head_layout import head_layout_from_proto, head_layout_to_proto
+from kvmap.core.validation import (
     MAX_ALLOCATIONS,
     MAX_BLOCKS,
     MAX_DESCRIPTORS,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kvmap.daemon.core.peer_policy import LOOPBACK, PeerPolicy
+from kvmap.core.peer_policy import LOOPBACK, PeerPolicy
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
 # Largest message either listener accepts or sends (a full-scale registration

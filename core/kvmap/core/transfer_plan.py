@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvmap.daemon.core.errors import InvalidArgument
-from kvmap.daemon.core.transfer_pieces import Int64Array, PieceTable, Side
+from kvmap.core.errors import InvalidArgument
+from kvmap.core.transfer_pieces import Int64Array, PieceTable, Side
 
 # A 1M-token request at 16 tokens per block; bounds the index arrays a single
 # request can make the daemon build (x pieces x 4 bytes each).

@@ -25,10 +25,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from kvmap.daemon.core.errors import FailedPrecondition, InvalidArgument
-from kvmap.daemon.core.geometry import CacheKind, HeadLayout, RegionMapModel, TokenLayout
-from kvmap.daemon.core.reshard import DST, LEN, SRC, BlockGrid, expand_rows, plan_rows, rank_heads
-from kvmap.daemon.core.transfer_pieces import (
+from kvmap.core.errors import FailedPrecondition, InvalidArgument
+from kvmap.core.geometry import CacheKind, HeadLayout, RegionMapModel, TokenLayout
+from kvmap.core.reshard import DST, LEN, SRC, BlockGrid, expand_rows, plan_rows, rank_heads
+from kvmap.core.transfer_pieces import (
     Int64Array,
     LayerSelection,
     Side,
@@ -36,7 +36,7 @@ from kvmap.daemon.core.transfer_pieces import (
     _Placed,
     _selected_names,
 )
-from kvmap.daemon.core.transfer_plan import (
+from kvmap.core.transfer_plan import (
     MAX_BLOCKS_PER_TRANSFER,
     TransferPlan,
     block_ids,

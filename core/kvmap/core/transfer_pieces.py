@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvmap.daemon.core.errors import FailedPrecondition, InvalidArgument, NotFound
-from kvmap.daemon.core.geometry import LayerPlacement, Region, RegionMapModel, WorkerKey
+from kvmap.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvmap.core.geometry import LayerPlacement, Region, RegionMapModel, WorkerKey
 
 # NIXL's make_prepped_xfer takes int32 descriptor indices.
 MAX_PREPPED_DESCRIPTORS = 2**31 - 1

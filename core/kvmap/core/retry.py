@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmap.daemon.core.errors import (
+from kvmap.core.errors import (
     HANDSHAKE_AGAIN,
     ErrorCode,
     KvmapError,

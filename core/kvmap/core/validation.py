@@ -17,8 +17,8 @@ from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvmap.daemon.core.errors import InvalidArgument
-from kvmap.daemon.core.geometry import AllocationSpec, ViewSpec, WorkerGeometry
+from kvmap.core.errors import InvalidArgument
+from kvmap.core.geometry import AllocationSpec, ViewSpec, WorkerGeometry
 
 MAX_VIEWS = 16384
 MAX_ALLOCATIONS = 1024

@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import numpy.typing as npt
 
-from kvmap.daemon.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied
-from kvmap.daemon.core.geometry import RegionMapModel, WorkerKey
+from kvmap.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from kvmap.core.geometry import RegionMapModel, WorkerKey
 
 Int64Array = npt.NDArray[np.int64]
 # Block ids as a request carries them (a protobuf repeated field, a list) or

@@ -33,8 +33,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import fields
 
-from kvmap.daemon.core.errors import FailedPrecondition
-from kvmap.daemon.core.geometry import CacheKind, LayerPlacement, RegionMapModel
+from kvmap.core.errors import FailedPrecondition
+from kvmap.core.geometry import CacheKind, LayerPlacement, RegionMapModel
 
 # The reason (trailing metadata ``kvmap-reason``) of an incompatibility.
 INCOMPATIBLE = "INCOMPATIBLE"

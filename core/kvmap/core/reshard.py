@@ -43,9 +43,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvmap.daemon.core.errors import FailedPrecondition, InvalidArgument
-from kvmap.daemon.core.geometry import TokenLayout
-from kvmap.daemon.core.grants import MAX_USES
+from kvmap.core.errors import FailedPrecondition, InvalidArgument
+from kvmap.core.geometry import TokenLayout
+from kvmap.core.grants import MAX_USES
 
 __all__ = ["BlockGrid", "TokenLayout", "expand_rows", "plan_rows", "rank_heads", "source_ranks"]
 

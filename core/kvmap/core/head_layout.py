@@ -8,8 +8,8 @@ not say, and transfers with it need equal TP sizes and block sizes.
 
 from __future__ import annotations
 
-from kvmap.daemon.core.errors import InvalidArgument
-from kvmap.daemon.core.geometry import CacheKind, HeadLayout, TokenLayout
+from kvmap.core.errors import InvalidArgument
+from kvmap.core.geometry import CacheKind, HeadLayout, TokenLayout
 from kvmap.v1 import types_pb2
 
 # Far above any model (DeepSeek: 128 heads, Llama 405B: 8 KV heads); bounds

@@ -19,8 +19,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from kvmap.daemon.core.errors import InvalidArgument
-from kvmap.daemon.core.geometry import (
+from kvmap.core.errors import InvalidArgument
+from kvmap.core.geometry import (
     CacheKind,
     DeviceRef,
     LayerPlacement,
