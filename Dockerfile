@@ -2,10 +2,7 @@
 #
 # kvmapd image, built from this repository's source (never from a registry):
 #   docker build -t ghcr.io/kvmap/kvmapd:0.1.0 .
-# torch build (default: PyPI's Linux x86_64 wheel, which is a CUDA build; pick
-# a CUDA version or CPU-only explicitly with the PyTorch index):
-#   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130 ...
-#   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu ...
+# It holds no torch: kvmapd never imports it (docs/image.md).
 # The vLLM image with the kvmap connector installed (the manifests' vllm-kvmap):
 #   docker build --target vllm-kvmap --build-arg VLLM_IMAGE=vllm/vllm-openai:<tag> \
 #     -t ghcr.io/kvmap/vllm-kvmap:0.1.0 .
@@ -19,33 +16,40 @@ ARG VLLM_IMAGE=vllm/vllm-openai:latest
 
 # ---------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS build
-ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX_URL=https://pypi.org/simple
+# The project's `nixl` extra pins nixl==1.5.1: keep the two equal (tests/deploy).
+ARG NIXL_VERSION=1.5.1
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
 RUN python -m venv /opt/kvmap
 ENV PATH=/opt/kvmap/bin:$PATH
 RUN pip install --upgrade pip
-# torch first, on its own and from the chosen index: the project pins
-# torch==2.13.0 (which a local build such as 2.13.0+cu130 satisfies), so the
-# next step keeps this build instead of resolving another one.
-RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+# NIXL's CUDA 13 wheel (the one `import nixl` picks where no CUDA 12 torch is
+# installed), without its declared dependencies: torch, which neither its API
+# nor kvmapd imports, and numpy, a dependency of the project. The wheel also
+# holds nixl_ep_cu13 (expert-parallel torch extensions, 91 MB) and UCX's
+# perftest, which kvmap never loads: removed, as tests/gpu/fetch_wheels.sh does.
+RUN pip install --no-deps "nixl-cu13==${NIXL_VERSION}" \
+ && site=$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
+ && rm -r "$site/nixl_ep_cu13" "$site"/nixl_cu13.libs/ucx/libucx_perftest*
 COPY . /src
-# The project itself, from source (pulls nixl, grpcio, ... from the index).
+# The project itself, from source (pulls grpcio, numpy, ... from the index),
+# then proof that NIXL loads and torch is nowhere.
 RUN pip install /src \
  && python -c "import kvmap.daemon, kvmap.client, kvmap.v1" \
+ && python -c "from kvmap.daemon.adapters.nixl_agent import nixl_module; nixl_module('_api')" \
+ && python -c "import importlib.util as u; assert u.find_spec('torch') is None, 'torch'" \
  && kvmapd --help >/dev/null
 
 # ---------------------------------------------------------------------------
 # Optional: vLLM plus the kvmap client/connector. --no-deps keeps vLLM's own
-# torch; the client's runtime dependencies are the project's minus torch and
-# nixl (only the daemon imports nixl). tests/deploy checks this list against
+# torch; then the project's runtime dependencies (none is torch or nixl; only
+# the daemon imports nixl). tests/deploy checks this list against
 # pyproject.toml.
 FROM ${VLLM_IMAGE} AS vllm-kvmap
 COPY --from=build /src /tmp/kvmap-src
 RUN python3 -m pip install --no-cache-dir --no-deps /tmp/kvmap-src \
- && python3 -m pip install --no-cache-dir "grpcio>=1.70" "grpcio-health-checking>=1.70" "grpcio-reflection>=1.70" "protobuf>=7.35.1" "structlog>=24.1" "prometheus-client>=0.20" \
+ && python3 -m pip install --no-cache-dir "grpcio>=1.70" "grpcio-health-checking>=1.70" "grpcio-reflection>=1.70" "protobuf>=7.35.1" "structlog>=24.1" "prometheus-client>=0.20" "numpy>=2" \
  && rm -rf /tmp/kvmap-src \
  && python3 -c "import importlib.util as u; assert u.find_spec('kvmap.client.vllm_connector')"
 

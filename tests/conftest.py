@@ -1,12 +1,37 @@
-"""Shared test hooks."""
+"""Shared test hooks: the Hypothesis profile (``hypothesis_profiles``),
+each test's tier and whether it runs in the serial phase (``tiers``), and
+the reaping of the processes a test started."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
+import hypothesis_profiles
 import pytest
+import tiers
 
 from kvmap.tools import launch
+
+hypothesis_profiles.load_profile()
+
+TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test with its tier and, where it must run alone, ``serial``;
+    a test marked with a second tier by hand is an error (``-m`` would run it
+    in both)."""
+    for item in items:
+        path = Path(item.path).resolve().relative_to(TESTS).as_posix()
+        markers = {m.name for m in item.iter_markers()}
+        tier = tiers.tier_of(path, markers)
+        item.add_marker(tier)
+        if tiers.is_serial(path, markers):
+            item.add_marker("serial")
+        marked = [name for name in tiers.TIERS if name in markers | {tier}]
+        if marked != [tier]:
+            raise pytest.UsageError(f"{item.nodeid}: tier {tier}, but marked {marked}")
 
 
 @pytest.fixture(autouse=True)

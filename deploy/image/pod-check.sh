@@ -5,7 +5,9 @@
 #   pod-check.sh SETUP serve   kvmapd serve with the manifest's args; the gRPC
 #                              probes as the kubelet runs them, /metrics, the
 #                              Unix socket as vLLM's uid, SIGTERM -> exit 0
-#   pod-check.sh SETUP demo    kvmapd demo in the same sandbox
+#   pod-check.sh SETUP demo    kvmapd demo in the same sandbox; its stand-in
+#                              workers import torch from $HARNESS, mounted
+#                              read-only at /mnt (the image has no torch)
 # SETUP is the output of `python -m kvmap.tools.image_check pod-script`.
 set -euo pipefail
 SETUP=$1 MODE=$2
@@ -72,7 +74,10 @@ serve() {
 }
 
 demo() {
-  (pod_exec "${ENTRY[0]}" demo) >"$HERE/demo.log" 2>&1 || { cat "$HERE/demo.log"; fail "kvmapd demo failed"; }
+  [ -d "$ROOT/mnt" ] && [ -d "${HARNESS:-}" ] || fail "no /mnt in the image or no \$HARNESS"
+  mount --bind "$HARNESS" "$ROOT/mnt"; mount -o remount,bind,ro "$ROOT/mnt"
+  (pod_exec env PYTHONPATH=/mnt "${ENTRY[0]}" demo) >"$HERE/demo.log" 2>&1 \
+    || { cat "$HERE/demo.log"; fail "kvmapd demo failed"; }
   tail -5 "$HERE/demo.log"
   echo "pod-check: kvmapd demo passed as $(grep -o 'userspec=[0-9:]*' "$SETUP")"
 }

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from kvmap.core import planner as planners
-from kvmap.tools.bench import blockpool, plot, report, results, runner
+from kvmap.tools.bench import blockpool, pair, plot, report, results, workload
+from kvmap.tools.bench.options import MIB
 from kvmap.tools.bench.profiles import DEFAULT_PROFILES, PROFILES, get_profile
 
 
@@ -41,7 +42,7 @@ def test_json_schema(tiny: tuple[dict[str, Any], Path]) -> None:
     """kvmapd bench --json on the tiny profile reports the schema version, a memcpy figure and, per
     planner (baseline first), every required key and ratios against baseline."""
     result, _ = tiny
-    assert result["schema"] == runner.SCHEMA
+    assert result["schema"] == results.SCHEMA
     assert result["memcpy_gbps"] > 0
     assert set(result["profiles"]) == {"tiny"}
     planners_run = list(result["profiles"]["tiny"])
@@ -62,7 +63,7 @@ def test_json_schema(tiny: tuple[dict[str, Any], Path]) -> None:
             assert key in r, (name, key)
         assert r["planner"]["name"] == name
         if name != "baseline":
-            assert set(r["vs_baseline"]) == {k for k, _ in runner.RATIO_KEYS}
+            assert set(r["vs_baseline"]) == {k for k, _ in results.RATIO_KEYS}
     info = result["profile_info"]["tiny"]
     assert info["timing_scale"]["page_divisor"] == 1  # tiny fits at full scale
 
@@ -151,12 +152,12 @@ def _scaled_bytes(info: dict[str, Any]) -> int:
     """Bytes of the descriptor-cost request and of every concurrency request
     at their page scales (each verified once)."""
     profile = get_profile("tiny")
-    scattered, _ = runner.requests(profile)
-    desc = runner.request_bytes(profile.geometry(info["descriptor_cost_divisor"]), scattered)
-    pairs, reqs = runner.concurrent_requests(profile, max(results.CONCURRENCY))
+    scattered, _ = workload.requests(profile)
+    desc = workload.request_bytes(profile.geometry(info["descriptor_cost_divisor"]), scattered)
+    pairs, reqs = workload.concurrent_requests(profile, max(results.CONCURRENCY))
     assert pairs == info["concurrency_workers"]
     conc = profile.geometry(info["concurrency_divisor"])
-    return desc + sum(runner.request_bytes(conc, req) for _, req in reqs)
+    return desc + sum(workload.request_bytes(conc, req) for _, req in reqs)
 
 
 @pytest.mark.integration
@@ -178,7 +179,7 @@ def test_concurrency_and_raw_nixl_figures(tiny: tuple[dict[str, Any], Path]) -> 
             # CPU per pull, by place: every place counted (in clock ticks, so
             # a tiny round may count 0, never less).
             cpu = c["cpu_seconds_per_pull"]
-            assert set(cpu) == set(runner.CPU_PLACES) and min(cpu.values()) >= 0, cpu
+            assert set(cpu) == set(pair.CPU_PLACES) and min(cpu.values()) >= 0, cpu
             for key in ("post_seconds", "pull_seconds", "raw_post_seconds", "raw_pull_seconds"):
                 assert len(lat[key]) == 2 * int(n), (name, n, key)  # 2 rounds of N pulls
             # A pull waits for its own post: Pull-to-DONE covers it.
@@ -244,14 +245,14 @@ def test_timing_scale_keeps_requests_within_budget() -> None:
     a request fits in 128 MiB, and the hybrid profile's groups draw distinct blocks from one
     pool."""
     glm = get_profile("glm53")
-    scattered, contiguous = runner.requests(glm)
+    scattered, contiguous = workload.requests(glm)
     assert [len(ids) for ids in scattered.local] == [2048, 2048]  # 128K tokens / 64
     assert contiguous.local[0] == list(range(1, 2049))
-    divisor = runner.timing_divisor(glm, scattered, 128 * runner.MIB)
+    divisor = workload.timing_divisor(glm, scattered, 128 * MIB)
     assert divisor == 64  # 656 B and 132 B pages: one token's bytes per layer
-    assert runner.request_bytes(glm.geometry(divisor), scattered) <= 128 * runner.MIB
+    assert workload.request_bytes(glm.geometry(divisor), scattered) <= 128 * MIB
     hybrid = get_profile("hybrid")
-    sc, _ = runner.requests(hybrid)
+    sc, _ = workload.requests(hybrid)
     assert [len(ids) for ids in sc.local] == [8192, 9]  # full group, sliding window
     assert not set(sc.local[0]) & set(sc.local[1])  # one pool: distinct rows
 
@@ -283,8 +284,8 @@ def test_concurrent_requests_have_distinct_blocks() -> None:
     each has the profile's block counts, and the pairs are as few as the pool allows."""
     for name in ("glm53", "tiny", "hybrid"):
         profile = get_profile(name)
-        pairs, reqs = runner.concurrent_requests(profile, 32)
-        counts, _ = runner._own_counts(profile)
+        pairs, reqs = workload.concurrent_requests(profile, 32)
+        counts, _ = workload.own_counts(profile)
         assert pairs == -(-32 // blockpool.per_pool(profile.num_blocks, counts)), name
         assert len(reqs) == 32 and {w for w, _ in reqs} == set(range(pairs))
         for w in range(pairs):

@@ -6,6 +6,7 @@ import mmap
 
 import pytest
 import torch
+from inproc_daemon import InprocNetwork
 
 from kvmap.client.geometry import (
     BlockView,
@@ -14,7 +15,6 @@ from kvmap.client.geometry import (
     block_views,
     build_registration,
 )
-from kvmap.client.transports.memory import MemoryNetwork
 from kvmap.v1 import types_pb2
 
 MHA = types_pb2.CACHE_KIND_MHA
@@ -137,15 +137,12 @@ def test_build_registration_one_allocation_per_storage_and_daemon_accepts_it() -
         expected = bytearray(2 * nb * page)
         expected[(nb + 3) * page : (nb + 4) * page] = b"\x07" * page
         assert shared[:] == expected
-        daemon = MemoryNetwork().daemon("127.0.0.1:1")
-        token = daemon.send_fds(fds)
-        req.allocations[0].shm_fd.token = token
-        region_map = daemon.register_worker(req)
-        assert region_map.generation == 1 and len(region_map.regions) == 2
-        kv["model.layers.0.attn"][11].fill_(9)
-        expected[11 * page : 12 * page] = b"\x09" * page
-        assert shared[:] == expected
-        daemon.stop()
+        with InprocNetwork() as net:
+            region_map = net.daemon().client().register(req, fds)
+            assert region_map.generation == 1 and len(region_map.regions) == 2
+            kv["model.layers.0.attn"][11].fill_(9)
+            expected[11 * page : 12 * page] = b"\x09" * page
+            assert shared[:] == expected
     finally:
         shared.close()  # the fd itself belongs to the storage, which closes it
 

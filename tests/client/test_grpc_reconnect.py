@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvmap.client.errors import Unavailable
 from kvmap.client.transports.grpc import GrpcTransport, daemon_listening
+from kvmap.core.errors import Unavailable
 from kvmap.v1 import admin_pb2, admin_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)

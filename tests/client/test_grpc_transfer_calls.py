@@ -18,8 +18,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvmap.client.client import KvmapClient
-from kvmap.client.errors import DaemonError, DeadlineExceeded, PermissionDenied
+from kvmap.client.errors import OtherStatus
 from kvmap.client.transports.grpc import spec_request_bytes
+from kvmap.core.errors import DeadlineExceeded, PermissionDenied
 from kvmap.v1 import transfers_pb2, transfers_pb2_grpc, types_pb2
 
 INT64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
@@ -157,7 +158,7 @@ def test_closing_the_client_ends_a_pull_in_flight(daemon: tuple[Transfers, str])
     def pull() -> None:
         try:
             client.pull(_spec("hold"), timeout_s=60)
-        except DaemonError as err:
+        except OtherStatus as err:
             errors.append(err)
 
     puller = threading.Thread(target=pull)
@@ -166,4 +167,4 @@ def test_closing_the_client_ends_a_pull_in_flight(daemon: tuple[Transfers, str])
     client.close()
     puller.join(timeout=30)
     assert not puller.is_alive()
-    assert [e.code for e in errors if isinstance(e, DaemonError)] == [grpc.StatusCode.CANCELLED]
+    assert [e.status for e in errors if isinstance(e, OtherStatus)] == ["CANCELLED"]

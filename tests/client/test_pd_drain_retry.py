@@ -8,8 +8,7 @@ from __future__ import annotations
 import torch
 from test_pd_connector import LAYERS, Side, pair, prefill_request, step
 
-from kvmap.client.errors import Unavailable
-from kvmap.core.errors import SHUTTING_DOWN
+from kvmap.core.errors import SHUTTING_DOWN, Unavailable
 from kvmap.v1 import transfers_pb2
 
 __all__ = ["pair"]  # the fixture, shared with test_pd_connector

@@ -1,4 +1,4 @@
-"""Engines that cut the KV cache differently, against in-memory daemons: real
+"""Engines that cut the KV cache differently, against in-process kvmapds: real
 shared-memory KV caches laid out as vLLM's CPU backend lays them out
 ([blocks, heads, tokens, 2 x head_size]: per head, K transposed, then V),
 as HND or as NHD; the head layout each worker publishes in its region map;
@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 import torch
+from inproc_daemon import InprocDaemon, InprocNetwork
 
-from kvmap.client.client import KvmapClient
-from kvmap.client.errors import InvalidArgument
+from kvmap.client.connector import ConnectorOptions, SchedulerCore, WorkerCore, map_token_ranges
 from kvmap.client.geometry import (
     GeometryError,
     LayerSpec,
@@ -25,8 +25,7 @@ from kvmap.client.geometry import (
     head_layout,
     token_layout,
 )
-from kvmap.client.pd import ConnectorOptions, SchedulerCore, WorkerCore, map_token_ranges
-from kvmap.client.transports.memory import MemoryDaemon, MemoryNetwork, MemoryTransport
+from kvmap.core.errors import InvalidArgument
 from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
 
 HEADS, HEAD_SIZE, CAPACITY = 2, 4, 192  # tokens of KV cache per worker
@@ -46,7 +45,7 @@ def options(addr: str) -> ConnectorOptions:
 
 @dataclass
 class Side:
-    daemon: MemoryDaemon
+    daemon: InprocDaemon
     sched: SchedulerCore
     worker: WorkerCore
     kv: dict[str, torch.Tensor]  # as SHAPES[layout]
@@ -63,7 +62,7 @@ SHAPES = {
 
 
 def make_side(
-    net: MemoryNetwork,
+    net: InprocNetwork,
     addr: str,
     engine: str,
     *,
@@ -72,9 +71,10 @@ def make_side(
     tp_size: int = 1,
     features: Sequence[registry_pb2.DaemonFeature.ValueType] | None = None,
 ) -> Side:
-    daemon = net.daemon(addr)
+    daemon = net.daemon()
+    addr = daemon.target  # what the connector's peer_address names
     if features is not None:  # an older kvmapd, which lists fewer
-        daemon.features = tuple(features)
+        daemon.listed_features = tuple(features)
     nb = CAPACITY // block
     shape = SHAPES[layout](nb, block)
     kv: dict[str, torch.Tensor] = {}
@@ -90,12 +90,10 @@ def make_side(
         wid, kv, specs, block_size_tokens=block, tp_size=tp_size, head_layout=heads
     )
     opts = options(addr)
-    worker = WorkerCore(
-        KvmapClient(MemoryTransport(daemon)), wid, opts, block_size=block, tp_size=tp_size
-    )
+    worker = WorkerCore(daemon.client(), wid, opts, block_size=block, tp_size=tp_size)
     worker.register(req, fds)
     sched = SchedulerCore(
-        engine, opts, client=KvmapClient(MemoryTransport(daemon)), block_size=block,
+        engine, opts, client=daemon.client(), block_size=block,
         tp_size=tp_size,
     )  # fmt: skip
     return Side(daemon, sched, worker, kv, block, layout)
@@ -115,13 +113,9 @@ def hnd(side: Side, name: str) -> torch.Tensor:
 
 
 @pytest.fixture
-def net() -> Iterator[MemoryNetwork]:
-    network = MemoryNetwork()
-    yield network
-    for addr in (P_ADDR, D_ADDR):
-        daemon = network.lookup(addr)
-        if daemon is not None:
-            daemon.stop()
+def net() -> Iterator[InprocNetwork]:
+    with InprocNetwork() as network:
+        yield network
 
 
 def offer(p: Side, rid: str, blocks: list[int], tokens: int) -> dict[str, Any]:
@@ -192,9 +186,9 @@ def token_pull(kv: dict[str, Any], dblocks: list[int], tokens: int) -> transfers
     ],
 )
 def test_token_mode_pull_maps_the_block_grids(
-    net: MemoryNetwork, p_block: int, d_block: int, p_layout: str, d_layout: str
+    net: InprocNetwork, p_block: int, d_block: int, p_layout: str, d_layout: str
 ) -> None:
-    """Through the in-memory daemon, with the head layouts the workers published: a token-mode
+    """Through the in-process kvmapd, with the head layouts the workers published: a token-mode
     pull of a 40-token prompt (a partial last block on both sides) from blocks of 16 tokens into
     blocks of 32 and back, vLLM's CPU layout, HND or NHD on either side, moves every (K/V, head,
     token) and leaves the decode's other tokens untouched."""
@@ -205,7 +199,7 @@ def test_token_mode_pull_maps_the_block_grids(
     before = {n: hnd(d, n).clone() for n in LAYERS}
     kv = offer(p, "req-p", pblocks, 40)
     assert kv["remote_block_size"] == p_block
-    result = KvmapClient(MemoryTransport(d.daemon)).pull(token_pull(kv, dblocks, 40))
+    result = d.daemon.client().pull(token_pull(kv, dblocks, 40))
     assert result.bytes == 40 * len(LAYERS) * 2 * HEADS * HEAD_SIZE
     assert same_tokens(p, pblocks, d, dblocks, range(40))
     for name in LAYERS:
@@ -218,7 +212,7 @@ def test_token_mode_pull_maps_the_block_grids(
     d.worker.shutdown()
 
 
-def test_connector_loads_from_smaller_prefill_blocks(net: MemoryNetwork) -> None:
+def test_connector_loads_from_smaller_prefill_blocks(net: InprocNetwork) -> None:
     """The decode connector loads from a prefill engine of smaller blocks (vLLM's CPU layout on
     both sides, 16 -> 32): every (K/V, head, token) of a 40-token prompt arrives and the load
     record names the prefill blocks read."""
@@ -234,7 +228,7 @@ def test_connector_loads_from_smaller_prefill_blocks(net: MemoryNetwork) -> None
     d.worker.shutdown()
 
 
-def test_connector_loads_from_larger_prefill_blocks(net: MemoryNetwork) -> None:
+def test_connector_loads_from_larger_prefill_blocks(net: InprocNetwork) -> None:
     """From a prefill engine of larger blocks (vLLM's CPU layout, 32 -> 16): every (K/V, head,
     token) of a 40-token prompt (a partial last block on both grids) arrives, the decode's
     fourth block (past the prompt) is untouched, and the record names the prefill blocks."""
@@ -253,7 +247,7 @@ def test_connector_loads_from_larger_prefill_blocks(net: MemoryNetwork) -> None:
 
 @pytest.mark.parametrize(("p_block", "d_block", "hit"), [(32, 16, 16), (64, 32, 32), (64, 16, 48)])
 def test_prefix_hit_inside_a_prefill_block_loads_the_rest(
-    net: MemoryNetwork, p_block: int, d_block: int, hit: int
+    net: InprocNetwork, p_block: int, d_block: int, hit: int
 ) -> None:
     """Decode blocks smaller than the prefill's, the decode's first ``hit`` tokens cached
     locally (whole decode blocks, ending inside a prefill block; vLLM's CPU layout): the pull
@@ -293,7 +287,7 @@ def test_prefix_hit_inside_a_prefill_block_loads_the_rest(
     ],
 )
 def test_an_older_decode_kvmapd_is_not_sent_fields_it_would_drop(
-    net: MemoryNetwork, features: tuple[registry_pb2.DaemonFeature.ValueType, ...], missing: str
+    net: InprocNetwork, features: tuple[registry_pb2.DaemonFeature.ValueType, ...], missing: str
 ) -> None:
     """A decode kvmapd that does not list a field the pull needs (token mode between block
     grids, a start inside a prefill block) would drop it and move the wrong tokens: the load
@@ -310,7 +304,7 @@ def test_an_older_decode_kvmapd_is_not_sent_fields_it_would_drop(
     d.worker.shutdown()
 
 
-def test_prefix_hit_loads_the_tail(net: MemoryNetwork) -> None:
+def test_prefix_hit_loads_the_tail(net: InprocNetwork) -> None:
     """Decode blocks of 32 with its first 32 tokens cached locally, prefill blocks of 16: the
     pull skips the first two prefill blocks and loads tokens 32..63."""
     p = make_side(net, P_ADDR, "prefill", block=16)
@@ -324,7 +318,7 @@ def test_prefix_hit_loads_the_tail(net: MemoryNetwork) -> None:
     d.worker.shutdown()
 
 
-def test_other_tp_size_is_refused_with_a_clear_message(net: MemoryNetwork) -> None:
+def test_other_tp_size_is_refused_with_a_clear_message(net: InprocNetwork) -> None:
     """A prefill engine of another TP size whose grants were not sized for this one's (no
     kvmap_decode_tp_size nor open grants: it expects its own TP size): the load fails fast
     naming both sizes (recompute). Loads between TP sizes: tests/client/test_pd_tp.py."""
@@ -341,7 +335,7 @@ def test_other_tp_size_is_refused_with_a_clear_message(net: MemoryNetwork) -> No
     d.worker.shutdown()
 
 
-def test_region_map_publishes_the_head_layout(net: MemoryNetwork) -> None:
+def test_region_map_publishes_the_head_layout(net: InprocNetwork) -> None:
     """The registered head layout is in the worker's region map (what a peer plans with); a bad
     one is INVALID_ARGUMENT naming the field."""
     p = make_side(net, P_ADDR, "prefill", block=16, layout="nhd")
@@ -360,7 +354,7 @@ def test_region_map_publishes_the_head_layout(net: MemoryNetwork) -> None:
         head_layout=bad,
     )  # fmt: skip
     with pytest.raises(InvalidArgument, match=r"head_layout.total_kv_heads: 3 KV heads do not"):
-        KvmapClient(MemoryTransport(p.daemon)).register(req, fds)
+        p.daemon.client().register(req, fds)
     p.worker.shutdown()
 
 

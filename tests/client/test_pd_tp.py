@@ -1,5 +1,5 @@
 """Prefill and decode engines of different tensor-parallel sizes, against
-in-memory daemons: every rank a worker with real shared-memory KV caches in
+in-process kvmapds: every rank a worker with real shared-memory KV caches in
 vLLM's CPU layout holding its own heads; each decode rank pulls its heads
 from the prefill rank(s) holding them (token mode); each prefill rank's
 grant admits exactly as many pulls as decode ranks read it (configured with
@@ -18,11 +18,9 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from inproc_daemon import InprocDaemon, InprocNetwork
 
-from kvmap.client.client import KvmapClient
-from kvmap.client.errors import FailedPrecondition, PermissionDenied
-from kvmap.client.geometry import LayerSpec, build_registration, head_layout
-from kvmap.client.pd import (
+from kvmap.client.connector import (
     OPEN_GRANTS_KEY,
     READERS_TP_KEY,
     ConnectorOptions,
@@ -34,7 +32,8 @@ from kvmap.client.pd import (
     rank_capability,
     tp_readers,
 )
-from kvmap.client.transports.memory import MemoryDaemon, MemoryNetwork, MemoryTransport
+from kvmap.client.geometry import LayerSpec, build_registration, head_layout
+from kvmap.core.errors import FailedPrecondition, PermissionDenied, Unimplemented
 from kvmap.core.reshard import rank_heads, source_ranks, source_readers
 from kvmap.v1 import registry_pb2, types_pb2
 
@@ -99,7 +98,7 @@ class Engine:
 
 
 def make_engine(
-    net: MemoryNetwork,
+    net: InprocNetwork,
     addr: str,
     engine: str,
     tp: int,
@@ -107,9 +106,10 @@ def make_engine(
     decode_tp_size: int = 0,
     features: Sequence[registry_pb2.DaemonFeature.ValueType] | None = None,
 ) -> Engine:
-    daemon = net.daemon(addr)
+    daemon = net.daemon()
+    addr = daemon.target  # what the connector's peer_address names
     if features is not None:  # an older kvmapd, which lists fewer
-        daemon.features = tuple(features)
+        daemon.listed_features = tuple(features)
     per_rank = max(HEADS // tp, 1)
     specs = {n: LayerSpec(0, types_pb2.CACHE_KIND_MHA, NUM_BLOCKS) for n in LAYERS}
     kvs = []
@@ -124,7 +124,7 @@ def make_engine(
 
 
 def assemble(
-    daemon: MemoryDaemon,
+    daemon: InprocDaemon,
     opts: ConnectorOptions,
     engine: str,
     specs: dict[str, LayerSpec],
@@ -151,26 +151,22 @@ def assemble(
             wid, kv, specs, block_size_tokens=BLOCK, tp_size=tp, head_layout=heads
         )
         worker = CountingWorker(
-            KvmapClient(MemoryTransport(daemon)), wid, opts,
+            daemon.client(), wid, opts,
             tp_size=tp, block_size=BLOCK, kv_heads=kv_heads, replicated=replicated,
         )  # fmt: skip
         worker.register(req, fds)
         workers.append(worker)
     sched = SchedulerCore(
-        engine, opts, client=KvmapClient(MemoryTransport(daemon)), tp_size=tp,
+        engine, opts, client=daemon.client(), tp_size=tp,
         block_size=BLOCK, kv_heads=kv_heads, replicated=replicated,
     )  # fmt: skip
     return Engine(sched, workers, kvs)
 
 
 @pytest.fixture
-def net() -> Iterator[MemoryNetwork]:
-    network = MemoryNetwork()
-    yield network
-    for addr in (P_ADDR, D_ADDR):
-        daemon = network.lookup(addr)
-        if daemon is not None:
-            daemon.stop()
+def net() -> Iterator[InprocNetwork]:
+    with InprocNetwork() as network:
+        yield network
 
 
 def offer(p: Engine, rid: str) -> dict[str, Any]:
@@ -245,7 +241,7 @@ def heads_arrived(p: Engine, d: Engine, d_rank: int) -> bool:
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4)])
-def test_loads_between_tp_sizes(net: MemoryNetwork, p_tp: int, d_tp: int) -> None:
+def test_loads_between_tp_sizes(net: InprocNetwork, p_tp: int, d_tp: int) -> None:
     """Prefill TP ``p_tp`` -> decode TP ``d_tp``: every decode rank gets every byte of its
     heads; each prefill rank frees its blocks exactly once, only after the last decode rank
     reading it has pulled; and a replay of any rank's capability is then refused."""
@@ -278,7 +274,7 @@ def test_loads_between_tp_sizes(net: MemoryNetwork, p_tp: int, d_tp: int) -> Non
     d.shutdown()
 
 
-def test_a_grant_admits_only_its_readers(net: MemoryNetwork) -> None:
+def test_a_grant_admits_only_its_readers(net: InprocNetwork) -> None:
     """Prefill TP1 -> decode TP2: the one grant admits two pulls. A third party replaying the
     capability before the second decode rank pulls uses up the grant: the second rank's load
     then fails (vLLM recomputes) rather than reading a third time, and the prefill frees once."""
@@ -301,7 +297,7 @@ def test_a_grant_admits_only_its_readers(net: MemoryNetwork) -> None:
     d.shutdown()
 
 
-def test_decode_of_another_tp_than_the_grants_is_refused(net: MemoryNetwork) -> None:
+def test_decode_of_another_tp_than_the_grants_is_refused(net: InprocNetwork) -> None:
     """A prefill engine that sized its grants for decode TP2 and a decode engine of TP1 (or the
     prefill's TP2 without saying so): the load fails fast naming both sizes, nothing is
     pulled, and the prefill's blocks wait for their lease."""
@@ -335,7 +331,7 @@ def test_decode_of_another_tp_than_the_grants_is_refused(net: MemoryNetwork) -> 
         (8, "kvmap_capability: 1 capabilities for tensor-parallel size 8"),
     ],
 )
-def test_hostile_prefill_tp_size_is_refused(net: MemoryNetwork, tp_size: int, error: str) -> None:
+def test_hostile_prefill_tp_size_is_refused(net: InprocNetwork, tp_size: int, error: str) -> None:
     """Params naming a prefill TP size that is no TP size, that the heads do not split over, or
     that does not match its capabilities: the load fails fast naming the problem, nothing is
     pulled and the decode worker keeps serving."""
@@ -406,7 +402,7 @@ MLA_DIM = 24  # bytes per token of one layer's latent (or indexer) cache
 
 
 def make_mla_engine(
-    net: MemoryNetwork, addr: str, engine: str, tp: int, *, decode_tp_size: int = 0
+    net: InprocNetwork, addr: str, engine: str, tp: int, *, decode_tp_size: int = 0
 ) -> Engine:
     """An MLA engine (latent and indexer caches, [blocks, tokens, dim], no head layout): every
     rank holds the whole cache; here each rank's bytes differ, so a decode rank's bytes tell
@@ -420,8 +416,9 @@ def make_mla_engine(
             shape = (NUM_BLOCKS, BLOCK, MLA_DIM)
             kv[name] = torch.randint(0, 255, shape, generator=g, dtype=torch.uint8)
         kvs.append(kv)
-    opts = options(addr, decode_tp_size)
-    return assemble(net.daemon(addr), opts, engine, specs, kvs, replicated=True)
+    daemon = net.daemon()
+    opts = options(daemon.target, decode_tp_size)
+    return assemble(daemon, opts, engine, specs, kvs, replicated=True)
 
 
 def mla_arrived(p: Engine, p_rank: int, d: Engine, d_rank: int) -> bool:
@@ -432,7 +429,7 @@ def mla_arrived(p: Engine, p_rank: int, d: Engine, d_rank: int) -> bool:
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1), (4, 2), (2, 8), (1, 4)])
-def test_mla_loads_between_tp_sizes(net: MemoryNetwork, p_tp: int, d_tp: int) -> None:
+def test_mla_loads_between_tp_sizes(net: InprocNetwork, p_tp: int, d_tp: int) -> None:
     """MLA + indexer caches, prefill TP ``p_tp`` -> decode TP ``d_tp``: decode rank d reads all
     of its blocks, byte for byte, from prefill rank d % p_tp alone; each prefill rank read by
     someone frees exactly once, after its last reader; a rank no one reads is granted nothing
@@ -471,7 +468,7 @@ def test_mla_loads_between_tp_sizes(net: MemoryNetwork, p_tp: int, d_tp: int) ->
     d.shutdown()
 
 
-def test_mla_grant_admits_only_its_readers(net: MemoryNetwork) -> None:
+def test_mla_grant_admits_only_its_readers(net: InprocNetwork) -> None:
     """MLA, prefill TP1 -> decode TP2: the one grant admits two pulls; a replay before the
     second decode rank pulls uses it up, so that rank's load fails (vLLM recomputes) and the
     prefill frees once."""
@@ -492,7 +489,7 @@ def test_mla_grant_admits_only_its_readers(net: MemoryNetwork) -> None:
     d.shutdown()
 
 
-def test_mla_unread_rank_capability_is_refused(net: MemoryNetwork) -> None:
+def test_mla_unread_rank_capability_is_refused(net: InprocNetwork) -> None:
     """MLA, prefill TP2 -> decode TP1: rank 1 is read by no one, so its place in the
     capabilities holds no grant; params that would send a decode rank there fail fast."""
     p = make_mla_engine(net, P_ADDR, "prefill", 2, decode_tp_size=1)
@@ -569,7 +566,7 @@ def check_open_loads(
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (2, 8), (8, 2)])
-def test_open_grants_between_tp_sizes(net: MemoryNetwork, p_tp: int, d_tp: int) -> None:
+def test_open_grants_between_tp_sizes(net: InprocNetwork, p_tp: int, d_tp: int) -> None:
     """No decode_tp_size: prefill TP ``p_tp`` grants every rank openly; decode TP ``d_tp``
     declares each prefill rank's readers. Every decode rank gets every byte of its heads, each
     prefill rank frees once after its last reader, one no one reads (8 -> 2: replicated heads)
@@ -589,7 +586,7 @@ def test_open_grants_between_tp_sizes(net: MemoryNetwork, p_tp: int, d_tp: int) 
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1), (4, 2), (2, 8), (1, 4)])
-def test_mla_open_grants_between_tp_sizes(net: MemoryNetwork, p_tp: int, d_tp: int) -> None:
+def test_mla_open_grants_between_tp_sizes(net: InprocNetwork, p_tp: int, d_tp: int) -> None:
     """MLA + indexer caches without decode_tp_size: decode rank d reads prefill rank d % p_tp
     byte for byte; each read prefill rank frees once after its last reader, and an unread one
     as soon as decode rank 0 released its grant (not at lease expiry)."""
@@ -600,7 +597,7 @@ def test_mla_open_grants_between_tp_sizes(net: MemoryNetwork, p_tp: int, d_tp: i
     d.shutdown()
 
 
-def test_a_declared_count_other_than_the_first_is_refused(net: MemoryNetwork) -> None:
+def test_a_declared_count_other_than_the_first_is_refused(net: InprocNetwork) -> None:
     """Prefill TP1, open grant: decode rank 0 of a TP2 engine fixes it at 2 readers; a pull
     declaring 1 (a TP1 decode engine given the same params) is FAILED_PRECONDITION and the
     prefill keeps the blocks for the second reader."""
@@ -642,7 +639,7 @@ def release_everywhere(d: Engine, kv: dict[str, Any], *, scheduled: bool = True)
     [(1, 2, 0, True), (2, 4, 0, False), (4, 2, 0, True), (1, 2, 2, True), (2, 2, 0, True)],
 )
 def test_a_decode_needing_no_block_releases_its_uses(
-    net: MemoryNetwork, p_tp: int, d_tp: int, decode_tp_size: int, scheduled: bool
+    net: InprocNetwork, p_tp: int, d_tp: int, decode_tp_size: int, scheduled: bool
 ) -> None:
     """A decode engine that loads none of the blocks (all in its prefix cache, or the request
     ended unscheduled): each rank releases its use of every prefill rank it would have read,
@@ -662,7 +659,7 @@ def test_a_decode_needing_no_block_releases_its_uses(
     d.shutdown()
 
 
-def test_mla_decode_needing_no_block_releases_unread_ranks_too(net: MemoryNetwork) -> None:
+def test_mla_decode_needing_no_block_releases_unread_ranks_too(net: InprocNetwork) -> None:
     """MLA, prefill TP2 -> decode TP1 needing no block: decode rank 0 releases its use of
     prefill rank 0 and the grant of rank 1 (no one reads it): both free at once, once."""
     p = make_mla_engine(net, P_ADDR, "prefill", 2)
@@ -696,7 +693,40 @@ def test_source_readers_count_every_pull(
         assert tp_readers(heads, p_tp, d_tp, replicated=replicated) == counts
 
 
-def test_an_older_decode_kvmapd_gets_no_release(net: MemoryNetwork) -> None:
+def test_a_decode_kvmapd_without_the_release_rpc_gets_the_deprecated_flag(
+    net: InprocNetwork, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decode engine's kvmapd is of the release before Transfers.Release (it
+    lists every feature but DAEMON_FEATURE_RELEASE_RPC): a decode needing no
+    block releases through a pull with the deprecated release flag, never the
+    RPC that kvmapd would not know, and each prefill rank frees its blocks once,
+    just as through the RPC."""
+    older = [
+        f
+        for f in registry_pb2.DaemonFeature.values()
+        if f
+        not in (registry_pb2.DAEMON_FEATURE_UNSPECIFIED, registry_pb2.DAEMON_FEATURE_RELEASE_RPC)
+    ]
+    p = make_engine(net, P_ADDR, "prefill", 2)
+    d = make_engine(net, D_ADDR, "decode", 1, features=older)
+
+    def no_release_rpc(*args: object, **kwargs: object) -> None:
+        raise Unimplemented("this kvmapd has no Transfers.Release")
+
+    for w in d.workers:
+        monkeypatch.setattr(w.client, "release", no_release_rpc)
+    kv = offer(p, "req-p")
+    release_everywhere(d, kv)
+    for w in d.workers:  # every background call the step made has ended
+        w._pool.shutdown(wait=True)
+    assert sum(w.released for w in d.workers) == 2
+    assert freed(p, "req-p", [1, 1]) == [1, 1]
+    assert freed(p, "req-p", [1, 1]) == [0, 0]
+    p.shutdown()
+    d.shutdown()
+
+
+def test_an_older_decode_kvmapd_gets_no_release(net: InprocNetwork) -> None:
     """The decode engine's kvmapd lists no features (a release before it was
     one: it would take it for a pull of nothing): a decode needing no block
     sends no release, and the prefill ranks keep their blocks for their lease."""
@@ -714,7 +744,7 @@ def test_an_older_decode_kvmapd_gets_no_release(net: MemoryNetwork) -> None:
     d.shutdown()
 
 
-def test_an_older_decode_kvmapd_does_not_declare_readers(net: MemoryNetwork) -> None:
+def test_an_older_decode_kvmapd_does_not_declare_readers(net: InprocNetwork) -> None:
     """Prefill TP1 -> decode TP2 (two readers of the one prefill rank) through
     a decode kvmapd that lists token mode but not open grants: it would drop the
     declared count, so each rank's load fails naming the feature (vLLM

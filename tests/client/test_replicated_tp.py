@@ -44,7 +44,7 @@ def test_a_mixed_model_needs_equal_tp_sizes() -> None:
     """A model with no head count that is not all replicated (MLA mixed with head-split layers)
     is refused at start-up when told of decode engines of another TP size; its own size, no
     size, a head-split model and an all-MLA model are accepted."""
-    from kvmap.client.pd import ConnectorOptions
+    from kvmap.client.connector import ConnectorOptions
     from kvmap.client.vllm_connector import check_mixed_tp
 
     with pytest.raises(ValueError, match="mixing MLA with head-split attention layers"):

@@ -1,5 +1,6 @@
-"""WorkerSession against the in-memory daemon: register + attach, events,
-reconnection with backoff after the daemon goes away, stop."""
+"""WorkerSession against in-process kvmapds (tests/support/inproc_daemon.py):
+register + attach, events, reconnection with backoff after the daemon goes
+away, stop."""
 
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 import torch
+from inproc_daemon import InprocDaemon, InprocNetwork
 
 from kvmap.client.aio import AsyncKvmapClient
 from kvmap.client.client import KvmapClient
-from kvmap.client.errors import DeadlineExceeded, KvmapClientError, NotFound, Unavailable
 from kvmap.client.geometry import LayerSpec, build_registration
 from kvmap.client.session import Backoff, WorkerSession
 from kvmap.client.transports.base import AttachStream
-from kvmap.client.transports.memory import MemoryDaemon, MemoryNetwork, MemoryTransport
+from kvmap.core.errors import DeadlineExceeded, KvmapError, NotFound
 from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
 
 FAST = Backoff(initial_s=0.01, max_s=0.05)
@@ -35,15 +36,33 @@ def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
         time.sleep(0.01)
 
 
+class _CountedStream:
+    """An Attach stream that reports its failure (gRPC delivers an Attach
+    error on the stream's first read, not at the call)."""
+
+    def __init__(self, inner: AttachStream, failed: Callable[[], None]) -> None:
+        self._inner, self._failed = inner, failed
+
+    def __iter__(self) -> Iterator[registry_pb2.AttachResponse]:
+        try:
+            yield from self._inner
+        except KvmapError:
+            self._failed()
+            raise
+
+    def cancel(self) -> None:
+        self._inner.cancel()
+
+
 class CountingClient(KvmapClient):
-    """A real client over the memory transport that counts its register and
-    attach calls that failed, and runs ``on_first_failure`` once, at the
+    """A real client of an in-process daemon that counts its register and
+    attach calls (or Attach streams) that failed, and runs ``on_first_failure`` once, at the
     first one (the test's view of the session's attempts)."""
 
     def __init__(
-        self, daemon: MemoryDaemon, on_first_failure: Callable[[], None] | None = None
+        self, daemon: InprocDaemon, on_first_failure: Callable[[], None] | None = None
     ) -> None:
-        super().__init__(MemoryTransport(daemon))
+        super().__init__(daemon.transport())
         self.failures = 0
         self._on_first_failure = on_first_failure
         self._lock = threading.Lock()
@@ -60,23 +79,27 @@ class CountingClient(KvmapClient):
     ) -> registry_pb2.RegisterWorkerResponse:
         try:
             return super().register_worker(req, fds)
-        except KvmapClientError:
+        except KvmapError:
             self._failed()
             raise
 
     def attach(self, worker: types_pb2.WorkerId) -> AttachStream:
         try:
-            return super().attach(worker)
-        except KvmapClientError:
+            return _CountedStream(super().attach(worker), self._failed)
+        except KvmapError:
             self._failed()
             raise
 
 
 @pytest.fixture
-def daemon() -> Iterator[MemoryDaemon]:
-    d = MemoryNetwork().daemon("127.0.0.1:50051")
-    yield d
-    d.stop()
+def net() -> Iterator[InprocNetwork]:
+    with InprocNetwork() as network:
+        yield network
+
+
+@pytest.fixture
+def daemon(net: InprocNetwork) -> InprocDaemon:
+    return net.daemon()
 
 
 def registration(nb: int = 8) -> tuple[registry_pb2.RegisterWorkerRequest, list[int], torch.Tensor]:
@@ -99,14 +122,12 @@ def test_backoff_grows_to_its_cap_with_jitter() -> None:
         Backoff(initial_s=2.0, max_s=1.0)
 
 
-def test_start_registers_attaches_and_delivers_events(daemon: MemoryDaemon) -> None:
+def test_start_registers_attaches_and_delivers_events(daemon: InprocDaemon) -> None:
     """start() registers (generation 1) and attaches; the first event handed to
     the callback is ``attached`` naming the daemon instance; stop() deregisters."""
     req, fds, _kv = registration()
     events: list[registry_pb2.AttachResponse] = []
-    session = WorkerSession(
-        KvmapClient(MemoryTransport(daemon)), req, fds, on_event=events.append, backoff=FAST
-    )
+    session = WorkerSession(daemon.client(), req, fds, on_event=events.append, backoff=FAST)
     region_map = session.start(timeout_s=2)
     assert region_map.generation == 1 and session.registrations == 1
     wait_for(lambda: daemon.subscriber_count(KEY) == 1)
@@ -117,10 +138,10 @@ def test_start_registers_attaches_and_delivers_events(daemon: MemoryDaemon) -> N
     assert daemon.workers() == []  # deregistered (and its stream gone)
 
 
-def test_daemon_restart_reregisters_same_worker_with_new_generation(daemon: MemoryDaemon) -> None:
+def test_daemon_restart_without_state_registers_the_worker_again(daemon: InprocDaemon) -> None:
     """After its daemon went away (and the session's attempts failed while it
-    was down), a restarted daemon that forgot the worker gets it registered
-    again: same worker, generation 2, one disconnect, the new instance."""
+    was down), a restarted daemon that lost its state (it forgot the worker)
+    gets it registered again: same worker, the new instance."""
     req, fds, _kv = registration()
     client = CountingClient(daemon)
     session = WorkerSession(client, req, fds, backoff=FAST)
@@ -130,33 +151,48 @@ def test_daemon_restart_reregisters_same_worker_with_new_generation(daemon: Memo
     wait_for(lambda: not session.connected.is_set())
     wait_for(lambda: client.failures >= 3)  # a few failed attempts while it is down
     assert daemon.workers() == []
-    daemon.restart()
+    daemon.restart(forget_state=True)
     assert session.wait_connected(5)
     wait_for(lambda: daemon.subscriber_count(KEY) == 1)
     assert daemon.workers() == [KEY]
-    assert daemon.generation(KEY) == 2 and session.generation == 2
-    assert session.registrations == 2 and session.disconnects == 1
+    assert daemon.generation(KEY) == 1 and session.generation == 1
+    # Over gRPC each Attach tried while the daemon was down ends as a disconnect.
+    assert session.registrations == 2 and session.disconnects >= 1
     wait_for(lambda: session.daemon_instance == daemon.instance != first_instance)
     session.stop()
 
 
-def test_worker_dropped_by_daemon_registers_again(daemon: MemoryDaemon) -> None:
-    """When the daemon ends the Attach stream itself (e.g. draining), the
-    session registers and attaches again by itself."""
+def test_daemon_restart_restores_the_worker_and_the_session_attaches(daemon: InprocDaemon) -> None:
+    """A daemon restarted with its state folder opens the worker's memory
+    again and restores it at generation 2 (no registration from the client);
+    the session attaches to the new instance after the disconnect."""
     req, fds, _kv = registration()
-    session = WorkerSession(KvmapClient(MemoryTransport(daemon)), req, fds, backoff=FAST)
+    session = WorkerSession(daemon.client(), req, fds, backoff=FAST)
     session.start(timeout_s=2)
-    # The daemon ends the stream (e.g. it drained): the session comes back.
-    for streams in list(daemon._subscribers.values()):
-        for s in list(streams):
-            s.put(Unavailable("UNAVAILABLE: draining"))
+    first_instance = daemon.instance
+    daemon.restart()
+    wait_for(lambda: session.daemon_instance == daemon.instance != first_instance)
+    wait_for(lambda: daemon.subscriber_count(KEY) == 1)
+    assert daemon.generation(KEY) == 2
+    assert session.registrations == 1 and session.disconnects >= 1
+    session.stop()
+
+
+def test_worker_dropped_by_daemon_registers_again(daemon: InprocDaemon) -> None:
+    """When the Attach stream breaks (and the daemon, left without a stream,
+    dropped the worker), the session registers and attaches again by itself."""
+    req, fds, _kv = registration()
+    session = WorkerSession(daemon.client(), req, fds, backoff=FAST)
+    session.start(timeout_s=2)
+    # The stream breaks; the daemon, left without one, drops the worker.
+    daemon.break_attach_streams([KEY])
     wait_for(lambda: session.registrations == 2)
     wait_for(lambda: daemon.subscriber_count(KEY) == 1)
     session.stop()
 
 
 @pytest.mark.timeout(30)
-def test_start_waits_for_a_daemon_that_comes_up(daemon: MemoryDaemon) -> None:
+def test_start_waits_for_a_daemon_that_comes_up(daemon: InprocDaemon) -> None:
     """start() against a daemon that is down keeps trying: the daemon comes up
     right after the first attempt failed, and start() registers with it."""
     daemon.stop()
@@ -170,7 +206,7 @@ def test_start_waits_for_a_daemon_that_comes_up(daemon: MemoryDaemon) -> None:
 
 
 @pytest.mark.timeout(30)
-def test_start_gives_up_after_its_timeout(daemon: MemoryDaemon) -> None:
+def test_start_gives_up_after_its_timeout(daemon: InprocDaemon) -> None:
     """start() against a daemon that never comes up retries, then raises
     DeadlineExceeded naming the worker and the daemon's last error (rather
     than retrying for ever: the test's timeout guards against a hang)."""
@@ -180,44 +216,44 @@ def test_start_gives_up_after_its_timeout(daemon: MemoryDaemon) -> None:
     session = WorkerSession(client, req, fds, backoff=FAST)
     with pytest.raises(DeadlineExceeded, match="could not register worker engine-a") as err:
         session.start(timeout_s=1.0)
-    assert "UNAVAILABLE" in str(err.value)
+    assert "kvmapd is not running" in str(err.value)
     assert client.failures >= 2  # it retried before giving up
     assert daemon.workers() == []
 
 
-def test_attach_to_unregistered_worker_is_not_found(daemon: MemoryDaemon) -> None:
-    """Attaching a worker the daemon does not know raises NotFound at once."""
-    client = KvmapClient(MemoryTransport(daemon))
+def test_attach_to_unregistered_worker_is_not_found(daemon: InprocDaemon) -> None:
+    """Attaching a worker the daemon does not know ends the stream with
+    NotFound at its first read."""
+    client = daemon.client()
     with pytest.raises(NotFound):
-        client.attach(WORKER)
+        next(iter(client.attach(WORKER)))
 
 
-def test_async_client_registers_attaches_and_reads_events(daemon: MemoryDaemon) -> None:
+def test_async_client_registers_attaches_and_reads_events(daemon: InprocDaemon) -> None:
     """The asyncio client registers, reads the ``attached`` event from its
-    stream and sees the worker in the daemon's stats."""
+    stream and sees the worker in the daemon's stats while it is attached."""
     req, fds, _kv = registration()
 
     async def go() -> tuple[int, str, int]:
-        client = AsyncKvmapClient(MemoryTransport(daemon))
+        client = AsyncKvmapClient(daemon.transport())
         m = await client.register(req, fds)
         stream = await client.attach(WORKER)
         first = None
         async for event in stream:
             first = event.WhichOneof("event")
             break
-        stream.cancel()
         stats = await client.get_stats()
+        stream.cancel()
         await client.close()
         return m.generation, str(first), stats.workers
 
     assert asyncio.run(go()) == (1, "attached", 1)
 
 
-def test_memory_pull_copies_bytes_counts_and_notifies_owner() -> None:
-    """A pull through the memory daemons copies exactly the requested blocks,
+def test_pull_copies_bytes_counts_and_notifies_owner(net: InprocNetwork) -> None:
+    """A pull between two daemons copies exactly the requested blocks,
     counts them on both sides and tells the owner (PULLED_FROM, request id)."""
-    net = MemoryNetwork()
-    pd, dd = net.daemon("p:1"), net.daemon("d:1")
+    pd, dd = net.daemon(), net.daemon()
     kv_p = torch.arange(8 * 64, dtype=torch.int64).to(torch.uint8).view(8, 64)
     kv_d = torch.zeros(8, 64, dtype=torch.uint8)
     specs = {"l": LayerSpec(0, types_pb2.CACHE_KIND_MHA, 8)}
@@ -226,7 +262,7 @@ def test_memory_pull_copies_bytes_counts_and_notifies_owner() -> None:
     for d, engine, kv, on in ((pd, "p", kv_p, events.append), (dd, "d", kv_d, None)):
         w = types_pb2.WorkerId(engine_id=engine)
         req, fds = build_registration(w, {"l": kv}, specs, block_size_tokens=16)
-        s = WorkerSession(KvmapClient(MemoryTransport(d)), req, fds, on_event=on, backoff=FAST)
+        s = WorkerSession(d.client(), req, fds, on_event=on, backoff=FAST)
         s.start(2)
         sessions.append(s)
     # The owner grants exactly the blocks read, as the vLLM connector does.
@@ -234,12 +270,12 @@ def test_memory_pull_copies_bytes_counts_and_notifies_owner() -> None:
     spec = transfers_pb2.TransferSpec(
         request_id="r1",
         local_worker=types_pb2.WorkerId(engine_id="d"),
-        remote_target="p:1",
+        remote_target=pd.target,
         remote_worker=types_pb2.WorkerId(engine_id="p"),
         capability=grant.capability,
     )
     spec.groups.add(transfer_group=0, local_block_ids=[5, 0], remote_block_ids=[2, 7])
-    result = KvmapClient(MemoryTransport(dd)).pull(spec)
+    result = dd.client().pull(spec)
     assert result.bytes == 128
     assert torch.equal(kv_d[5], kv_p[2]) and torch.equal(kv_d[0], kv_p[7])
     assert dd.get_stats().transfers.blocks == 2 and pd.get_stats().transfers.served_blocks == 2
@@ -249,8 +285,6 @@ def test_memory_pull_copies_bytes_counts_and_notifies_owner() -> None:
     assert done.transfer_finished.direction == registry_pb2.TRANSFER_DIRECTION_PULLED_FROM
     for s in sessions:
         s.stop()
-    pd.stop()
-    dd.stop()
 
 
 class _GatedStream:
@@ -271,17 +305,17 @@ class _GatedStream:
 
 
 class GatedClient(KvmapClient):
-    """A real client over the memory transport whose Attach answers wait for ``gate``."""
+    """A real client of an in-process daemon whose Attach answers wait for ``gate``."""
 
-    def __init__(self, daemon: MemoryDaemon, gate: threading.Event) -> None:
-        super().__init__(MemoryTransport(daemon))
+    def __init__(self, daemon: InprocDaemon, gate: threading.Event) -> None:
+        super().__init__(daemon.transport())
         self.gate = gate
 
     def attach(self, worker: types_pb2.WorkerId) -> AttachStream:
         return _GatedStream(super().attach(worker), self.gate)
 
 
-def test_start_returns_once_the_daemon_answered_the_attach_stream(daemon: MemoryDaemon) -> None:
+def test_start_returns_once_the_daemon_answered_the_attach_stream(daemon: InprocDaemon) -> None:
     """start() returns only after the stream's first event (``attached``), so the worker's
     transfers can be granted at once (GrantTransfer refuses a worker whose Attach stream the
     daemon has not opened); until the daemon answers, start() waits."""

@@ -1,12 +1,13 @@
-"""One contract, two transports: every scenario here runs against the
-in-memory daemon (``MemoryTransport``) and against real ``kvmapd serve``
-processes (``GrpcTransport`` over their Unix sockets, fds over the hand-off
-socket, real shared memory, real NIXL between the two daemons on 127.0.0.1),
-so the stand-in that the client's unit tests use accepts, rejects and answers
-exactly what a real daemon does.
+"""The worker-facing contract of kvmapd, against real ``kvmapd serve``
+processes: ``GrpcTransport`` over their Unix sockets, fds over the hand-off
+socket, real shared memory, real NIXL between the two daemons on 127.0.0.1.
+What a worker may send, what is accepted, rejected (with which error) and
+answered. (It once also held the client's in-memory stand-in daemon to the
+same answers; tests now serve the real daemon in-process instead:
+``tests/support/inproc_daemon.py``.)
 
-Each backend is two daemons: "prefill" plans with ``coalesce`` and "decode"
-with ``baseline`` (so pulls cross differently planned maps). The daemons live
+The two daemons: "prefill" plans with ``coalesce`` and "decode" with
+``baseline`` (so pulls cross differently planned maps). The daemons live
 for the module; every test names its own workers and removes them at the end.
 Every call has a deadline and every wait is bounded.
 """
@@ -22,31 +23,29 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
 
-from kvmap.client.errors import (
+from kvmap.client.geometry import LayerSpec, build_registration
+from kvmap.client.transports import GrpcTransport, Transport
+from kvmap.core.errors import (
     FailedPrecondition,
     InvalidArgument,
-    KvmapClientError,
+    KvmapError,
     NotFound,
     PermissionDenied,
     Unavailable,
 )
-from kvmap.client.geometry import LayerSpec, build_registration
-from kvmap.client.transports import GrpcTransport, MemoryNetwork, MemoryTransport, Transport
 from kvmap.tools.launch import DaemonProc, start_daemon
 from kvmap.v1 import admin_pb2, region_maps_pb2, registry_pb2, transfers_pb2, types_pb2
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.integration]
 
 T = 15.0  # deadline of every call, seconds
 BLOCKS, LAYERS, PAGE = 16, 3, 256
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 MLA = types_pb2.CACHE_KIND_MLA
-PREFILL_ADDR, DECODE_ADDR = "127.0.0.1:50051", "127.0.0.1:50052"
 
 
 # A 127.0.0.1 port that refuses connections: bound (so no daemon started
@@ -80,20 +79,9 @@ def real_daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
             d.stop()
 
 
-@pytest.fixture(
-    scope="module", params=["memory", pytest.param("grpc", marks=pytest.mark.integration)]
-)
-def backend(request: pytest.FixtureRequest) -> Backend:
-    if request.param == "memory":
-        net = MemoryNetwork()
-        daemons = {
-            "prefill": net.daemon(PREFILL_ADDR, planner="coalesce"),
-            "decode": net.daemon(DECODE_ADDR, planner="baseline"),
-        }
-        return Backend(
-            "memory", PREFILL_ADDR, DECODE_ADDR, lambda role: MemoryTransport(daemons[role])
-        )
-    real: dict[str, DaemonProc] = request.getfixturevalue("real_daemons")
+@pytest.fixture(scope="module")
+def backend(real_daemons: dict[str, DaemonProc]) -> Backend:
+    real = real_daemons
     return Backend(
         "grpc",
         real["prefill"].tcp_target,
@@ -215,7 +203,7 @@ class Events:
         try:
             for event in self._stream:
                 self._queue.put(event)
-        except KvmapClientError as err:
+        except KvmapError as err:
             self._queue.put(err)
         self._queue.put(None)
 
@@ -681,7 +669,7 @@ def _no_groups(spec: transfers_pb2.TransferSpec) -> None:
     spec.ClearField("groups")
 
 
-PULL_ERRORS: dict[str, tuple[Change, type[KvmapClientError], str, bool]] = {
+PULL_ERRORS: dict[str, tuple[Change, type[KvmapError], str, bool]] = {
     "empty request id": (
         _spec_set(request_id=""),
         InvalidArgument,
@@ -803,7 +791,7 @@ DENIED = (
 
 
 def _refused(
-    world: World, pair: Pair, spec: transfers_pb2.TransferSpec, error: type[KvmapClientError]
+    world: World, pair: Pair, spec: transfers_pb2.TransferSpec, error: type[KvmapError]
 ) -> str:
     """Run a pull that must be refused: its message; no byte moved, the owner
     heard nothing (its next event is of the next good pull)."""
@@ -818,7 +806,7 @@ def _refused(
 
 # name -> (spec of the refused pull from a granted capability, error, message)
 REFUSED_PULLS: dict[
-    str, tuple[Callable[[World, Pair], transfers_pb2.TransferSpec], type[KvmapClientError], str]
+    str, tuple[Callable[[World, Pair], transfers_pb2.TransferSpec], type[KvmapError], str]
 ] = {
     "no capability": (
         lambda w, p: make_spec(w, "c", p.decode, p.prefill, [(0, [4], [1])], capability=""),
@@ -1001,7 +989,7 @@ def _grant_set(**values: object) -> GrantChange:
     return change
 
 
-BAD_GRANTS: dict[str, tuple[GrantChange, type[KvmapClientError], str]] = {
+BAD_GRANTS: dict[str, tuple[GrantChange, type[KvmapError], str]] = {
     "no request id": (
         _grant_set(request_id=""),
         InvalidArgument,
@@ -1076,46 +1064,3 @@ def test_grant_needs_an_attached_worker(world: World) -> None:
     with pytest.raises(FailedPrecondition) as raised:
         world.transport("prefill").grant_transfer(req, T)
     assert raised.value.message == f"FAILED_PRECONDITION: worker {p.name} has no Attach stream open"
-
-
-# Both at once -----------------------------------------------------------------------
-
-
-@pytest.mark.integration
-def test_memory_daemon_publishes_the_real_daemons_maps_and_errors(
-    real_daemons: dict[str, DaemonProc], tmp_path: Path
-) -> None:
-    """The same registrations give identical region maps from both (but for
-    the base addresses, which are each daemon's own), and every invalid one
-    above is rejected with the identical error class and message."""
-    net = MemoryNetwork()
-    memory = {
-        "prefill": MemoryTransport(net.daemon(PREFILL_ADDR, planner="coalesce")),
-        "decode": MemoryTransport(net.daemon(DECODE_ADDR, planner="baseline")),
-    }
-    real = {role: GrpcTransport(d.socket) for role, d in real_daemons.items()}
-    worker = types_pb2.WorkerId(engine_id=f"both-{tmp_path.name}")
-    try:
-        for role in ("prefill", "decode"):
-            maps = []
-            for t in (memory[role], real[role]):
-                w, _ = registration(worker, fill=False)
-                m = send_and_register(t, w)
-                for a in m.allocations:
-                    a.base_address = 0
-                maps.append(m)
-            assert maps[0] == maps[1]
-        for case, (mutate, _, _) in INVALID_REGISTRATIONS.items():
-            seen = []
-            for t in (memory["prefill"], real["prefill"]):
-                w, _ = registration(worker, fill=False)
-                with pytest.raises(KvmapClientError) as raised:
-                    send_and_register(t, w, mutate)
-                seen.append((type(raised.value), raised.value.code, raised.value.message))
-            assert seen[0] == seen[1], case
-    finally:
-        for role in ("prefill", "decode"):
-            for t in (memory[role], real[role]):
-                with contextlib.suppress(NotFound):
-                    t.deregister_worker(registry_pb2.DeregisterWorkerRequest(worker=worker), T)
-                t.close()

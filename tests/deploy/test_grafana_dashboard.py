@@ -1,7 +1,7 @@
 """deploy/grafana/kvmap.json queries only metrics that exist: every panel's
 PromQL (and every template variable's query) names series that a real
 kvmapd's /metrics endpoint exports or that the vLLM connector's stats
-metrics (kvmap.client.stats.PromMetrics) register; a bogus name is caught."""
+metrics (kvmap.client.connector.stats.PromMetrics) register; a bogus name is caught."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvmap.client.stats import PromMetrics
+from kvmap.client.connector.stats import PromMetrics
 from kvmap.tools.launch import start_daemon
 
 pytestmark = pytest.mark.integration  # scrapes a real kvmapd

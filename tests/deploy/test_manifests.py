@@ -788,37 +788,37 @@ def check_dockerfile(text: str) -> list[str]:
     if not uid.isdigit() or int(uid) == 0:
         problems.append(f"final stage USER {uid!r} is not a numeric non-root uid")
 
-    # Some stage copies the source tree and pip-installs it, torch first.
+    # Some stage copies the source tree and pip-installs it with its
+    # dependencies, and NIXL's wheel without them (they name torch); no torch.
     builder = None
     for name, instrs in stages:
         copies = [a.split()[-1] for i, a in instrs if i == "COPY" and a.split()[0] == "."]
-        project_at = tor_at = None
-        for n, (i, a) in enumerate(instrs):
-            if i != "RUN":
-                continue
-            for pip_args in _pip_installs(a):
-                targets = [w for w in pip_args if not w.startswith("-")]
-                if any(t in copies or t == "." for t in targets) and project_at is None:
-                    project_at = n
-                if any(t.strip("\"'").startswith("torch==") for t in targets) and tor_at is None:
-                    tor_at = n
-                    if "TORCH_INDEX_URL" not in " ".join(pip_args):
-                        problems.append(
-                            f"stage {name}: torch is not installed from ${{TORCH_INDEX_URL}}"
-                        )
-        if project_at is not None:
-            if "--no-deps" in " ".join(a for i, a in instrs if i == "RUN"):
-                continue  # the vllm-kvmap stage: vLLM brings its own torch
-            builder = name
-            if tor_at is None or tor_at > project_at:
-                problems.append(f"stage {name}: torch is not installed before the project")
-            if not any(i == "ARG" and a.split("=")[0] == "TORCH_INDEX_URL" for i, a in instrs):
-                problems.append(f"stage {name}: TORCH_INDEX_URL is not a build arg")
+        installs = [args for i, a in instrs if i == "RUN" for args in _pip_installs(a)]
+        project = [args for args in installs if any(t in copies or t == "." for t in args)]
+        if not project or "--no-deps" in project[0]:
+            continue  # not a build of the project, or the vllm-kvmap stage (vLLM's torch)
+        builder = name
+        problems += _builder_problems(name, installs)
     if builder is None:
         problems.append("no stage runs `pip install` on the copied source tree")
     froms = [a.split()[0].split("=", 1)[1] for i, a in final if i == "COPY" and "--from=" in a]
     if builder is not None and builder != final_name and builder not in froms:
         problems.append(f"final stage {final_name} does not copy the install from {builder}")
+    return problems
+
+
+def _builder_problems(stage: str, installs: list[list[str]]) -> list[str]:
+    """What is wrong with the builder stage's `pip install`s: kvmapd never imports
+    torch, and every NIXL wheel declares it as a dependency."""
+    problems = []
+    targets = [(w.strip("\"'"), args) for args in installs for w in args if w[:1] != "-"]
+    if any(t.startswith("torch") for t, _ in targets):
+        problems.append(f"stage {stage}: installs torch")
+    nixl = [args for t, args in targets if t.startswith("nixl")]
+    if not nixl:
+        problems.append(f"stage {stage}: installs no NIXL wheel")
+    if any("--no-deps" not in args for args in nixl):
+        problems.append(f"stage {stage}: installs NIXL with its dependencies (torch)")
     return problems
 
 
@@ -1251,18 +1251,17 @@ def test_the_daemon_accepts_the_rendered_configuration(
 
 
 def test_dockerfile_builds_kvmapd_from_source() -> None:
-    """The repository's Dockerfile passes the Dockerfile checker (install from source, torch first,
-    non-root user, exec-form entrypoint, ...)."""
+    """The repository's Dockerfile passes the Dockerfile checker (install from source, NIXL
+    without torch, non-root user, exec-form entrypoint, ...)."""
     assert check_dockerfile((REPO / "Dockerfile").read_text()) == []
 
 
 DOCKERFILE_BREAKAGES = {
     "installs-from-registry": ("RUN pip install /src", "RUN pip install kvmap"),
-    "torch-after-project": (
-        'RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"\nCOPY . /src',
-        "COPY . /src",
-    ),
-    "torch-from-default-index": ('--index-url "${TORCH_INDEX_URL}" "torch', '"torch'),
+    "installs-torch": ("COPY . /src", 'RUN pip install "torch==2.13.0"\nCOPY . /src'),
+    "nixl-with-its-dependencies": ('--no-deps "nixl-cu13', '"nixl-cu13'),
+    "nixl-meta-package": ('--no-deps "nixl-cu13', '"nixl'),
+    "no-nixl": ('RUN pip install --no-deps "nixl-cu13==${NIXL_VERSION}"', ""),
     "root-user": ("USER 10001:10001", "USER root"),
     "shell-entrypoint": ('ENTRYPOINT ["kvmapd"]', "ENTRYPOINT kvmapd"),
     "other-cmd": ('CMD ["serve", "--config", "/etc/kvmap/kvmapd.toml"]', 'CMD ["serve"]'),
@@ -1277,8 +1276,8 @@ DOCKERFILE_BREAKAGES = {
     ("old", "new"), DOCKERFILE_BREAKAGES.values(), ids=DOCKERFILE_BREAKAGES.keys()
 )
 def test_dockerfile_checker_detects_breakage(old: str, new: str) -> None:
-    """Each listed edit of the Dockerfile (install from a registry, torch after the project, root
-    user, shell entrypoint, ...) makes the checker report a problem."""
+    """Each listed edit of the Dockerfile (install from a registry, torch or NIXL's torch in the
+    image, root user, shell entrypoint, ...) makes the checker report a problem."""
     text = (REPO / "Dockerfile").read_text()
     assert old in text
     assert check_dockerfile(text.replace(old, new, 1)) != []
@@ -1296,13 +1295,22 @@ def test_image_matches_the_manifests(render: Callable[[str], Docs]) -> None:
     assert side["securityContext"]["runAsUser"] == int(user.split(":")[0])
 
 
+def test_image_nixl_is_the_projects() -> None:
+    """The image's NIXL wheel has the version the project's `nixl` extra pins."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    (pin,) = (d for d in project["optional-dependencies"]["nixl"] if d.startswith("nixl=="))
+    build = dict(dockerfile_stages((REPO / "Dockerfile").read_text()))["build"]
+    assert ("ARG", f"NIXL_VERSION={pin.removeprefix('nixl==')}") in build
+
+
 def test_vllm_image_gets_the_client_dependencies() -> None:
-    """The vllm-kvmap image stage pip-installs exactly the project's dependencies other than torch
-    and nixl."""
+    """The vllm-kvmap image stage pip-installs exactly the project's dependencies (none of them is
+    torch or nixl)."""
     # The vllm-kvmap stage installs the project with --no-deps (vLLM keeps its
-    # torch) and then the project's other dependencies: keep both lists equal.
+    # torch) and then the project's dependencies: keep both lists equal.
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    wanted = {d.replace(" ", "") for d in deps if not d.startswith(("torch", "nixl"))}
+    assert not [d for d in deps if d.startswith(("torch", "nixl", "vllm"))]
+    wanted = {d.replace(" ", "") for d in deps}
     stage = dict(dockerfile_stages((REPO / "Dockerfile").read_text()))["vllm-kvmap"]
     installed = {
         w

@@ -21,12 +21,23 @@ from kvmap.core import convert
 from kvmap.core.config import DaemonConfig
 from kvmap.core.errors import HandshakeAgain, StaleGeneration, Unavailable
 from kvmap.core.geometry import WorkerKey
+from kvmap.core.grants import Grant
+from kvmap.core.transfer_requests import Announcement, ReleaseNotice
+from kvmap.core.transfer_wire import (
+    announcement_from_proto,
+    announcement_to_proto,
+    release_notice_from_proto,
+    release_notice_to_proto,
+    report_to_proto,
+    transfer_from_spec,
+)
 from kvmap.daemon.adapters.cuda_driver import CudaUnavailable
 from kvmap.daemon.adapters.cuda_ipc import CudaDriver, CudaIpcImporter
 from kvmap.daemon.adapters.memory import ShmImporter
 from kvmap.daemon.adapters.metrics import Metrics
 from kvmap.daemon.adapters.peer_client import PeerHandshake
 from kvmap.daemon.engine.app import Adapters, DaemonApp
+from kvmap.daemon.engine.leases import Lease
 from kvmap.daemon.engine.transfers import Pacing
 from kvmap.daemon.engine.workers import EventQueue, WorkerRecord
 from kvmap.v1 import peer_pb2, registry_pb2, transfers_pb2, types_pb2
@@ -51,7 +62,7 @@ class FakePeers:
 
     def __init__(self, directory: dict[str, DaemonApp]) -> None:
         self._directory = directory
-        self.ended: list[tuple[str, bool]] = []
+        self.ended: list[str] = []  # tokens of the leases ended
         self.begun: list[peer_pb2.BeginTransferRequest] = []
         self.tokens: list[str] = []  # of the leases begun
         # Every handshake asked for, by target, in order.
@@ -84,7 +95,7 @@ class FakePeers:
         if held is not None:
             await held.wait()
         app = self._app(target)
-        record = app.worker_for_peer(worker)
+        record = app.lifecycle.worker_for_peer(worker)
         return PeerHandshake(
             peer_pb2.GetAgentMetadataResponse(
                 agent_name=app.agent_name,
@@ -95,26 +106,50 @@ class FakePeers:
             )
         )
 
-    async def begin(self, target: str, req: peer_pb2.BeginTransferRequest) -> str:
+    async def begin(self, target: str, announcement: Announcement) -> str:
         app = self._app(target)
+        # Over the wire form and back, as PeerClient sends it.
+        req = announcement_to_proto(announcement)
         self.begun.append(req)
-        if req.release:
-            app.release_grant(req)  # what PeerService.BeginTransfer runs for a release
-            return ""
         try:
-            # What PeerService.BeginTransfer runs.
-            lease = app.begin_transfer(req)
+            lease = begin_transfer(app, req)
         except HandshakeAgain:
             raise StaleGeneration(str(req.worker), req.generation, 0) from None
         self.tokens.append(lease.token)
         return lease.token
 
-    async def end(self, target: str, token: str, completed: bool) -> None:
-        self.ended.append((token, completed))
-        self._app(target).end_lease(token)
+    async def release(self, target: str, notice: ReleaseNotice) -> None:
+        app = self._app(target)
+        req = release_notice_to_proto(notice)
+        self.begun.append(req)
+        release_grant(app, req)
+
+    async def end(self, target: str, token: str) -> None:
+        self.ended.append(token)
+        self._app(target).owner.end(token)
 
     async def close(self) -> None:
         pass
+
+
+def begin_transfer(app: DaemonApp, req: peer_pb2.BeginTransferRequest) -> Lease:
+    """What PeerService.BeginTransfer runs for a transfer."""
+    return app.owner.begin(announcement_from_proto(req))
+
+
+def release_grant(app: DaemonApp, req: peer_pb2.BeginTransferRequest) -> Grant:
+    """What PeerService.BeginTransfer runs for a release."""
+    return app.owner.release(release_notice_from_proto(req))
+
+
+async def run_spec(
+    app: DaemonApp, spec: transfers_pb2.TransferSpec, write: bool = False
+) -> AsyncIterator[transfers_pb2.TransferStatus]:
+    """What TransfersService.Pull (Push with ``write``) runs: the spec
+    checked, the engine's reports as statuses."""
+    req = transfer_from_spec(spec, app.config.transfer_timeout_s)
+    async for report in app.engine.run(req, write=write):
+        yield report_to_proto(report)
 
 
 class VirtualClock:
@@ -222,9 +257,7 @@ class Node:
     async def register(self, worker: Worker) -> WorkerRecord:
         """Hand the worker's memfd over and register it, as RegisterWorker does."""
         token = await self.hand_over(worker)
-        record = await self.app.registrar.register(worker.request(token), self.app.planner)
-        self.app.registered(record)
-        return record
+        return await self.app.lifecycle.register(worker.request(token), self.app.planner)
 
     def grant(
         self,
@@ -241,7 +274,7 @@ class Node:
         attached for the call)."""
         events = self.app.table.subscribe(worker.key)
         try:
-            capability, _ = self.app.grant_transfer(
+            capability, _ = self.app.owner.grant(
                 worker.key,
                 request_id=request_id,
                 groups=list(blocks.items()),
@@ -263,7 +296,7 @@ class Node:
         key = convert.requested_worker(spec.remote_worker, "worker")
         events = owner.table.subscribe(key)
         try:
-            statuses = [s async for s in self.app.engine.run(spec, write=write)]
+            statuses = [s async for s in run_spec(self.app, spec, write=write)]
             while (await next_event(events)).transfer_finished.request_id != spec.request_id:
                 pass
         finally:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import Cluster, Node, Worker, cluster, next_event, run, spec
+from harness import Cluster, Node, Worker, begin_transfer, cluster, next_event, run, spec
 
 from kvmap.core.errors import InvalidArgument, PermissionDenied
 from kvmap.core.grants import MAX_AGENT_NAME, MAX_REPLACED_AGENTS, digest
@@ -49,7 +49,7 @@ async def held_claim(c: Cluster, state: str, max_uses: int = 0) -> tuple[Any, ..
     await a.register(wa)
     await b.register(wb)
     cap = b.grant(wb, "req-1", {0: [1]}, max_uses=max_uses)
-    old = b.app.begin_transfer(announce(b, wb, cap, peer=a.app.agent_name))
+    old = begin_transfer(b.app, announce(b, wb, cap, peer=a.app.agent_name))
     c.crash(a)
     c.network.kill(a.app.agent_name)
     return a, wa, b, wb, cap, old
@@ -81,8 +81,8 @@ def test_a_restarted_decode_takes_its_claim_over_and_pulls(tmp_path: Path) -> No
             assert list(a2.peers.begun[-1].replaces_agents) == [a.app.agent_name]
             assert len(b.app.leases) == 0 and b.app.table.get(wb.key).pins == 0
             assert len(b.app.grants) == 0 and b.app.counters.served_done == 1
-            assert b.app.end_lease(old.token) is None
-            b.app._on_notifs({a.app.agent_name: [notification(old.token)]})
+            assert b.app.owner.end(old.token) is None
+            b.app.owner.on_notifs({a.app.agent_name: [notification(old.token)]})
             assert b.app.counters.served_done == 1 and b.app.table.get(wb.key).pins == 0
 
     run(main())
@@ -96,16 +96,16 @@ def test_a_taken_over_claim_spends_no_use(tmp_path: Path) -> None:
     async def main() -> None:
         async with cluster() as c:
             a, _, b, wb, cap, old = await held_claim(c, str(tmp_path / "a"), max_uses=2)
-            lease = b.app.begin_transfer(
-                announce(b, wb, cap, peer="kvmapd-a2", replaces=[a.app.agent_name])
+            lease = begin_transfer(
+                b.app, announce(b, wb, cap, peer="kvmapd-a2", replaces=[a.app.agent_name])
             )
             assert len(b.app.leases) == 1 and b.app.table.get(wb.key).pins == 1
             assert b.app.grants.claimed_by(digest(cap)) == "kvmapd-a2"
             events = b.app.table.subscribe(wb.key)
-            b.app._on_notifs({"kvmapd-a2": [notification(lease.token)]})
+            b.app.owner.on_notifs({"kvmapd-a2": [notification(lease.token)]})
             assert (await next_event(events)).transfer_finished.peer_agent == "kvmapd-a2"
             assert b.app.grants.find(cap).uses == 1 and b.app.table.get(wb.key).pins == 0
-            assert b.app.end_lease(old.token) is None and b.app.grants.find(cap).uses == 1
+            assert b.app.owner.end(old.token) is None and b.app.grants.find(cap).uses == 1
 
     run(main())
 
@@ -120,12 +120,12 @@ def test_naming_the_agent_without_its_capability_changes_nothing(tmp_path: Path)
             a, _, b, wb, cap, old = await held_claim(c, str(tmp_path / "a"))
             named = [a.app.agent_name]
             with pytest.raises(PermissionDenied):
-                b.app.begin_transfer(announce(b, wb, "forged", peer="mallory", replaces=named))
+                begin_transfer(b.app, announce(b, wb, "forged", peer="mallory", replaces=named))
             unchanged(b, wb, cap, old)
             other = b.grant(wb, "req-2", {0: [1]})
             req = announce(b, wb, other, peer="mallory", replaces=named)
             req.request_id = "req-2"
-            b.app.begin_transfer(req)
+            begin_transfer(b.app, req)
             assert b.app.grants.claimed_by(digest(other)) == "mallory"
             assert b.app.grants.claimed_by(digest(cap)) == old.peer_agent
             assert b.app.leases.held_by(old.peer_agent, digest(cap)) == [old]
@@ -141,7 +141,7 @@ def test_replacing_an_agent_that_holds_no_claim_changes_nothing(tmp_path: Path) 
         async with cluster() as c:
             _, _, b, wb, cap, old = await held_claim(c, str(tmp_path / "a"))
             with pytest.raises(PermissionDenied):
-                b.app.begin_transfer(announce(b, wb, cap, peer="kvmapd-a2", replaces=["kvmapd-z"]))
+                begin_transfer(b.app, announce(b, wb, cap, peer="kvmapd-a2", replaces=["kvmapd-z"]))
             unchanged(b, wb, cap, old)
 
     run(main())
@@ -167,7 +167,7 @@ def test_bad_replaces_agents_are_refused_and_change_nothing(
         async with cluster() as c:
             _, _, b, wb, cap, old = await held_claim(c, str(tmp_path / "a"))
             with pytest.raises(InvalidArgument):
-                b.app.begin_transfer(announce(b, wb, cap, peer="kvmapd-a2", replaces=names))
+                begin_transfer(b.app, announce(b, wb, cap, peer="kvmapd-a2", replaces=names))
             unchanged(b, wb, cap, old)
 
     run(main())

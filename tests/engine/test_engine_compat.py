@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from harness import BLOCKS, Cluster, VirtualClock, Worker, cluster, run, spec
+from harness import BLOCKS, Cluster, VirtualClock, Worker, cluster, run, run_spec, spec
 
 from kvmap.core import compat
 from kvmap.core.compat import Incompatible
-from kvmap.daemon.engine import transfers
+from kvmap.daemon.engine import prepared
 from kvmap.v1 import registry_pb2, types_pb2
 
 pytestmark = pytest.mark.timeout(60)
@@ -47,7 +47,7 @@ def test_other_model_is_refused_before_anything_and_not_retried() -> None:
             await b.register(wb)
             before = [wa.block(i) for i in range(BLOCKS)]
             with pytest.raises(Incompatible, match="model name: 'model-b' here, 'model-a'"):
-                [s async for s in a.app.engine.run(spec(wa, b, wb, [(0, 1)]), write=False)]
+                [s async for s in run_spec(a.app, spec(wa, b, wb, [(0, 1)]), write=False)]
             assert clock.sleeps == [] and a.agent.network.posts == 0
             assert len(b.app.leases) == 0 and a.app.engine.cache_sizes()["prepared"] == 0
             assert [wa.block(i) for i in range(BLOCKS)] == before
@@ -68,7 +68,7 @@ def test_check_runs_once_per_generation_pair(monkeypatch: pytest.MonkeyPatch) ->
         calls.append((here.generation, peer.generation))
         compat.check_compatible(here, peer)
 
-    monkeypatch.setattr(transfers, "check_compatible", counting)
+    monkeypatch.setattr(prepared, "check_compatible", counting)
 
     async def main() -> None:
         async with cluster() as c:

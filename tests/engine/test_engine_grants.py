@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import Cluster, Node, Worker, cluster, next_event, run, spec
+from harness import Cluster, Node, Worker, begin_transfer, cluster, next_event, run, spec
 
 from kvmap.core.errors import PermissionDenied
 from kvmap.daemon.engine.leases import notification
@@ -94,7 +94,7 @@ def test_only_the_lease_holders_notification_frees_the_request() -> None:
             pull = asyncio.create_task(a.transfer(spec(wa, b, wb, [(0, 1)])))
             await asyncio.to_thread(net.posted.wait, 5.0)
             (token,) = a.peers.tokens
-            b.app._on_notifs({"kvmapd-mallory": [notification(token)]})
+            b.app.owner.on_notifs({"kvmapd-mallory": [notification(token)]})
             assert len(b.app.leases) == 1 and b.app.table.get(wb.key).pins == 1
             assert events.empty() and b.app.store.pending_events(wb.key) == []
             assert b.app.counters.served_done == 0
@@ -116,16 +116,16 @@ def test_a_claim_excludes_other_agents_until_released() -> None:
         async with cluster() as c:
             _, _, b, wb = await two(c)
             cap = b.grant(wb, "r", {0: [1, 2]})
-            first = b.app.begin_transfer(announce(b, wb, cap, peer="agent-x", blocks=[1]))
+            first = begin_transfer(b.app, announce(b, wb, cap, peer="agent-x", blocks=[1]))
             with pytest.raises(PermissionDenied):
-                b.app.begin_transfer(announce(b, wb, cap, peer="agent-y", blocks=[1]))
+                begin_transfer(b.app, announce(b, wb, cap, peer="agent-y", blocks=[1]))
             assert len(b.app.leases) == 1 and b.app.table.get(wb.key).pins == 1
-            b.app.end_lease(first.token)
-            second = b.app.begin_transfer(announce(b, wb, cap, peer="agent-y", blocks=[2]))
+            b.app.owner.end(first.token)
+            second = begin_transfer(b.app, announce(b, wb, cap, peer="agent-y", blocks=[2]))
             assert second.peer_agent == "agent-y"
-            (expired,) = b.app.expire_leases(now=math.inf)
+            (expired,) = b.app.owner.expire(now=math.inf)
             assert expired.token == second.token and b.app.table.get(wb.key).pins == 0
-            third = b.app.begin_transfer(announce(b, wb, cap, peer="agent-x", blocks=[1, 2]))
+            third = begin_transfer(b.app, announce(b, wb, cap, peer="agent-x", blocks=[1, 2]))
             assert third.grant == first.grant == second.grant
 
     run(main())
@@ -151,10 +151,10 @@ def test_the_capability_binds_request_blocks_and_worker() -> None:
             ]
             for req in bad:
                 with pytest.raises(PermissionDenied) as raised:
-                    b.app.begin_transfer(req)
+                    begin_transfer(b.app, req)
                 assert raised.value.message == "capability does not allow this transfer"
             assert len(b.app.leases) == 0 and len(b.app.grants) == 1
-            b.app.begin_transfer(announce(b, wb, cap, peer="p", blocks=[2, 1]))
+            begin_transfer(b.app, announce(b, wb, cap, peer="p", blocks=[2, 1]))
 
     run(main())
 

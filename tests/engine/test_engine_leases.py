@@ -10,7 +10,7 @@ import math
 from typing import Literal
 
 import pytest
-from harness import Cluster, Node, Worker, cluster, next_event, run, spec
+from harness import Cluster, Node, Worker, cluster, next_event, run, run_spec, spec
 
 from kvmap.v1 import registry_pb2, transfers_pb2
 
@@ -39,7 +39,7 @@ class WatchedEvent(asyncio.Event):
 
 async def pull(node: Node, s: transfers_pb2.TransferSpec) -> list[transfers_pb2.TransferStatus]:
     """A pull that does not wait for the owner to hear of it."""
-    return [status async for status in node.app.engine.run(s, write=False)]
+    return [status async for status in run_spec(node.app, s, write=False)]
 
 
 def test_notification_ends_the_lease_and_is_persisted_for_the_worker() -> None:
@@ -107,7 +107,7 @@ def test_deregistration_waits_for_the_transfer_pinning_the_worker() -> None:
             await asyncio.to_thread(net.posted.wait, 5.0)
             record = b.app.table.get(wb.key)
             record.unpinned = unpinned = WatchedEvent()
-            gone = asyncio.create_task(b.app.worker_gone(wb.key))
+            gone = asyncio.create_task(b.app.lifecycle.worker_gone(wb.key))
             await asyncio.wait_for(unpinned.awaited.wait(), 5.0)
             assert b.app.table.find(wb.key) is None and len(b.agent.registrations) == 1
             net.release_held()

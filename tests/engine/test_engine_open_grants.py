@@ -11,9 +11,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import Cluster, Node, Worker, cluster, next_event, run, spec
+from harness import (
+    Cluster,
+    Node,
+    Worker,
+    begin_transfer,
+    cluster,
+    next_event,
+    release_grant,
+    run,
+    run_spec,
+    spec,
+)
 
 from kvmap.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from kvmap.core.transfer_requests import Phase
+from kvmap.core.transfer_wire import release_from_request, transfer_from_spec
 from kvmap.daemon.engine.workers import EventQueue
 from kvmap.v1 import peer_pb2, registry_pb2, transfers_pb2
 
@@ -141,10 +154,10 @@ def test_open_uses_and_readers_are_bounded() -> None:
                 request_id="req-1", worker=wb.id, peer_agent="p", capability=cap, readers=65
             )
             with pytest.raises(InvalidArgument, match="readers: 65"):
-                b.app.begin_transfer(announce)
+                begin_transfer(b.app, announce)
             announce.release = True
             with pytest.raises(InvalidArgument, match="readers: 65"):
-                b.app.release_grant(announce)
+                release_grant(b.app, announce)
             assert uses(b) == [(0, 0)] and a.peers.begun == []
 
     run(main())
@@ -182,7 +195,7 @@ def test_a_release_spends_one_use_and_a_replay_is_refused() -> None:
             cap = b.grant(wb, "req-1", {0: [1]}, open_uses=True)
             events = b.app.table.subscribe(wb.key)
             before = wa.block(0)
-            (status,) = [s async for s in a.app.engine.run(release(b, wa, wb, cap, 2), False)]
+            (status,) = [s async for s in run_spec(a.app, release(b, wa, wb, cap, 2), False)]
             assert status.state == DONE and status.message == "released"
             done = await finished(events)
             assert (done.released, done.uses, done.max_uses, done.exhausted) == (True, 1, 2, False)
@@ -190,8 +203,43 @@ def test_a_release_spends_one_use_and_a_replay_is_refused() -> None:
             await a.transfer(pull(wa, b, wb, cap, 2))
             assert (await finished(events)).exhausted
             with pytest.raises(PermissionDenied):
-                [s async for s in a.app.engine.run(release(b, wa, wb, cap, 2), False)]
+                [s async for s in run_spec(a.app, release(b, wa, wb, cap, 2), False)]
             assert events.empty() and uses(b) == []
+
+    run(main())
+
+
+def test_a_release_request_spends_a_use_as_the_old_flag_does() -> None:
+    """Transfers.Release's request (checked by ``release_from_request``) runs as the release
+    of a use: one DONE "released" report, no block moved, no lease; the owner hears it over
+    the peer wire's release, and the worker hears a released use. The second reader's
+    release through the deprecated spec flag spends the last use."""
+
+    async def main() -> None:
+        async with cluster() as c:
+            a, wa, b, wb = await two(c)
+            cap = b.grant(wb, "req-1", {0: [1]}, open_uses=True)
+            events = b.app.table.subscribe(wb.key)
+            before = wa.block(0)
+            flagged = release(b, wa, wb, cap, 2)
+            req = transfers_pb2.ReleaseRequest(
+                request_id="req-1",
+                local_worker=wa.id,
+                remote_target=b.target,
+                remote_worker=wb.id,
+                capability=cap,
+                readers=2,
+            )
+            use = release_from_request(req, 1.0)
+            assert use == transfer_from_spec(flagged, 1.0)
+            (report,) = [r async for r in a.app.engine.run(use, write=False)]
+            assert (report.phase, report.message) == (Phase.DONE, "released")
+            assert a.peers.begun[-1].release and not a.peers.begun[-1].groups
+            done = await finished(events)
+            assert (done.released, done.uses, done.max_uses) == (True, 1, 2)
+            assert wa.block(0) == before and len(b.app.leases) == 0
+            [s async for s in run_spec(a.app, flagged, False)]
+            assert (await finished(events)).exhausted and uses(b) == []
 
     run(main())
 
@@ -205,12 +253,12 @@ def test_a_release_declaring_no_reader_uses_up_an_open_grant_only() -> None:
             a, wa, b, wb = await two(c)
             cap = b.grant(wb, "req-1", {0: [1]}, open_uses=True)
             events = b.app.table.subscribe(wb.key)
-            [s async for s in a.app.engine.run(release(b, wa, wb, cap, 0), False)]
+            [s async for s in run_spec(a.app, release(b, wa, wb, cap, 0), False)]
             done = await finished(events)
             assert done.released and done.exhausted and uses(b) == []
             fixed = b.grant(wb, "req-1", {0: [1]}, max_uses=2)
             with pytest.raises(FailedPrecondition, match="the caller declared none"):
-                [s async for s in a.app.engine.run(release(b, wa, wb, fixed, 0), False)]
+                [s async for s in run_spec(a.app, release(b, wa, wb, fixed, 0), False)]
             assert uses(b) == [(0, 2)]
 
     run(main())
@@ -241,7 +289,7 @@ def test_a_release_without_the_capability_changes_nothing(case: str) -> None:
                 req.groups.add(transfer_group=0, block_ids=[1])
                 error = InvalidArgument
             with pytest.raises(error):
-                b.app.release_grant(req)
+                release_grant(b.app, req)
             assert events.empty() and uses(b) == [(0, 0)]
 
     run(main())
@@ -260,7 +308,7 @@ def test_an_expired_grant_refuses_a_release() -> None:
                 request_id="req-1", worker=wb.id, peer_agent="x", capability=cap, release=True
             )
             with pytest.raises(FailedPrecondition, match="expired"):
-                b.app.release_grant(req)
+                release_grant(b.app, req)
             assert uses(b) == [(0, 0)]
 
     run(main())

@@ -163,7 +163,7 @@ def test_worker_gone_releases_everything_and_its_grants() -> None:
             await b.register(wb)
             await a.transfer(spec(wa, b, wb, [(0, 0)]))
             late = spec(wa, b, wb, [(1, 1)], request_id="req-2")
-            await b.app.worker_gone(wb.key)
+            await b.app.lifecycle.worker_gone(wb.key)
             assert _mapped(b) == 0 and b.agent.registrations == ()
             assert b.agent.live_dlists == () and b.app.store.workers() == []
             assert len(b.app.grants) == 0 and b.app.store.grants() == []

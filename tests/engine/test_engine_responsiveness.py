@@ -9,12 +9,12 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
-from harness import BLOCKS, SIZE, Cluster, Node, Worker, cluster, run, spec
+from harness import BLOCKS, SIZE, Cluster, Node, Worker, cluster, run, run_spec, spec
 
 from kvmap.core.errors import InvalidArgument, ResourceExhausted, Unavailable
 from kvmap.core.retry import RetryPolicy
 from kvmap.core.transfer_plan import MAX_GROUPS_PER_TRANSFER
-from kvmap.daemon.engine import transfers
+from kvmap.daemon.engine import prepared, transfers
 from kvmap.v1 import transfers_pb2
 
 pytestmark = pytest.mark.timeout(60)
@@ -41,7 +41,7 @@ def pull_to(a: Node, s: transfers_pb2.TransferSpec, target: str) -> asyncio.Task
     """A pull of ``s`` sent to ``target`` instead (a silent peer), running."""
     s.remote_target = target
     s.timeout_ms = 60_000  # hangs on the handshake, not on its own deadline
-    return asyncio.get_running_loop().create_task(drain(a.app.engine.run(s, write=False)))
+    return asyncio.get_running_loop().create_task(drain(run_spec(a.app, s, write=False)))
 
 
 async def cancel(tasks: list[asyncio.Task[list[int]]]) -> None:
@@ -162,7 +162,7 @@ def test_handshakes_in_flight_are_bounded(monkeypatch: pytest.MonkeyPatch) -> No
             refused_spec = spec(wa, b, wb, [(1, 1)], request_id="over2")
             refused_spec.remote_target = "silent-3:1"
             with pytest.raises(ResourceExhausted) as refused:
-                await drain(a.app.engine.run(refused_spec, write=False))
+                await drain(run_spec(a.app, refused_spec, write=False))
             assert str(refused.value) == (
                 "3 handshakes with remote daemons in flight (the limit); retry later"
             )
@@ -203,7 +203,7 @@ def test_rejected_requests_leave_the_caches_as_they_were() -> None:
                 )
             for bad in (wide, out_of_range, many):
                 with pytest.raises(InvalidArgument):
-                    await drain(engine.run(bad, write=False))
+                    await drain(run_spec(a.app, bad, write=False))
                 assert engine.cache_sizes() == before, bad.request_id
                 assert len(a.agent.live_dlists) == lists, bad.request_id
 
@@ -213,7 +213,7 @@ def test_rejected_requests_leave_the_caches_as_they_were() -> None:
 def test_prepared_lists_are_an_lru_of_the_stated_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """With room for 2 prepared entries, pulls with 3 layer selections keep 2 entries (and 2
     list pairs in the agent beside the worker's own list); the evicted one is prepared again."""
-    monkeypatch.setattr(transfers, "MAX_PREPARED", 2)
+    monkeypatch.setattr(prepared, "MAX_PREPARED", 2)
 
     async def main() -> None:
         async with cluster() as c:

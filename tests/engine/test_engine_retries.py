@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import Cluster, Node, VirtualClock, Worker, cluster, next_event, run, spec
+from harness import Cluster, Node, VirtualClock, Worker, cluster, next_event, run, run_spec, spec
 
 from kvmap.core.errors import NotFound, PermissionDenied, Unavailable
 from kvmap.core.retry import RetryPolicy
@@ -32,7 +32,7 @@ async def pair(c: Cluster, clock: VirtualClock, **owner: Any) -> tuple[Node, Wor
 
 
 async def pull(a: Node, s: transfers_pb2.TransferSpec) -> list[transfers_pb2.TransferStatus]:
-    return [st async for st in a.app.engine.run(s, write=False)]
+    return [st async for st in run_spec(a.app, s, write=False)]
 
 
 def test_a_pull_during_the_owners_restart_succeeds_after_it(tmp_path: Path) -> None:

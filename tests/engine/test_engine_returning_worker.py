@@ -33,7 +33,7 @@ async def crash_and_restart_unreopenable(
     b2 = await c.node("b", instance="b2", state_dir=state)  # type: ignore[arg-type]
     assert b2.app.table.find(wb.key) is None
     with pytest.raises(Unavailable):
-        b2.app.worker_for_peer(wb.key)
+        b2.app.lifecycle.worker_for_peer(wb.key)
     return b2
 
 
@@ -133,7 +133,7 @@ def test_a_restored_worker_is_granted_before_its_client_attaches_again(tmp_path:
             b2 = await c.node("b", instance="b2", state_dir=state)
             assert b2.app.table.find(wb.key) is not None
             assert b2.app.table.subscriber_count(wb.key) == 0
-            cap, _ = b2.app.grant_transfer(
+            cap, _ = b2.app.owner.grant(
                 wb.key, request_id="just-after", groups=[(0, [6])], ttl_ms=60_000, max_uses=1
             )
             pulled = await a.transfer(
@@ -145,7 +145,7 @@ def test_a_restored_worker_is_granted_before_its_client_attaches_again(tmp_path:
             fresh = c.worker("fresh")
             await b2.register(fresh)
             with pytest.raises(FailedPrecondition):
-                b2.app.grant_transfer(
+                b2.app.owner.grant(
                     fresh.key, request_id="r", groups=[(0, [1])], ttl_ms=60_000, max_uses=1
                 )
 

@@ -96,7 +96,7 @@ def test_a_worker_that_is_gone_is_released_even_if_the_store_cannot_say_so() -> 
             await a.register(w)
             _read_only(a.app.store)
             with capture_logs() as logs:
-                await a.app.worker_gone(w.key)
+                await a.app.lifecycle.worker_gone(w.key)
             assert len(a.app.table) == 0 and a.app.adapters.shm.live_mappings() == 0
             assert a.agent.registrations == () and a.agent.live_dlists == ()
             assert "worker_forgotten_unsaved" in [e["event"] for e in logs]

@@ -741,6 +741,14 @@ def _seed_requests() -> dict[str, bytes]:
         "/kvmap.v1.Admin/GetStats": admin_pb2.GetStatsRequest(),
         "/kvmap.v1.Transfers/Pull": transfers_pb2.PullRequest(spec=spec),
         "/kvmap.v1.Transfers/Push": transfers_pb2.PushRequest(spec=spec),
+        "/kvmap.v1.Transfers/Release": transfers_pb2.ReleaseRequest(
+            request_id="r",
+            local_worker=ghost,
+            remote_target=spec.remote_target,
+            remote_worker=ghost,
+            capability="c" * 43,
+            readers=1,
+        ),
         "/kvmap.v1.Peer/GetAgentMetadata": peer_pb2.GetAgentMetadataRequest(worker=ghost),
         "/kvmap.v1.Peer/BeginTransfer": peer_pb2.BeginTransferRequest(
             request_id="r",

@@ -14,6 +14,7 @@ from types import TracebackType
 from typing import Any
 
 from kvmap.daemon.adapters.cuda_driver import LIBCUDA, CudaUnavailable, LibCuda
+from kvmap.daemon.adapters.nixl_loader import nixl_module
 
 EXPORTER = Path(__file__).with_name("exporter.py")
 
@@ -38,7 +39,7 @@ def cuda_skip_reason() -> str:
 
 def nixl_skip_reason() -> str:
     try:
-        import nixl._api  # noqa: F401
+        nixl_module("_api")
     except ImportError as e:
         return f"needs NIXL: {e}"
     return ""

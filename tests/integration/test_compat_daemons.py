@@ -19,9 +19,9 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmap.client.client import KvmapClient
-from kvmap.client.errors import FailedPrecondition
 from kvmap.client.geometry import LayerSpec, build_registration, model_identity
 from kvmap.client.session import WorkerSession
+from kvmap.core.errors import FailedPrecondition
 from kvmap.tools.launch import DaemonProc, start_daemon
 from kvmap.v1 import transfers_pb2, types_pb2
 

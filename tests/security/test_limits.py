@@ -109,6 +109,7 @@ UNIX_METHODS = [
     "/kvmap.v1.Registry/RegisterWorker", "/kvmap.v1.Registry/DeregisterWorker",
     "/kvmap.v1.RegionMaps/ListWorkers", "/kvmap.v1.RegionMaps/GetRegionMap",
     "/kvmap.v1.RegionMaps/PlanPreview", "/kvmap.v1.Admin/Replan", "/kvmap.v1.Admin/GetStats",
+    "/kvmap.v1.Transfers/Release",
 ]  # fmt: skip
 UNIX_STREAMS = ["/kvmap.v1.Registry/Attach", "/kvmap.v1.Transfers/Pull", "/kvmap.v1.Transfers/Push"]
 TCP_METHODS = [

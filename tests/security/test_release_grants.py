@@ -188,3 +188,52 @@ def test_a_release_of_an_expired_grant_is_failed_precondition(
     good = open_grant(c, "after-expired").capability
     assert pull(c, "after-expired", good, 1) == (Code.OK, "")
     assert finished.next().request_id == "after-expired"
+
+
+def release_rpc(c: Cluster, request_id: str, capability: str, readers: int) -> tuple[Code, str]:
+    """The decode daemon releases its use through Transfers.Release."""
+    req = transfers_pb2.ReleaseRequest(
+        request_id=request_id,
+        local_worker=types_pb2.WorkerId(engine_id="decode"),
+        remote_target=c.p.daemon.tcp_target,
+        remote_worker=types_pb2.WorkerId(engine_id="prefill"),
+        capability=capability,
+        readers=readers,
+    )
+    try:
+        c.d.transfers.Release(req, timeout=CALL_TIMEOUT_S)
+    except grpc.RpcError as err:
+        return err.code(), err.details() or ""
+    return Code.OK, ""
+
+
+def test_the_release_rpc_releases_as_the_old_flag_does(c: Cluster, finished: Finished) -> None:
+    """Transfers.Release spends one use of a grant of 2 readers and the prefill worker hears
+    it released; the other reader's release through the deprecated TransferSpec.release flag
+    spends the last; a third release by either way is PERMISSION_DENIED, and the worker
+    hears nothing more."""
+    cap = open_grant(c, "rpc").capability
+    assert release_rpc(c, "rpc", cap, 2) == (Code.OK, "")
+    first = finished.next()
+    assert (first.request_id, first.released, first.uses, first.max_uses) == ("rpc", True, 1, 2)
+    assert release(c, "rpc", cap, 2) == (Code.OK, "")
+    last = finished.next()
+    assert (last.released, last.uses, last.exhausted) == (True, 2, True)
+    for again in (release_rpc, release):
+        code, details = again(c, "rpc", cap, 2)
+        assert code is Code.PERMISSION_DENIED and details.endswith(DENIED), details
+    good = open_grant(c, "after-rpc").capability
+    assert pull(c, "after-rpc", good, 1) == (Code.OK, "")
+    assert finished.next().request_id == "after-rpc"
+
+
+def test_the_release_rpc_checks_its_arguments_first(c: Cluster, finished: Finished) -> None:
+    """A Release naming no capability is PERMISSION_DENIED and one past the reader bound
+    INVALID_ARGUMENT, each before the owner is asked: the grant keeps its use."""
+    cap = open_grant(c, "args").capability
+    code, details = release_rpc(c, "args", "", 1)
+    assert code is Code.PERMISSION_DENIED and "capability" in details, details
+    code, details = release_rpc(c, "args", cap, 65)
+    assert code is Code.INVALID_ARGUMENT and details.startswith("readers: 65"), details
+    assert pull(c, "args", cap, 1) == (Code.OK, "")
+    assert finished.next().request_id == "args"

@@ -9,6 +9,7 @@ import pytest
 from geometry_strategies import geometries, geometry, view
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 
 from kvmap.core import convert
 from kvmap.core.compat import (
@@ -55,7 +56,7 @@ def two_layers(kind: CacheKind = CacheKind.MHA, dtype: str = "bfloat16") -> Work
     return with_model(geometry(*(dataclasses.replace(v, dtype=dtype) for v in views)))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     geometries(),
     st.sampled_from(["baseline", "coalesce"]),
@@ -70,7 +71,7 @@ def test_same_geometry_is_compatible_under_any_planners(
     assert first_difference(mapped(g, here), mapped(g, peer, engine="peer")) is None
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(geometries(), st.data())
 def test_one_changed_layer_dtype_is_named(g: WorkerGeometry, data: st.DataObject) -> None:
     """Changing the dtype of one layer (all views of that name) makes that
@@ -178,7 +179,7 @@ def test_per_block_state_compares_pages_only_at_equal_block_sizes() -> None:
     assert first_difference(mapped(g), mapped(_resized(g, tokens=32, page=32))) is None
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(geometries())
 def test_model_and_dtypes_survive_the_wire(g: WorkerGeometry) -> None:
     """A map read back from its proto (what a peer's handshake carries) has

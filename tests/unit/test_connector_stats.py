@@ -1,4 +1,4 @@
-"""kvmap.client.stats: the connector's transfer statistics behave as vLLM's
+"""kvmap.client.connector.stats: the connector's transfer statistics behave as vLLM's
 KV connector stats interface expects (aggregate across workers and steps,
 reduce to a log line, reset/take per interval) and feed the vllm:kvmap_*
 Prometheus series."""
@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvmap.client.client import TransferResult
-from kvmap.client.stats import (
+from kvmap.client.connector.stats import (
     BYTES,
     DESCRIPTORS,
     EXPIRED,
@@ -60,7 +61,7 @@ def book_of(evs: list[Any]) -> TransferStatsBook:
     return book
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.lists(events, max_size=8), max_size=6))
 def test_aggregating_books_equals_one_book_of_everything(chunks: list[list[Any]]) -> None:
     """Books of several workers/steps aggregated (as vLLM's output aggregator
@@ -75,7 +76,7 @@ def test_aggregating_books_equals_one_book_of_everything(chunks: list[list[Any]]
     assert total.reduce() == pytest.approx(everything.reduce())
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.lists(results, min_size=1, max_size=20))
 def test_reduce_summarises_successful_loads(rs: list[TransferResult]) -> None:
     """The log line's numbers are the loads' counts, means and byte totals."""

@@ -11,6 +11,7 @@ from geometry_strategies import geometries
 from google.protobuf import json_format
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 
 from kvmap.core import convert
 from kvmap.core.errors import InvalidArgument
@@ -194,7 +195,7 @@ def test_model_from_plan_fills_the_map() -> None:
     assert list(msg.regions[0].layer_names) == [p.layer_name for p in model.regions[0].layers]
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(geometries(), st.integers(0, 2**64 - 1), st.sampled_from([BASELINE, COALESCE]))
 def test_region_map_round_trip_is_exact(
     g: WorkerGeometry, generation: int, planner: Planner
@@ -270,7 +271,7 @@ _INT_FIELDS = [
 ]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     st.lists(
         st.tuples(

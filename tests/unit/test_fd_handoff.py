@@ -15,9 +15,14 @@ from typing import Any, TypeVar
 
 import pytest
 
-from kvmap.client import errors as client_errors
 from kvmap.client.fd_handoff import fd_socket_path, send_fds
-from kvmap.core.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from kvmap.core.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from kvmap.daemon.adapters.fd_handoff import FdHandoffServer
 
 pytestmark = pytest.mark.timeout(30)
@@ -189,7 +194,7 @@ def test_too_many_fds_in_one_batch(sock_dir: Path) -> None:
     baseline = _open_fds()
 
     async def body(server: FdHandoffServer) -> None:
-        with pytest.raises(client_errors.InvalidArgument, match="batch of 5 fds exceeds the limit"):
+        with pytest.raises(InvalidArgument, match="batch of 5 fds exceeds the limit"):
             await _send(path, fds)
         assert server.pending_tokens == 0
         await _send(path, fds[:4])  # at the limit is fine
@@ -210,7 +215,7 @@ def test_too_many_pending_tokens(sock_dir: Path) -> None:
     async def body(server: FdHandoffServer) -> None:
         first = await _send(path, fds)
         await _send(path, fds)
-        with pytest.raises(client_errors.ResourceExhausted, match="2 fd batches already pending"):
+        with pytest.raises(ResourceExhausted, match="2 fd batches already pending"):
             await _send(path, fds)
         server.discard(first)
         await _send(path, fds)
@@ -226,9 +231,9 @@ def test_client_errors_without_a_daemon(sock_dir: Path) -> None:
     list is an InvalidArgument; the socket path derives from the gRPC one."""
     fds = _memfds(1)
     try:
-        with pytest.raises(client_errors.Unavailable, match="kvmapd is not running"):
+        with pytest.raises(Unavailable, match="kvmapd is not running"):
             send_fds(str(sock_dir / "nobody.fds"), fds, 1.0)
-        with pytest.raises(client_errors.InvalidArgument, match="no fds"):
+        with pytest.raises(InvalidArgument, match="no fds"):
             send_fds(str(sock_dir / "nobody.fds"), [], 1.0)
     finally:
         _close(fds)
@@ -242,7 +247,7 @@ def test_client_bad_fd(sock_dir: Path) -> None:
     fd = 1_000_000  # above any open fd: EBADF
 
     async def body(server: FdHandoffServer) -> None:
-        with pytest.raises(client_errors.InvalidArgument, match="cannot send fds"):
+        with pytest.raises(InvalidArgument, match="cannot send fds"):
             await _send(path, [fd])
         assert server.pending_tokens == 0
 

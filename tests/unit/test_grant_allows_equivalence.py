@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 from test_grants import _model, _Record
 
 from kvmap.core import grants as core
@@ -93,7 +94,7 @@ def _case(draw: st.DrawFn) -> tuple[dict[int, Int64Array], list[tuple[int, list[
     return blocks, groups
 
 
-@settings(max_examples=3000, deadline=None)
+@settings(max_examples=examples(3000), deadline=None)
 @given(_case())
 def test_allows_answers_as_the_plain_binary_search(
     case: tuple[dict[int, Int64Array], list[tuple[int, list[int]]]],
@@ -113,7 +114,7 @@ def test_allows_answers_as_the_plain_binary_search(
     assert grant.allows([(g.transfer_group, g.block_ids) for g in req.groups]) is expected
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(_case())
 def test_check_binding_refuses_with_the_same_status_and_message(
     case: tuple[dict[int, Int64Array], list[tuple[int, list[int]]]],

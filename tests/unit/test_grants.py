@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 
 from kvmap.core import grants as core
 from kvmap.core.errors import (
@@ -92,7 +93,7 @@ def _grant(**blocks: list[int]) -> core.Grant:
 # Core ---------------------------------------------------------------------------
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     granted=st.sets(st.integers(0, 63), min_size=1, max_size=20),
     wanted=st.lists(st.integers(0, 63), min_size=1, max_size=20),
@@ -117,7 +118,7 @@ def test_allows_needs_a_granted_group_and_at_least_one_block() -> None:
     assert not grant.allows([])
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(ids=st.lists(st.integers(-3, 20), min_size=1, max_size=30))
 def test_granted_blocks_are_sorted_distinct_and_in_range(ids: list[int]) -> None:
     """Valid ids come back sorted; any id outside [0, 16) or repeated is

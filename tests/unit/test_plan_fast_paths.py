@@ -14,9 +14,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 from test_transfer_plan import DECODE, PREFILL, _maps, region_map, scenarios
 
 from kvmap.core import transfer_plan as tp
+from kvmap.core import transfer_wire
+from kvmap.core.convert import worker_id_to_proto
 from kvmap.core.errors import InvalidArgument, KvmapError
 from kvmap.core.geometry import WorkerKey
 from kvmap.core.token_plan import token_groups
@@ -34,8 +37,9 @@ from kvmap.core.transfer_plan import (
     block_ids,
     plan_transfer,
 )
-from kvmap.daemon.engine import transfers
-from kvmap.daemon.engine.transfers import Request, TransferEngine
+from kvmap.core.transfer_requests import TransferRequest
+from kvmap.core.transfer_wire import announcement_to_proto
+from kvmap.daemon.engine.transfers import TransferEngine
 from kvmap.v1 import peer_pb2, transfers_pb2, types_pb2
 
 INT64 = st.integers(-(2**63), 2**63 - 1)
@@ -91,7 +95,14 @@ def old_group_descriptors(
     return li, ri, [np.stack([la.ravel(), ra.ravel(), ln.ravel()], axis=1)]
 
 
-def old_groups(req: Request) -> list[types_pb2.BlockGrant]:
+def parse(spec: transfers_pb2.TransferSpec, default_timeout_s: float) -> TransferRequest:
+    """The spec as the Pull service parses it (a transfer, not a release)."""
+    req = transfer_wire.transfer_from_spec(spec, default_timeout_s)
+    assert isinstance(req, TransferRequest)
+    return req
+
+
+def old_groups(req: TransferRequest) -> list[types_pb2.BlockGrant]:
     return [
         types_pb2.BlockGrant(transfer_group=p.transfer_group, block_ids=list(p.remote_block_ids))
         for p in req.pairs
@@ -109,7 +120,7 @@ def outcome(fn: Callable[..., object], *args: Any) -> tuple[str, str, str] | obj
 # --- range and repeat checks ---------------------------------------------------
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=examples(600), deadline=None)
 @given(IDS, LIMITS)
 def test_range_check_refuses_what_the_old_one_refused(ids: list[int], limit: int) -> None:
     """Any int64 ids against any limit (also beyond int64): the one-pass check accepts exactly
@@ -127,7 +138,7 @@ def ids_below(draw: st.DrawFn) -> tuple[list[int], int]:
     return draw(st.lists(st.one_of(small, st.integers(0, limit - 1)), max_size=60)), limit
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=examples(600), deadline=None)
 @given(ids_below())
 def test_first_repeat_is_the_old_answer(case: tuple[list[int], int]) -> None:
     """The bitmap or sort-first repeat check names the same (later, earlier) positions as the
@@ -140,7 +151,7 @@ def test_first_repeat_is_the_old_answer(case: tuple[list[int], int]) -> None:
 # --- whole and split pieces ----------------------------------------------------
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(), st.booleans())
 def test_pieces_split_as_setdiff1d_did_and_plans_match_lists(
     scenario: tuple,  # type: ignore[type-arg]
@@ -183,7 +194,7 @@ def test_pieces_split_as_setdiff1d_did_and_plans_match_lists(
 # --- wire ids ------------------------------------------------------------------
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(INT64, max_size=300))
 def test_wire_ids_parse_to_the_same_int64_values(ids: list[int]) -> None:
     """A repeated int64 field becomes a 1-D int64 array of its values, extremes included, that
@@ -242,7 +253,7 @@ def test_wire_varints_beyond_int64_are_refused_as_before() -> None:
         spec.groups.append(group)
         want = value - 2**64
         assert list(group.local_block_ids) == [want]
-        req = Request.parse(spec, 1.0)
+        req = parse(spec, 1.0)
         table = build_piece_table(*maps, [LayerSelection(0)])
         message = f"groups[0].local_block_ids[0]: block {want} out of range [0, 32022)"
         refused = ("InvalidArgument", "groups[0].local_block_ids[0]", message)
@@ -250,7 +261,7 @@ def test_wire_varints_beyond_int64_are_refused_as_before() -> None:
         assert outcome(plan_transfer, table, old_parse(spec)) == refused
     spec = _spec([([0, 2**63 - 1], [1, -(2**63)])])
     table = build_piece_table(*maps, [LayerSelection(0)])
-    for pairs in (Request.parse(spec, 1.0).pairs, old_parse(spec)):
+    for pairs in (parse(spec, 1.0).pairs, old_parse(spec)):
         assert outcome(plan_transfer, table, pairs) == (
             "InvalidArgument",
             "groups[0].local_block_ids[1]",
@@ -281,11 +292,11 @@ def test_oversized_requests_are_refused_as_before_and_before_any_copy(
     def copied(values: object) -> None:
         raise AssertionError("block ids were copied before the sizes were checked")
 
-    monkeypatch.setattr(transfers, "block_ids", copied)
-    assert outcome(Request.parse, spec, 1.0) == want
+    monkeypatch.setattr(transfer_wire, "block_ids", copied)
+    assert outcome(parse, spec, 1.0) == want
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.lists(st.lists(INT64, max_size=40), min_size=1, max_size=4), st.booleans())
 def test_parsed_pairs_and_announcement_match_the_old_ones(
     groups: list[list[int]], tokens: bool
@@ -300,7 +311,7 @@ def test_parsed_pairs_and_announcement_match_the_old_ones(
     if tokens:
         for g in spec.groups:
             g.num_tokens = 16
-    req = Request.parse(spec, 1.0)
+    req = parse(spec, 1.0)
     for got, want in zip(req.pairs, old_parse(spec), strict=True):
         assert got.transfer_group == want.transfer_group
         assert isinstance(got.local_block_ids, np.ndarray)
@@ -315,10 +326,10 @@ def test_parsed_pairs_and_announcement_match_the_old_ones(
     plan = plan_transfer(
         build_piece_table(*_maps(), [LayerSelection(0)]), [GroupPairs(0, [1], [1])]
     )
-    got_msg = TransferEngine._announcement(engine, req, hs, plan, True)
+    got_msg = announcement_to_proto(TransferEngine._announcement(engine, req, hs, plan, True))
     want_msg = peer_pb2.BeginTransferRequest(
         request_id="r",
-        worker=transfers.worker_id_to_proto(WorkerKey("prefill")),
+        worker=worker_id_to_proto(WorkerKey("prefill")),
         generation=4,
         agent_name="owner",
         peer_agent="me",

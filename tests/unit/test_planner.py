@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from geometry_strategies import geometries, geometry, view
 from hypothesis import given, settings
+from hypothesis_profiles import examples
 
 from kvmap.core import convert
 from kvmap.core.errors import InvalidArgument
@@ -47,7 +48,7 @@ def _region_of(plan: Plan) -> dict[str, tuple[Region, int]]:
 # Properties ----------------------------------------------------------------
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(geometries())
 def test_every_view_block_is_covered_exactly_once_by_the_same_bytes(g: WorkerGeometry) -> None:
     """In both plans every layer sits in exactly one region of its own allocation and group, and
@@ -73,7 +74,7 @@ def test_every_view_block_is_covered_exactly_once_by_the_same_bytes(g: WorkerGeo
                 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(geometries())
 def test_regions_hold_only_view_bytes_and_stay_inside_their_allocation(g: WorkerGeometry) -> None:
     """A region's layers tile its block with no gap or overlap (aliases at one offset), the block
@@ -92,7 +93,7 @@ def test_regions_hold_only_view_bytes_and_stay_inside_their_allocation(g: Worker
             assert end <= g.allocation(r.allocation_id).size_bytes
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(geometries())
 def test_ids_order_and_counts(g: WorkerGeometry) -> None:
     """Region ids number the regions in (group, allocation, offset) order; the
@@ -135,7 +136,7 @@ def test_ids_order_and_counts(g: WorkerGeometry) -> None:
     assert coalesced.descriptor_count <= expected_descriptors
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(geometries())
 def test_coalesced_runs_are_eligible_and_maximal(g: WorkerGeometry) -> None:
     """Coalesced regions hold only replicated kinds (MLA, INDEXER) or are single-offset fallbacks
@@ -165,7 +166,7 @@ def test_coalesced_runs_are_eligible_and_maximal(g: WorkerGeometry) -> None:
             assert not mergeable, (a, b)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(geometries())
 def test_plans_do_not_depend_on_registration_order(g: WorkerGeometry) -> None:
     """Both planners produce the same regions whatever order the views were registered in."""

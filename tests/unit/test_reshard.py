@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 
 from kvmap.core.errors import FailedPrecondition, InvalidArgument
 from kvmap.core.reshard import (
@@ -139,7 +140,7 @@ def size(g: BlockGrid) -> int:
     return (g.num_blocks - 1) * g.stride + g.block_len
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=examples(600), deadline=None)
 @given(scenarios(), st.integers(0, 2**32 - 1))
 def test_every_destination_byte_is_written_once_from_the_right_source_byte(
     sc: dict,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvmap.core import tables
+from kvmap.daemon.cli import tables
 from kvmap.v1 import region_maps_pb2, types_pb2
 
 

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 
 from kvmap.core.errors import FailedPrecondition, InvalidArgument
 from kvmap.core.geometry import (
@@ -182,7 +183,7 @@ def scenarios(draw: st.DrawFn) -> dict[str, object]:
     }  # fmt: skip
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(scenarios(), st.integers(0, 2**32 - 1))
 def test_decode_rank_gets_its_heads_of_every_token_once(sc: dict, seed: int) -> None:  # type: ignore[type-arg]
     """For random TP pairs, block sizes, layouts (HND/NHD per engine, or the CPU's transposed K on

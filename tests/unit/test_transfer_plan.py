@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 
 from kvmap.core.errors import FailedPrecondition, InvalidArgument, KvmapError, NotFound
 from kvmap.core.geometry import (
@@ -413,7 +414,7 @@ def scenarios(draw: st.DrawFn, aligned: bool = False) -> tuple:  # type: ignore[
     return local, remote, planners, sels, pairs, direction
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_plan_moves_exactly_the_per_layer_bytes(scenario: tuple) -> None:  # type: ignore[type-arg]
     """For random layouts, planners, layer subsets, block pairs and both directions, executing the
@@ -427,7 +428,7 @@ def test_plan_moves_exactly_the_per_layer_bytes(scenario: tuple) -> None:  # typ
     event(f"merged runs: {len(plan.runs) > 0}")
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(aligned=True))
 def test_coalesced_peers_split_only_where_either_side_cuts(scenario: tuple) -> None:  # type: ignore[type-arg]
     """Two coalescing peers whose rows differ only in allocation cuts and

@@ -13,6 +13,7 @@ import pytest
 from geometry_strategies import geometries, geometry, view
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 
 from kvmap.core import validation
 from kvmap.core.errors import InvalidArgument
@@ -263,7 +264,7 @@ def test_many_block_outermost_views_validate_in_near_linear_work() -> None:
 # Properties ----------------------------------------------------------------
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(geometries())
 def test_random_valid_geometries_pass(g: WorkerGeometry) -> None:
     """Every geometry from the valid-geometry strategy passes validation (no false rejections)."""
@@ -285,7 +286,7 @@ def _small_views(draw: st.DrawFn, name: str) -> ViewSpec:
     return view(name, draw(st.integers(0, 40)), length, stride, draw(st.integers(1, 6)))
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(_small_views("a"), _small_views("b"))
 def test_find_shared_byte_is_exact(a: ViewSpec, b: ViewSpec) -> None:
     """For random small strided views, find_shared_byte returns a byte both views cover exactly when
@@ -322,7 +323,7 @@ def _interleaved_views(draw: st.DrawFn) -> list[ViewSpec]:
     return views
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(st.one_of(_random_views(), _interleaved_views()))
 def test_overlap_check_matches_brute_force(views: list[ViewSpec]) -> None:
     """For random and interleaved view sets, validation rejects exactly the sets where two non-

@@ -27,7 +27,7 @@ from vllm_harness import HERE, EngineProc, build_model, generate, kvmap_args, pr
 
 from kvmap.tools.launch import DaemonProc, start_daemon
 
-pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 MAX_TOKENS = 8
 START_S = 240.0

@@ -29,7 +29,7 @@ from vllm_harness import (
     reference_and_both_connectors,
 )
 
-pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 HERE = Path(__file__).resolve().parent
 CONFIG = json.loads((HERE / "tiny_gemma3.json").read_text())

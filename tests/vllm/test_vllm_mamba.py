@@ -33,7 +33,7 @@ from vllm_harness import (
     reference_and_both_connectors,
 )
 
-pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 HERE = Path(__file__).resolve().parent
 # vLLM raises the attention block size to 64 tokens for this model.

@@ -35,7 +35,7 @@ from vllm_harness import (
 from kvmap.tools.launch import DaemonProc, start_daemon
 from kvmap.v1 import admin_pb2
 
-pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]
 
 MAX_TOKENS = 12
 # One whole block, many whole blocks, a partial last block, less than a block.

@@ -39,7 +39,7 @@ from vllm_harness import (
     stats,
 )
 
-pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 MAX_TOKENS = 8
 # A partial last block on both grids, whole blocks of the smaller grid only,

@@ -34,7 +34,7 @@ from vllm_harness import EngineProc, build_model, prefill_outputs, single_engine
 from kvmap.daemon.adapters.state_store import DB_NAME
 from kvmap.tools.launch import DaemonProc, start_daemon
 
-pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 MAX_TOKENS = 8
 PER_SCENARIO = 4  # the engines' max_num_seqs: the whole batch is in flight at once

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import golden
 import pytest
 
 from kvmap.tools.launch import DaemonProc, local_env, start_daemon
@@ -200,7 +201,26 @@ def single_engine(
     start_s: float = ENGINE_START_S,
 ) -> list[list[int]]:
     """Each prompt's tokens from a single engine without the connector
-    (``--role plain`` plus ``args``), started alone and stopped after."""
+    (``--role plain`` plus ``args``): its golden output (golden.py), or the
+    engine started alone and stopped after."""
+    key = golden.reference_key("single engine", model, prompts, max_tokens, args)
+
+    def run() -> list[list[int]]:
+        return run_single_engine(tmp, model, prompts, max_tokens, *args, start_s=start_s)
+
+    tokens: list[list[int]] = golden.reference(key, f"a single engine {list(args)}", run)
+    return tokens
+
+
+def run_single_engine(
+    tmp: Path,
+    model: Path,
+    prompts: list[list[int]],
+    max_tokens: int,
+    *args: str,
+    start_s: float = ENGINE_START_S,
+) -> list[list[int]]:
+    """``single_engine``'s engine, run now."""
     plain = EngineProc.start(tmp, "plain", model, "--role", "plain", *args)
     try:
         plain.wait_ready(start_s)
@@ -327,7 +347,40 @@ def nixl_pd(
     tmp: Path, model: Path, prompts: dict[str, list[int]], max_tokens: int, *args: str
 ) -> PD:
     """The reference: a pair with vLLM's own NixlConnector (``args`` to both
-    engines), torn down after."""
+    engines): its golden output (golden.py) or the pair run now. Of its
+    kv_transfer_params only ``remote_block_ids`` are kept (the rest names
+    ports and request ids of the run)."""
+    key = golden.reference_key("NixlConnector pair", model, prompts, max_tokens, args)
+
+    def run() -> dict[str, dict[str, Any]]:
+        return reference_view(run_nixl_pd(tmp, model, prompts, max_tokens, *args))
+
+    view = golden.reference(key, f"a NixlConnector P/D pair {list(args)}", run)
+    return PD(
+        params={k: {"remote_block_ids": v["remote_block_ids"]} for k, v in view.items()},
+        first={k: v["first"] for k, v in view.items()},
+        decoded={k: v["decoded"] for k, v in view.items()},
+        recv={k: (v["recv"][0], v["recv"][1], v["recv"][2]) for k, v in view.items()},
+    )
+
+
+def reference_view(pd: PD) -> dict[str, dict[str, Any]]:
+    """What the tests read of a reference pair's results, per prompt."""
+    return {
+        k: {
+            "remote_block_ids": pd.params[k]["remote_block_ids"],
+            "first": pd.first[k],
+            "decoded": pd.decoded[k],
+            "recv": list(pd.recv[k]),
+        }
+        for k in pd.params
+    }
+
+
+def run_nixl_pd(
+    tmp: Path, model: Path, prompts: dict[str, list[int]], max_tokens: int, *args: str
+) -> PD:
+    """``nixl_pd``'s pair, run now and torn down after."""
     nixl_args = (
         ["--connector", "nixl", "--nixl-port", str(free_port()), *args],
         ["--connector", "nixl", "--nixl-port", str(free_port()), *args],

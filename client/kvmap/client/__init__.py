@@ -1,13 +1,15 @@
 """kvmap client library and vLLM connector.
 
 - ``KvmapClient`` / ``AsyncKvmapClient``: the daemon's API over a transport
-  (``transports.GrpcTransport`` to a live kvmapd, ``transports.MemoryTransport``
-  to an in-process stand-in); errors are ``errors.KvmapClientError`` subclasses.
+  (``transports.GrpcTransport`` to a live kvmapd); errors are the project's one tree,
+  ``kvmap.core.errors.KvmapError`` subclasses (``errors.from_rpc_error``).
 - ``WorkerSession``: keeps a worker registered and attached across daemon restarts.
 - ``geometry``: KV cache tensors -> registration; ``shm_export`` / ``cuda_export``:
   memory handles.
-- ``pd``: the P/D state machines; ``vllm_connector.KVMapConnector``: the vLLM
-  connector (the only module that imports vLLM).
+- ``connector``: the vLLM connector's P/D state machines, without vLLM
+  (``SchedulerCore``, ``WorkerCore``; its README.md is the reading path);
+  ``vllm_connector.KVMapConnector``: the vLLM connector (the only module that
+  imports vLLM).
 """
 
 from kvmap.client.aio import AsyncKvmapClient

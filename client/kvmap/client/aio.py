@@ -83,6 +83,11 @@ class AsyncKvmapClient:
     ) -> TransferResult:
         return await asyncio.to_thread(self.sync.push, spec, timeout_s)
 
+    async def release(
+        self, req: transfers_pb2.ReleaseRequest, timeout_s: float | None = None
+    ) -> None:
+        await asyncio.to_thread(self.sync.release, req, timeout_s)
+
     async def get_region_map(self, worker: types_pb2.WorkerId) -> types_pb2.RegionMap:
         return await asyncio.to_thread(self.sync.get_region_map, worker)
 

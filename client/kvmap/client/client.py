@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvmap.client.errors import DaemonError
 from kvmap.client.transports import AttachStream, GrpcTransport, Transport
+from kvmap.core.errors import KvmapError
 from kvmap.v1 import admin_pb2, region_maps_pb2, registry_pb2, transfers_pb2, types_pb2
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -27,7 +27,7 @@ def _result(statuses: Iterable[transfers_pb2.TransferStatus]) -> TransferResult:
     for status in statuses:
         last = status
     if last is None or last.state != transfers_pb2.TRANSFER_STATE_DONE:
-        raise DaemonError(f"transfer stream ended without DONE (last: {last})")
+        raise KvmapError(f"transfer stream ended without DONE (last: {last})")
     s = last.stats
     return TransferResult(
         descriptors=s.descriptors,
@@ -117,6 +117,12 @@ class KvmapClient:
         self, spec: transfers_pb2.TransferSpec, timeout_s: float | None = None
     ) -> TransferResult:
         return _result(r.status for r in self.transport.push(spec, timeout_s or self.timeout_s))
+
+    def release(self, req: transfers_pb2.ReleaseRequest, timeout_s: float | None = None) -> None:
+        """Give up this worker's use of a remote worker's grant (it needs none
+        of the blocks): Transfers.Release, on daemons that list
+        DAEMON_FEATURE_RELEASE_RPC."""
+        self.transport.release(req, timeout_s or self.timeout_s)
 
     def get_region_map(self, worker: types_pb2.WorkerId) -> types_pb2.RegionMap:
         req = region_maps_pb2.GetRegionMapRequest(worker=worker)

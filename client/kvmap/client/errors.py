@@ -1,6 +1,8 @@
-"""Typed errors of the client library, one per gRPC status the daemon uses.
+"""Where the client's errors come from: gRPC statuses become the project's
+error tree (``kvmap.core.errors``), the same classes kvmapd raises, so
+``except NotFound`` means one class everywhere.
 
-    KvmapClientError
+    KvmapError               (UNKNOWN, and the base of everything below)
     ├── InvalidArgument      (the request was malformed; nothing changed)
     ├── NotFound             (unknown worker, group or layer)
     ├── FailedPrecondition   (stale generation, incompatible geometry, expired grant)
@@ -8,78 +10,55 @@
     ├── ResourceExhausted    (a stated limit was hit)
     ├── Unavailable          (daemon or peer unreachable, daemon draining)
     ├── DeadlineExceeded
-    └── DaemonError          (anything else the daemon reported)
+    ├── AlreadyExists, Unimplemented, InternalError
+    └── OtherStatus          (a gRPC status kvmapd never sends: CANCELLED, ...)
 
-``from_rpc_error`` is the one place gRPC errors become these.
+``from_rpc_error`` is the one place gRPC errors become these; an error's
+message is ``"<STATUS>: <details>"``.
 """
 
 from __future__ import annotations
 
 import grpc
 
+from kvmap.core.errors import ErrorCode, KvmapError, error_for
 
-class KvmapClientError(Exception):
-    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+class OtherStatus(KvmapError):
+    """A gRPC status outside the daemon's codes (CANCELLED when the client
+    was closed under a call, ABORTED, ...). Its code is UNKNOWN; ``status``
+    is the gRPC status's name."""
+
+    def __init__(self, message: str, status: str) -> None:
         super().__init__(message)
-        self.message = message
-        if code is not None:
-            self.code = code
+        self.status = status
 
 
-class InvalidArgument(KvmapClientError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
+def from_status(status: str, details: str) -> KvmapError:
+    """The error for gRPC status ``status`` (its name, e.g. ``"NOT_FOUND"``;
+    an unknown name counts as UNKNOWN) with the daemon's ``details``. Our
+    codes are named as gRPC's statuses, so the name is the whole mapping."""
+    if status not in grpc.StatusCode.__members__:
+        status = ErrorCode.UNKNOWN.name
+    message = f"{status}: {details}"
+    code = ErrorCode.__members__.get(status)
+    if code is None:
+        return OtherStatus(message, status)
+    return error_for(code, message)
 
 
-class NotFound(KvmapClientError):
-    code = grpc.StatusCode.NOT_FOUND
-
-
-class FailedPrecondition(KvmapClientError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
-
-
-class PermissionDenied(KvmapClientError):
-    code = grpc.StatusCode.PERMISSION_DENIED
-
-
-class ResourceExhausted(KvmapClientError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-
-
-class Unavailable(KvmapClientError):
-    code = grpc.StatusCode.UNAVAILABLE
-
-
-class DeadlineExceeded(KvmapClientError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
-
-
-class DaemonError(KvmapClientError):
-    pass
-
-
-_BY_CODE: dict[grpc.StatusCode, type[KvmapClientError]] = {
-    cls.code: cls
-    for cls in (
-        InvalidArgument,
-        NotFound,
-        FailedPrecondition,
-        PermissionDenied,
-        ResourceExhausted,
-        Unavailable,
-        DeadlineExceeded,
-    )
-}
-
-
-def from_status(code: grpc.StatusCode, details: str) -> KvmapClientError:
-    cls = _BY_CODE.get(code, DaemonError)
-    return cls(f"{code.name}: {details}", code)
-
-
-def from_rpc_error(err: grpc.RpcError) -> KvmapClientError:
+def from_rpc_error(err: grpc.RpcError) -> KvmapError:
+    """The error a failed gRPC call raises to the client's callers."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
-    return from_status(code, details or "")
+    return from_status(code.name, details or "")
+
+
+def status_name(err: BaseException) -> str:
+    """The gRPC status name an error stands for ("UNKNOWN" for one outside
+    the tree): how the connector's statistics count failed loads."""
+    if isinstance(err, OtherStatus):
+        return err.status
+    if isinstance(err, KvmapError):
+        return err.code.name
+    return ErrorCode.UNKNOWN.name

@@ -19,14 +19,8 @@ import array
 import socket
 from collections.abc import Sequence
 
-import grpc
-
-from kvmap.client.errors import (
-    DeadlineExceeded,
-    InvalidArgument,
-    Unavailable,
-    from_status,
-)
+from kvmap.client.errors import from_status
+from kvmap.core.errors import DeadlineExceeded, InvalidArgument, Unavailable
 
 PROTOCOL = b"kvmap-fds/1"
 SCM_MAX_FD = 253  # the kernel's limit of fds in one SCM_RIGHTS message
@@ -47,9 +41,9 @@ def send_fds(socket_path: str, fds: Sequence[int], timeout: float) -> str:
     many batches are pending, ...) when it rejects the batch.
     """
     if not fds:
-        raise InvalidArgument("no fds to send")
+        raise InvalidArgument("", "no fds to send")
     if len(fds) > SCM_MAX_FD:
-        raise InvalidArgument(f"{len(fds)} fds in one batch; at most {SCM_MAX_FD}")
+        raise InvalidArgument("", f"{len(fds)} fds in one batch; at most {SCM_MAX_FD}")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         sock.settimeout(timeout)
@@ -68,7 +62,7 @@ def send_fds(socket_path: str, fds: Sequence[int], timeout: float) -> str:
             if isinstance(e, TimeoutError):
                 raise
             # EBADF: one of the fds is not open in this process.
-            raise InvalidArgument(f"cannot send fds {list(fds)}: {e.strerror}") from e
+            raise InvalidArgument("", f"cannot send fds {list(fds)}: {e.strerror}") from e
         reply = sock.recv(_REPLY_MAX)
     except TimeoutError as e:
         raise DeadlineExceeded(f"fd hand-off to {socket_path}: no reply in {timeout}s") from e
@@ -84,8 +78,7 @@ def _parse_reply(reply: bytes, socket_path: str) -> str:
         return reply[3:].decode("ascii").strip()
     if reply.startswith(b"ERR "):
         status, _, message = reply[4:].decode("utf-8", "replace").partition(" ")
-        code = getattr(grpc.StatusCode, status, grpc.StatusCode.UNKNOWN)
-        raise from_status(code, f"fd hand-off rejected: {message}")
+        raise from_status(status, f"fd hand-off rejected: {message}")
     if not reply:
         raise Unavailable(f"kvmapd closed the fd hand-off connection at {socket_path}")
     raise Unavailable(f"unexpected fd hand-off reply from {socket_path}: {reply[:64]!r}")

@@ -15,6 +15,7 @@ daemon hands out a new generation, which is how peers learn to re-handshake.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import threading
@@ -23,8 +24,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvmap.client.client import KvmapClient
-from kvmap.client.errors import DeadlineExceeded, KvmapClientError, NotFound
 from kvmap.client.transports.base import AttachStream
+from kvmap.core.errors import DeadlineExceeded, KvmapError, NotFound
+from kvmap.core.retry import RetryPolicy
 from kvmap.v1 import registry_pb2, types_pb2
 
 log = logging.getLogger("kvmap.client.session")
@@ -33,28 +35,23 @@ EventCallback = Callable[[registry_pb2.AttachResponse], None]
 
 
 @dataclass(frozen=True)
-class Backoff:
-    """Delays between reconnection attempts: ``initial_s`` growing by
-    ``multiplier`` up to ``max_s``, each scaled by a random factor in
-    ``[1 - jitter, 1]`` so that many workers of one pod do not retry in step."""
+class Backoff(RetryPolicy):
+    """Delays between reconnection attempts: ``RetryPolicy``'s arithmetic
+    (``initial_s`` growing by ``multiplier`` up to ``max_s``, each scaled by
+    a random factor in ``[1 - jitter, 1]`` so that many workers of one pod do
+    not retry in step), with the session's own defaults."""
 
     initial_s: float = 0.1
     max_s: float = 5.0
     multiplier: float = 2.0
     jitter: float = 0.2
 
-    def __post_init__(self) -> None:
-        if not 0 < self.initial_s <= self.max_s:
-            raise ValueError(f"backoff: need 0 < initial_s <= max_s, got {self}")
-        if self.multiplier < 1 or not 0 <= self.jitter < 1:
-            raise ValueError(f"backoff: need multiplier >= 1 and 0 <= jitter < 1, got {self}")
-
     def delays(self, rng: random.Random | None = None) -> Iterator[float]:
+        """The pause after each failed attempt, in order (endless), each
+        drawn from ``rng``."""
         r = rng or random.Random()
-        delay = self.initial_s
-        while True:
-            yield delay * (1 - self.jitter * r.random())
-            delay = min(delay * self.multiplier, self.max_s)
+        for attempt in itertools.count():
+            yield self.delay(attempt, r.random())
 
 
 class WorkerSession:
@@ -111,7 +108,7 @@ class WorkerSession:
             try:
                 self._connect()
                 break
-            except KvmapClientError as err:
+            except KvmapError as err:
                 delay = next(delays)
                 if deadline.remaining() < delay:
                     raise DeadlineExceeded(
@@ -163,7 +160,7 @@ class WorkerSession:
                 for event in stream:
                     attached |= event.WhichOneof("event") == "attached"
                     self._handle(event)
-            except KvmapClientError as err:
+            except KvmapError as err:
                 error = err
                 if isinstance(err, NotFound) and not attached:
                     # The daemon does not know this worker (a restart without
@@ -201,7 +198,7 @@ class WorkerSession:
                 return
             except NotFound:
                 register = True
-            except KvmapClientError as err:
+            except KvmapError as err:
                 log.info("kvmapd still unreachable (%s); next try in up to %.2fs", err, delay)
 
     def _handle(self, event: registry_pb2.AttachResponse) -> None:
@@ -214,7 +211,7 @@ class WorkerSession:
                 # Restored by a restarted daemon: its map (best effort).
                 try:
                     self.region_map = self.client.get_region_map(self.worker)
-                except KvmapClientError as err:
+                except KvmapError as err:
                     log.info("region map of %s after re-attach: %s", _name(self.worker), err)
         if self.on_event is None:
             return
@@ -240,7 +237,7 @@ class WorkerSession:
         if deregister:
             try:
                 self.client.deregister(self.worker)
-            except KvmapClientError as err:
+            except KvmapError as err:
                 log.debug("deregister %s: %s", _name(self.worker), err)
 
 

@@ -13,7 +13,8 @@ Load it with
     )
 
 A thin adapter: vLLM's requests, block lists and KV cache config become
-plain ids and lists for ``kvmap.client.pd`` (the P/D state machines), and
+plain ids and lists for ``kvmap.client.connector`` (the P/D state machines:
+``SchedulerCore`` and ``WorkerCore``; its README.md is the reading path), and
 each worker's KV tensors become a ``RegisterWorkerRequest`` through
 ``kvmap.client.geometry``. See ``docs/vllm.md``.
 """
@@ -46,6 +47,15 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import RequestStatus
 
 from kvmap.client.client import KvmapClient
+from kvmap.client.connector import (
+    ConnectorMeta,
+    ConnectorOptions,
+    GroupWindows,
+    LoadRecord,
+    SchedulerCore,
+    WorkerCore,
+)
+from kvmap.client.connector.stats import PromMetrics, TransferStatsBook
 from kvmap.client.geometry import (
     GeometryError,
     LayerSpec,
@@ -54,15 +64,6 @@ from kvmap.client.geometry import (
     model_identity,
     with_state_pages,
 )
-from kvmap.client.pd import (
-    ConnectorMeta,
-    ConnectorOptions,
-    GroupWindows,
-    LoadRecord,
-    SchedulerCore,
-    WorkerCore,
-)
-from kvmap.client.stats import PromMetrics, TransferStatsBook
 from kvmap.v1 import types_pb2
 
 if TYPE_CHECKING:
@@ -124,11 +125,11 @@ def model_identity_of(vllm_config: VllmConfig) -> types_pb2.ModelIdentity:
 
 
 class KVMapConnectorStats(TransferStatsBook, KVConnectorStats):  # type: ignore[misc,unused-ignore]
-    """vLLM's connector stats over kvmap's book (``kvmap.client.stats``)."""
+    """vLLM's connector stats over kvmap's book (``kvmap.client.connector.stats``)."""
 
 
 class KVMapPromMetrics(PromMetrics, KVConnectorPromMetrics):  # type: ignore[misc,unused-ignore]
-    """The ``vllm:kvmap_*`` Prometheus series (``kvmap.client.stats``)."""
+    """The ``vllm:kvmap_*`` Prometheus series (``kvmap.client.connector.stats``)."""
 
 
 class KVMapConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc,unused-ignore]

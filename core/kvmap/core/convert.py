@@ -132,6 +132,13 @@ def requested_worker(msg: types_pb2.WorkerId, field: str) -> WorkerKey:
     return worker_key_from_proto(msg)
 
 
+def check_requested(key: WorkerKey, field: str) -> WorkerKey:
+    """``requested_worker`` for a key already read off the wire."""
+    if not key.engine_id:
+        raise InvalidArgument(f"{field}.engine_id", "must not be empty")
+    return key
+
+
 def worker_id_to_proto(key: WorkerKey) -> types_pb2.WorkerId:
     return types_pb2.WorkerId(
         engine_id=key.engine_id, dp_rank=key.dp_rank, tp_rank=key.tp_rank, pp_rank=key.pp_rank

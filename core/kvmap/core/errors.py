@@ -17,7 +17,9 @@
         └── TransferError    (NIXL reported a failed transfer or call)
 
 The codes are named like gRPC's status codes but are ours, so the core imports
-no grpc.
+no grpc. The client raises this tree too: ``error_for`` is the error a caller
+of kvmapd raises for a status it received (``kvmap.client.errors``), so
+``except NotFound`` means one class in the daemon, the client and the tools.
 ``status_of`` says what any exception reports to a caller (code and bounded
 message); ``kvmap.daemon.api.status.grpc_status`` is the one place that turns
 that into a status on the wire, through the table in
@@ -28,6 +30,9 @@ into this tree and the peer client maps remote daemons' statuses into it.
 from __future__ import annotations
 
 import enum
+import types
+from collections.abc import Callable, Mapping
+from functools import partial
 
 
 @enum.unique
@@ -168,3 +173,28 @@ def status_of(err: BaseException) -> tuple[ErrorCode, str]:
             message = message[:MAX_STATUS_MESSAGE] + f"... ({len(err.message)} characters)"
         return err.code, message
     return ErrorCode.INTERNAL, f"internal error: {type(err).__name__}"
+
+
+# The error a caller raises for each code it receives: the class of that code
+# (an invalid argument names no field: the message says which).
+_ERROR_FOR: Mapping[ErrorCode, Callable[[str], KvmapError]] = types.MappingProxyType(
+    {
+        ErrorCode.INVALID_ARGUMENT: partial(InvalidArgument, ""),
+        ErrorCode.NOT_FOUND: NotFound,
+        ErrorCode.ALREADY_EXISTS: AlreadyExists,
+        ErrorCode.FAILED_PRECONDITION: FailedPrecondition,
+        ErrorCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+        ErrorCode.UNAVAILABLE: Unavailable,
+        ErrorCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+        ErrorCode.UNIMPLEMENTED: Unimplemented,
+        ErrorCode.INTERNAL: InternalError,
+        ErrorCode.PERMISSION_DENIED: PermissionDenied,
+        ErrorCode.UNKNOWN: KvmapError,
+    }
+)
+
+
+def error_for(code: ErrorCode, message: str) -> KvmapError:
+    """The error of ``code`` carrying ``message``: what a caller raises when
+    kvmapd answered with that code (the inverse of ``status_of``'s code)."""
+    return _ERROR_FOR[code](message)

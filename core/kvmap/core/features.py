@@ -15,5 +15,8 @@ DAEMON_FEATURES: tuple[registry_pb2.DaemonFeature.ValueType, ...] = (
     registry_pb2.DAEMON_FEATURE_TOKEN_MODE,
     registry_pb2.DAEMON_FEATURE_REMOTE_FIRST_TOKEN,
     registry_pb2.DAEMON_FEATURE_OPEN_GRANTS,
+    # TransferSpec.release, deprecated by Transfers.Release: still honoured
+    # for the connectors of the previous release.
     registry_pb2.DAEMON_FEATURE_RELEASE,
+    registry_pb2.DAEMON_FEATURE_RELEASE_RPC,
 )

@@ -12,8 +12,11 @@ Only the first kind is retried, with exponential backoff and jitter, while
 the transfer's own deadline allows.
 
 ``retryable`` is the daemon's one classification of a failed attempt;
-``RetryPolicy`` is the arithmetic, shared with the client's connector (which
-classifies its own errors: its local daemon restarting under a pull).
+``RetryPolicy`` is the project's one backoff arithmetic, shared with the
+client: its connector's pulls (which classify their own errors: the local
+daemon restarting under a pull) and its ``WorkerSession``'s reconnections
+(``kvmap.client.session.Backoff``: this arithmetic with the session's
+defaults).
 """
 
 from __future__ import annotations

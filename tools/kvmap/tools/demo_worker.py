@@ -27,9 +27,10 @@ import torch
 from google.protobuf import json_format
 
 from kvmap.client.client import KvmapClient
-from kvmap.client.errors import KvmapClientError
+from kvmap.client.errors import status_name
 from kvmap.client.session import Backoff, WorkerSession
 from kvmap.core.config import DaemonConfig
+from kvmap.core.errors import KvmapError
 from kvmap.tools import block_pattern, json_lines
 from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
 
@@ -304,8 +305,8 @@ def _spec(cmd: dict[str, Any], worker: types_pb2.WorkerId) -> transfers_pb2.Tran
     return spec
 
 
-def _failed(err: KvmapClientError) -> dict[str, Any]:
-    return {"ok": False, "code": err.code.name, "message": err.message}
+def _failed(err: KvmapError) -> dict[str, Any]:
+    return {"ok": False, "code": status_name(err), "message": err.message}
 
 
 def _transfer(w: DemoWorker, op: str, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -319,7 +320,7 @@ def _transfer(w: DemoWorker, op: str, cmd: dict[str, Any]) -> dict[str, Any]:
     try:
         transfer = w.client.pull if op == "pull" else w.client.push
         result = transfer(spec, timeout_s)
-    except KvmapClientError as err:
+    except KvmapError as err:
         return _failed(err)
     out: dict[str, Any] = {"ok": True, "stats": result.__dict__}
     if op == "pull" and cmd.get("verify", True):
@@ -349,7 +350,7 @@ def _grant(w: DemoWorker, cmd: dict[str, Any]) -> dict[str, Any]:
             ttl_ms=int(cmd.get("ttl_ms", 0)),
             max_uses=int(cmd.get("max_uses", 0)),
         )
-    except KvmapClientError as err:
+    except KvmapError as err:
         return _failed(err)
     return {
         "ok": True,

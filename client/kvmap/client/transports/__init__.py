@@ -1,17 +1,9 @@
 """Transports: how the client reaches a daemon. ``GrpcTransport`` talks to a
-live kvmapd over its Unix socket; ``MemoryTransport`` talks to an in-process
-``MemoryDaemon`` with the same interface (``base.Transport``), for tests of
-code above the seam."""
+live kvmapd over its Unix socket; ``base.Transport`` is the seam code above
+it is written against. Tests serve the real daemon in their own process
+(``tests/support/inproc_daemon.py``); the client ships no daemon of its own."""
 
 from kvmap.client.transports.base import AttachStream, Transport
 from kvmap.client.transports.grpc import GrpcTransport
-from kvmap.client.transports.memory import MemoryDaemon, MemoryNetwork, MemoryTransport
 
-__all__ = [
-    "AttachStream",
-    "GrpcTransport",
-    "MemoryDaemon",
-    "MemoryNetwork",
-    "MemoryTransport",
-    "Transport",
-]
+__all__ = ["AttachStream", "GrpcTransport", "Transport"]

@@ -18,7 +18,7 @@ class AttachStream(Protocol):
 
 
 class Transport(Protocol):
-    """Every call raises ``kvmap.client.errors.KvmapClientError`` subclasses."""
+    """Every call raises ``kvmap.core.errors.KvmapError`` subclasses (``kvmap.client.errors``)."""
 
     def send_fds(self, fds: Sequence[int], timeout: float) -> str: ...
 
@@ -50,6 +50,10 @@ class Transport(Protocol):
     def push(
         self, spec: transfers_pb2.TransferSpec, timeout: float
     ) -> Iterator[transfers_pb2.PushResponse]: ...
+
+    def release(
+        self, req: transfers_pb2.ReleaseRequest, timeout: float
+    ) -> transfers_pb2.ReleaseResponse: ...
 
     def get_region_map(
         self, req: region_maps_pb2.GetRegionMapRequest, timeout: float

@@ -20,6 +20,7 @@ from kvmap.v1 import (
     registry_pb2,
     registry_pb2_grpc,
     transfers_pb2,
+    transfers_pb2_grpc,
 )
 
 T = TypeVar("T")
@@ -132,6 +133,7 @@ class GrpcTransport:
         self._registry = registry_pb2_grpc.RegistryStub(self._channel)
         self._pull_spec = _spec_call(self._streams, "Pull", transfers_pb2.PullResponse.FromString)
         self._push_spec = _spec_call(self._streams, "Push", transfers_pb2.PushResponse.FromString)
+        self._transfers = transfers_pb2_grpc.TransfersStub(self._channel)
         self._maps = region_maps_pb2_grpc.RegionMapsStub(self._channel)
         self._admin = admin_pb2_grpc.AdminStub(self._channel)
 
@@ -173,6 +175,17 @@ class GrpcTransport:
     ) -> Iterator[transfers_pb2.PushResponse]:
         """Push{spec}, as ``pull``."""
         return _stream(self._push_spec(spec, timeout=timeout))
+
+    def release(
+        self, req: transfers_pb2.ReleaseRequest, timeout: float
+    ) -> transfers_pb2.ReleaseResponse:
+        """Transfers.Release. Made once, as a Pull is: a release the daemon
+        did pass on must not be passed on twice (a second one would spend
+        another reader's use)."""
+        try:
+            return self._transfers.Release(req, timeout=timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
 
     def get_region_map(
         self, req: region_maps_pb2.GetRegionMapRequest, timeout: float

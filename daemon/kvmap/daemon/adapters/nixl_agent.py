@@ -1,4 +1,4 @@
-"""The NIXL adapter: the only module in kvmap that imports ``nixl``.
+"""The NIXL adapter: with ``nixl_loader``, the only module in kvmap that imports NIXL.
 
 ``NixlAgent`` wraps one ``nixl_agent`` with the UCX backend. Everything that
 crosses this boundary is ours: enums for memory types, backends, operations
@@ -58,6 +58,8 @@ before NIXL sees them and raise ``InvalidArgument`` naming the argument;
 registering memory that overlaps a registration raises ``AlreadyExists``
 (NIXL would accept it). A peer whose process died shows up at once as
 ``Unavailable`` (NIXL_ERR_REMOTE_DISCONNECT) from the next post or notif.
+
+NIXL itself is loaded, without torch, by ``nixl_loader``.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ from kvmap.core.errors import (
     Unavailable,
     Unimplemented,
 )
+from kvmap.daemon.adapters.nixl_loader import nixl_module
 
 # The value types live with the engine's port (which imports no NIXL); they
 # are re-exported here so ``from nixl_agent import XferOp`` keeps working.
@@ -123,8 +126,7 @@ def exception_map_drift() -> dict[str, list[str]]:
     ``unmapped``: NIXL raises it but we have no row (it would become
     NIXL_ERR_UNKNOWN); ``stale``: we map a class NIXL no longer has.
     """
-    import nixl._bindings as bindings  # noqa: PLC0415  (only when asked)
-
+    bindings = nixl_module("_bindings")
     present = {
         name
         for name in dir(bindings)
@@ -185,7 +187,7 @@ class NixlAgent:
         try:
             # Imported here so that importing kvmap.daemon stays cheap and a
             # missing/broken NIXL install surfaces as one clear error.
-            import nixl._api as nixl_api  # noqa: PLC0415
+            nixl_api = nixl_module("_api")
         except ImportError as e:
             raise Unavailable(f"NIXL is not installed or cannot load: {e}") from e
         config = nixl_api.nixl_agent_config(
@@ -575,5 +577,6 @@ __all__ = [
     "Xfer",
     "XferOp",
     "XferState",
+    "nixl_module",
     "translate",
 ]

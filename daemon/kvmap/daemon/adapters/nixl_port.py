@@ -2,7 +2,7 @@
 
 ``NixlPort`` is the seam between the engine and ``nixl_agent.NixlAgent``
 (the real agent, over NIXL and UCX); the engine's tests run it over an
-in-memory fake (``tests/engine/fake_nixl.py``) that keeps the same contract:
+in-memory fake (``tests/support/fake_nixl.py``) that keeps the same contract:
 errors from ``kvmap.core.errors`` as documented in ``nixl_agent``,
 transfers that complete through ``poll``, notifications through
 ``take_notifs``. The value types that cross the seam live here too.

@@ -47,6 +47,8 @@ from kvmap.core.peer_policy import (
     PeerPolicy,
     is_host_name,
 )
+from kvmap.core.transfer_requests import Announcement, ReleaseNotice
+from kvmap.core.transfer_wire import announcement_to_proto, release_notice_to_proto
 from kvmap.daemon.adapters.config_files import read_pem
 from kvmap.daemon.adapters.grpc_codes import error_code, reason_of
 from kvmap.v1 import peer_pb2, peer_pb2_grpc
@@ -95,9 +97,10 @@ class PeerHandshake:
     def __init__(self, resp: peer_pb2.GetAgentMetadataResponse) -> None:
         self.agent_name = resp.agent_name
         self.agent_metadata = resp.agent_metadata
-        self.generation = resp.generation
         self.daemon_instance = resp.daemon_instance
         self.model: RegionMapModel = convert.region_map_from_proto(resp.region_map)
+        # The region map's (the response's own generation field is deprecated).
+        self.generation = self.model.generation
 
 
 @dataclass(frozen=True)
@@ -249,7 +252,15 @@ class PeerClient:
                 f"remote daemon {target} sent a bad region map: {err}"
             ) from None
 
-    async def begin(self, target: str, req: peer_pb2.BeginTransferRequest) -> str:
+    async def begin(self, target: str, announcement: Announcement) -> str:
+        return await self._begin(target, announcement_to_proto(announcement))
+
+    async def release(self, target: str, notice: ReleaseNotice) -> None:
+        """Give up a use of the owner's grant: BeginTransfer with ``release``
+        on the wire, which owners of this release and the one before answer."""
+        await self._begin(target, release_notice_to_proto(notice))
+
+    async def _begin(self, target: str, req: peer_pb2.BeginTransferRequest) -> str:
         try:
             resp = await (await self._stub(target)).BeginTransfer(req, timeout=self._timeout)
         except aio.AioRpcError as err:
@@ -260,13 +271,12 @@ class PeerClient:
             raise _peer_error(target, err) from None
         return resp.transfer_token
 
-    async def end(self, target: str, token: str, completed: bool) -> None:
+    async def end(self, target: str, token: str) -> None:
         # Best effort: the owner's lease releases the pin anyway (and a target
         # that is no longer allowed is not dialled again to say so).
         with contextlib.suppress(aio.AioRpcError, KvmapError):
             await (await self._stub(target)).EndTransfer(
-                peer_pb2.EndTransferRequest(transfer_token=token, completed=completed),
-                timeout=self._timeout,
+                peer_pb2.EndTransferRequest(transfer_token=token), timeout=self._timeout
             )
 
     async def close(self) -> None:

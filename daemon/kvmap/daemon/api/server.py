@@ -32,7 +32,7 @@ from kvmap.daemon.api.services import (
     tcp_service_names,
     unix_service_names,
 )
-from kvmap.daemon.engine.app import DaemonApp
+from kvmap.daemon.engine.app import Adapters, DaemonApp
 
 log = structlog.get_logger("kvmapd")
 
@@ -42,7 +42,14 @@ READINESS_SERVICE = "kvmap.v1.Peer"
 
 
 class Daemon:
-    def __init__(self, config: DaemonConfig, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        config: DaemonConfig,
+        metrics: Metrics | None = None,
+        adapters: Adapters | None = None,
+    ) -> None:
+        """``adapters``: how the engine reaches NIXL, peers and worker memory;
+        the real ones for ``config`` by default (tests hand in a fake NIXL)."""
         self.config = config
         # First: the state store and the stale-socket clean-up are this
         # socket's owner's; a second daemon is refused before it touches
@@ -52,7 +59,7 @@ class Daemon:
         self._lock.acquire()
         self.instance = uuid.uuid4().hex[:12]
         self.metrics = metrics or Metrics()
-        self.app = DaemonApp(config, self.metrics, self.instance)
+        self.app = DaemonApp(config, self.metrics, self.instance, adapters)
         self.health = HealthServicer()
         self._unix: aio.Server | None = None
         self._tcp: aio.Server | None = None

@@ -1,6 +1,9 @@
-"""gRPC servicers. Thin: each turns a request into a call on the app and
+"""gRPC servicers. Thin: each turns a request into one call on the engine
+(its wire form converted by ``core.convert`` / ``core.transfer_wire``) and
 the result into a response; errors propagate as KvmapError and become
-statuses in ``rpc``."""
+statuses in ``rpc``. The Attach stream's replay of stored events is here:
+it is the stream's own protocol (stored first, then live, each acknowledged
+once sent)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,13 @@ from kvmap.core import planner as planners
 from kvmap.core.errors import SHUTTING_DOWN, Unavailable
 from kvmap.core.features import DAEMON_FEATURES
 from kvmap.core.geometry import WorkerKey
+from kvmap.core.transfer_wire import (
+    announcement_from_proto,
+    release_from_request,
+    release_notice_from_proto,
+    report_to_proto,
+    transfer_from_spec,
+)
 from kvmap.daemon.engine.app import DaemonApp
 from kvmap.v1 import (
     admin_pb2,
@@ -47,8 +57,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
     ) -> registry_pb2.RegisterWorkerResponse:
         if self.app.draining:
             raise Unavailable(SHUTTING_DOWN)
-        record = await self.app.registrar.register(request, self.app.planner)
-        self.app.registered(record)
+        record = await self.app.lifecycle.register(request, self.app.planner)
         return registry_pb2.RegisterWorkerResponse(
             region_map=convert.region_map_to_proto(record.model), features=DAEMON_FEATURES
         )
@@ -56,10 +65,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
     async def DeregisterWorker(
         self, request: registry_pb2.DeregisterWorkerRequest, context: Ctx
     ) -> registry_pb2.DeregisterWorkerResponse:
-        key = worker_key(request.worker)
-        record = await self.app.registrar.deregister(key)
-        self.app.grants.drop_worker(key)
-        self.app.update_gauges()
+        record = await self.app.lifecycle.deregister(worker_key(request.worker))
         return registry_pb2.DeregisterWorkerResponse(generation=record.generation)
 
     async def Attach(
@@ -94,12 +100,12 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
             # stopping. A worker with no live Attach stream is gone.
             remaining = self.app.table.unsubscribe(key, queue)
             if remaining == 0 and not self.app.draining and self.app.table.find(key) is not None:
-                await self.app.worker_gone(key)
+                await self.app.lifecycle.worker_gone(key)
 
     async def GrantTransfer(
         self, request: registry_pb2.GrantTransferRequest, context: Ctx
     ) -> registry_pb2.GrantTransferResponse:
-        capability, grant = self.app.grant_transfer(
+        capability, grant = self.app.owner.grant(
             worker_key(request.worker),
             request_id=request.request_id,
             groups=[(g.transfer_group, g.block_ids) for g in request.groups],
@@ -117,7 +123,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
     async def RevokeTransfer(
         self, request: registry_pb2.RevokeTransferRequest, context: Ctx
     ) -> registry_pb2.RevokeTransferResponse:
-        self.app.revoke_transfer(worker_key(request.worker), request.request_id)
+        self.app.owner.revoke(worker_key(request.worker), request.request_id)
         return registry_pb2.RevokeTransferResponse()
 
 
@@ -223,11 +229,12 @@ class PeerService(peer_pb2_grpc.PeerServicer):
     async def GetAgentMetadata(
         self, request: peer_pb2.GetAgentMetadataRequest, context: Ctx
     ) -> peer_pb2.GetAgentMetadataResponse:
-        record = self.app.worker_for_peer(worker_key(request.worker))
+        record = self.app.lifecycle.worker_for_peer(worker_key(request.worker))
         return peer_pb2.GetAgentMetadataResponse(
             agent_name=self.app.agent_name,
             agent_metadata=await self.app.agent_metadata(),
             region_map=convert.region_map_to_proto(record.model),
+            # Deprecated (region_map.generation), still sent for older callers.
             generation=record.generation,
             daemon_instance=self.app.instance,
         )
@@ -236,15 +243,15 @@ class PeerService(peer_pb2_grpc.PeerServicer):
         self, request: peer_pb2.BeginTransferRequest, context: Ctx
     ) -> peer_pb2.BeginTransferResponse:
         if request.release:
-            self.app.release_grant(request)
+            self.app.owner.release(release_notice_from_proto(request))
             return peer_pb2.BeginTransferResponse()
-        lease = self.app.begin_transfer(request)
+        lease = self.app.owner.begin(announcement_from_proto(request))
         return peer_pb2.BeginTransferResponse(transfer_token=lease.token)
 
     async def EndTransfer(
         self, request: peer_pb2.EndTransferRequest, context: Ctx
     ) -> peer_pb2.EndTransferResponse:
-        self.app.end_lease(request.transfer_token)
+        self.app.owner.end(request.transfer_token)
         return peer_pb2.EndTransferResponse()
 
 
@@ -257,13 +264,27 @@ class TransfersService(transfers_pb2_grpc.TransfersServicer):
     ) -> AsyncIterator[transfers_pb2.PullResponse]:
         if self.app.draining:
             raise Unavailable(SHUTTING_DOWN)
-        async for s in self.app.engine.run(request.spec, write=False):
-            yield transfers_pb2.PullResponse(status=s)
+        req = transfer_from_spec(request.spec, self.app.config.transfer_timeout_s)
+        async for report in self.app.engine.run(req, write=False):
+            yield transfers_pb2.PullResponse(status=report_to_proto(report))
 
     async def Push(
         self, request: transfers_pb2.PushRequest, context: Ctx
     ) -> AsyncIterator[transfers_pb2.PushResponse]:
         if self.app.draining:
             raise Unavailable(SHUTTING_DOWN)
-        async for s in self.app.engine.run(request.spec, write=True):
-            yield transfers_pb2.PushResponse(status=s)
+        req = transfer_from_spec(request.spec, self.app.config.transfer_timeout_s)
+        async for report in self.app.engine.run(req, write=True):
+            yield transfers_pb2.PushResponse(status=report_to_proto(report))
+
+    async def Release(
+        self, request: transfers_pb2.ReleaseRequest, context: Ctx
+    ) -> transfers_pb2.ReleaseResponse:
+        """What a Pull whose spec has the (deprecated) release flag does, as
+        its own RPC: one report (DONE, "released") and nothing moved."""
+        if self.app.draining:
+            raise Unavailable(SHUTTING_DOWN)
+        use = release_from_request(request, self.app.config.transfer_timeout_s)
+        async for _ in self.app.engine.run(use, write=False):
+            pass
+        return transfers_pb2.ReleaseResponse()

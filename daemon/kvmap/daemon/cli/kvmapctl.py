@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import grpc
 from google.protobuf import json_format
 
-from kvmap.core import tables
 from kvmap.daemon.adapters.config_files import default_runtime_dir
+from kvmap.daemon.cli import tables
 from kvmap.v1 import (
     admin_pb2,
     admin_pb2_grpc,

@@ -14,11 +14,12 @@ from pathlib import Path
 
 from google.protobuf import json_format
 
-from kvmap.core import convert, tables
+from kvmap.core import convert
 from kvmap.core.errors import InvalidArgument
 from kvmap.core.planner import DEFAULT_PLANNER, PLANNERS, get_planner
 from kvmap.core.validation import validate_geometry
 from kvmap.daemon import examples
+from kvmap.daemon.cli import tables
 
 EXIT_INVALID_INPUT = 2
 

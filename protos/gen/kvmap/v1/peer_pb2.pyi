@@ -17,6 +17,11 @@ if sys.version_info >= (3, 11):
 else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
+if sys.version_info >= (3, 13):
+    from warnings import deprecated as _deprecated
+else:
+    from typing_extensions import deprecated as _deprecated
+
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
@@ -50,7 +55,20 @@ class GetAgentMetadataResponse(_message.Message):
     DAEMON_INSTANCE_FIELD_NUMBER: _builtins.int
     agent_name: _builtins.str
     agent_metadata: _builtins.bytes
-    generation: _builtins.int
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def generation(self) -> _builtins.int:
+        """Deprecated: the same number as region_map.generation, which callers
+        read; still sent for callers of the previous release.
+        """
+
+    @generation.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def generation(self, value: _builtins.int) -> None:
+        """Deprecated: the same number as region_map.generation, which callers
+        read; still sent for callers of the previous release.
+        """
+
     daemon_instance: _builtins.str
     @_builtins.property
     def region_map(self) -> _types_pb2.RegionMap: ...
@@ -184,8 +202,20 @@ class EndTransferRequest(_message.Message):
     TRANSFER_TOKEN_FIELD_NUMBER: _builtins.int
     COMPLETED_FIELD_NUMBER: _builtins.int
     transfer_token: _builtins.str
-    completed: _builtins.bool
-    """False when the transfer failed or was never posted."""
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def completed(self) -> _builtins.bool:
+        """Deprecated: never set (a completed transfer ends with its NIXL
+        notification, never with EndTransfer) and never read.
+        """
+
+    @completed.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def completed(self, value: _builtins.bool) -> None:
+        """Deprecated: never set (a completed transfer ends with its NIXL
+        notification, never with EndTransfer) and never read.
+        """
+
     def __init__(
         self,
         *,

@@ -41,6 +41,8 @@ class _DaemonFeatureEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DaemonF
     """
     DAEMON_FEATURE_RELEASE: _DaemonFeature.ValueType  # 4
     """TransferSpec.release: give up a use of a grant without a transfer."""
+    DAEMON_FEATURE_RELEASE_RPC: _DaemonFeature.ValueType  # 5
+    """Transfers.Release: the same as its own RPC."""
 
 class DaemonFeature(_DaemonFeature, metaclass=_DaemonFeatureEnumTypeWrapper):
     """Wire features a daemon may lack (an older kvmapd lists none of them)."""
@@ -60,6 +62,8 @@ number of uses the first reader fixes.
 """
 DAEMON_FEATURE_RELEASE: DaemonFeature.ValueType  # 4
 """TransferSpec.release: give up a use of a grant without a transfer."""
+DAEMON_FEATURE_RELEASE_RPC: DaemonFeature.ValueType  # 5
+"""Transfers.Release: the same as its own RPC."""
 Global___DaemonFeature: _TypeAlias = DaemonFeature  # noqa: Y015
 
 class _TransferDirection:

@@ -18,6 +18,11 @@ if sys.version_info >= (3, 11):
 else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
+if sys.version_info >= (3, 13):
+    from warnings import deprecated as _deprecated
+else:
+    from typing_extensions import deprecated as _deprecated
+
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class _TransferState:
@@ -28,7 +33,12 @@ class _TransferStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Transfe
     DESCRIPTOR: _descriptor.EnumDescriptor
     TRANSFER_STATE_UNSPECIFIED: _TransferState.ValueType  # 0
     TRANSFER_STATE_HANDSHAKING: _TransferState.ValueType  # 1
-    TRANSFER_STATE_POSTED: _TransferState.ValueType  # 2
+    @_builtins.property
+    @_deprecated("""This enum value has been marked as deprecated using proto enum value options.""")
+    def TRANSFER_STATE_POSTED(self) -> _TransferState.ValueType:   # 2
+        """Never sent: a transfer goes from HANDSHAKING (when it handshakes) to
+        DONE, or fails with a status. Kept so the number is never reused.
+        """
     TRANSFER_STATE_DONE: _TransferState.ValueType  # 3
 
 class TransferState(_TransferState, metaclass=_TransferStateEnumTypeWrapper): ...
@@ -36,6 +46,9 @@ class TransferState(_TransferState, metaclass=_TransferStateEnumTypeWrapper): ..
 TRANSFER_STATE_UNSPECIFIED: TransferState.ValueType  # 0
 TRANSFER_STATE_HANDSHAKING: TransferState.ValueType  # 1
 TRANSFER_STATE_POSTED: TransferState.ValueType  # 2
+"""Never sent: a transfer goes from HANDSHAKING (when it handshakes) to
+DONE, or fails with a status. Kept so the number is never reused.
+"""
 TRANSFER_STATE_DONE: TransferState.ValueType  # 3
 Global___TransferState: _TypeAlias = TransferState  # noqa: Y015
 
@@ -123,10 +136,26 @@ class TransferSpec(_message.Message):
     """How many transfers in all read the remote worker's blocks for this
     request (BeginTransferRequest.readers); 0 declares nothing. At most 64.
     """
-    release: _builtins.bool
-    """Move nothing: give up this caller's use of the capability at the owner
-    (BeginTransferRequest.release); `groups` must be empty. Answered DONE.
-    """
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def release(self) -> _builtins.bool:
+        """Move nothing: give up this caller's use of the capability at the owner
+        (BeginTransferRequest.release); `groups` must be empty. Answered DONE.
+        Deprecated: Transfers.Release says the same as its own RPC; this flag is
+        still honoured for one release (DAEMON_FEATURE_RELEASE) so connectors
+        of the previous release keep working.
+        """
+
+    @release.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def release(self, value: _builtins.bool) -> None:
+        """Move nothing: give up this caller's use of the capability at the owner
+        (BeginTransferRequest.release); `groups` must be empty. Answered DONE.
+        Deprecated: Transfers.Release says the same as its own RPC; this flag is
+        still honoured for one release (DAEMON_FEATURE_RELEASE) so connectors
+        of the previous release keep working.
+        """
+
     @_builtins.property
     def local_worker(self) -> _types_pb2.WorkerId: ...
     @_builtins.property
@@ -294,3 +323,67 @@ class PushResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PushResponse: _TypeAlias = PushResponse  # noqa: Y015
+
+@_typing.final
+class ReleaseRequest(_message.Message):
+    """Give up this caller's use of the capability `capability` that the daemon
+    at `remote_target` granted for `remote_worker`'s blocks of `request_id`.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    LOCAL_WORKER_FIELD_NUMBER: _builtins.int
+    REMOTE_TARGET_FIELD_NUMBER: _builtins.int
+    REMOTE_WORKER_FIELD_NUMBER: _builtins.int
+    CAPABILITY_FIELD_NUMBER: _builtins.int
+    READERS_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    remote_target: _builtins.str
+    """Remote daemon's peer address, "host:port"."""
+    capability: _builtins.str
+    """Capability the remote worker's daemon granted for this request; required."""
+    readers: _builtins.int
+    """How many transfers (or releases) in all read the grant
+    (BeginTransferRequest.readers); 0 declares nothing. At most 64.
+    """
+    timeout_ms: _builtins.int
+    """Deadline for telling the owner; 0 means the daemon's transfer timeout."""
+    @_builtins.property
+    def local_worker(self) -> _types_pb2.WorkerId: ...
+    @_builtins.property
+    def remote_worker(self) -> _types_pb2.WorkerId: ...
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        local_worker: _types_pb2.WorkerId | None = ...,
+        remote_target: _builtins.str = ...,
+        remote_worker: _types_pb2.WorkerId | None = ...,
+        capability: _builtins.str = ...,
+        readers: _builtins.int = ...,
+        timeout_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["local_worker", b"local_worker", "remote_worker", b"remote_worker"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "local_worker", b"local_worker", "readers", b"readers", "remote_target", b"remote_target", "remote_worker", b"remote_worker", "request_id", b"request_id", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseRequest: _TypeAlias = ReleaseRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseResponse: _TypeAlias = ReleaseResponse  # noqa: Y015

@@ -45,6 +45,11 @@ class TransfersStub:
                 request_serializer=kvmap_dot_v1_dot_transfers__pb2.PushRequest.SerializeToString,
                 response_deserializer=kvmap_dot_v1_dot_transfers__pb2.PushResponse.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/kvmap.v1.Transfers/Release',
+                request_serializer=kvmap_dot_v1_dot_transfers__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=kvmap_dot_v1_dot_transfers__pb2.ReleaseResponse.FromString,
+                _registered_method=True)
 
 
 class TransfersServicer:
@@ -65,6 +70,17 @@ class TransfersServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Release(self, request, context):
+        """Move nothing: give up this caller's use of a remote worker's grant (it
+        needs none of the blocks). The daemon tells the owner's daemon
+        (Peer.BeginTransfer with `release`), which counts the use as spent and
+        tells its worker (TransferFinishedEvent.released). Served by daemons
+        that list DAEMON_FEATURE_RELEASE_RPC; it replaces TransferSpec.release.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TransfersServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +93,11 @@ def add_TransfersServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=kvmap_dot_v1_dot_transfers__pb2.PushRequest.FromString,
                     response_serializer=kvmap_dot_v1_dot_transfers__pb2.PushResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=kvmap_dot_v1_dot_transfers__pb2.ReleaseRequest.FromString,
+                    response_serializer=kvmap_dot_v1_dot_transfers__pb2.ReleaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +155,33 @@ class Transfers:
             '/kvmap.v1.Transfers/Push',
             kvmap_dot_v1_dot_transfers__pb2.PushRequest.SerializeToString,
             kvmap_dot_v1_dot_transfers__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmap.v1.Transfers/Release',
+            kvmap_dot_v1_dot_transfers__pb2.ReleaseRequest.SerializeToString,
+            kvmap_dot_v1_dot_transfers__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -37,6 +37,13 @@ class TransfersStub:
     """READ remote blocks into local blocks."""
     Push: _grpc.UnaryStreamMultiCallable[_transfers_pb2.PushRequest, _transfers_pb2.PushResponse]
     """WRITE local blocks into remote blocks."""
+    Release: _grpc.UnaryUnaryMultiCallable[_transfers_pb2.ReleaseRequest, _transfers_pb2.ReleaseResponse]
+    """Move nothing: give up this caller's use of a remote worker's grant (it
+    needs none of the blocks). The daemon tells the owner's daemon
+    (Peer.BeginTransfer with `release`), which counts the use as spent and
+    tells its worker (TransferFinishedEvent.released). Served by daemons
+    that list DAEMON_FEATURE_RELEASE_RPC; it replaces TransferSpec.release.
+    """
 
 @_typing.type_check_only
 class TransfersAsyncStub(TransfersStub):
@@ -47,6 +54,13 @@ class TransfersAsyncStub(TransfersStub):
     """READ remote blocks into local blocks."""
     Push: _aio.UnaryStreamMultiCallable[_transfers_pb2.PushRequest, _transfers_pb2.PushResponse]  # type: ignore[assignment]
     """WRITE local blocks into remote blocks."""
+    Release: _aio.UnaryUnaryMultiCallable[_transfers_pb2.ReleaseRequest, _transfers_pb2.ReleaseResponse]  # type: ignore[assignment]
+    """Move nothing: give up this caller's use of a remote worker's grant (it
+    needs none of the blocks). The daemon tells the owner's daemon
+    (Peer.BeginTransfer with `release`), which counts the use as spent and
+    tells its worker (TransferFinishedEvent.released). Served by daemons
+    that list DAEMON_FEATURE_RELEASE_RPC; it replaces TransferSpec.release.
+    """
 
 class TransfersServicer(metaclass=_abc_1.ABCMeta):
     """Worker-facing transfer API. Served only on the Unix socket."""
@@ -66,5 +80,18 @@ class TransfersServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_transfers_pb2.PushResponse], _abc.AsyncIterator[_transfers_pb2.PushResponse]]:
         """WRITE local blocks into remote blocks."""
+
+    @_abc_1.abstractmethod
+    def Release(
+        self,
+        request: _transfers_pb2.ReleaseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_transfers_pb2.ReleaseResponse, _abc.Awaitable[_transfers_pb2.ReleaseResponse]]:
+        """Move nothing: give up this caller's use of a remote worker's grant (it
+        needs none of the blocks). The daemon tells the owner's daemon
+        (Peer.BeginTransfer with `release`), which counts the use as spent and
+        tells its worker (TransferFinishedEvent.released). Served by daemons
+        that list DAEMON_FEATURE_RELEASE_RPC; it replaces TransferSpec.release.
+        """
 
 def add_TransfersServicer_to_server(servicer: TransfersServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

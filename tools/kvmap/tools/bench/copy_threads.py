@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from kvmap.daemon.adapters.nixl_agent import NixlAgent, XferOp, XferState
-from kvmap.tools.bench import runner
+from kvmap.tools.bench import host
 
 MIB = 1 << 20
 # A hang guard for one copy (seconds), far above any figure measured here.
@@ -151,7 +151,7 @@ def copy_gbps(
 
 def run(mib: int, threads: list[int], repeats: int) -> list[dict[str, Any]]:
     nbytes = mib * MIB
-    memcpy = runner.memcpy_gbps(nbytes)
+    memcpy = host.memcpy_gbps(nbytes)
     rows: list[dict[str, Any]] = [{"variant": "memcpy, one thread", "gbps": memcpy}]
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()

@@ -6,7 +6,7 @@ pulls from every one of them.
 Measured: the wall time from the first RegisterWorker call to the last
 worker ready (``ready_seconds_total``) and the slowest worker's own round
 trip (``ready_seconds_max``); the daemon's own resident memory afterwards
-(shared KV pages left out, as ``runner.daemon_rss``); the region maps' bytes
+(shared KV pages left out, as ``pair.daemon_rss``); the region maps' bytes
 (all workers) and the agent metadata a peer downloads (one agent for the
 whole pod); and the first contact of a decode daemon that pulls one block
 per group from every worker at once (handshakes with every worker, the
@@ -23,18 +23,20 @@ import tempfile
 from pathlib import Path
 
 from kvmap.core import planner as planners
-from kvmap.tools.bench import runner
+from kvmap.tools.bench.options import Options
+from kvmap.tools.bench.pair import Pair, agent_metadata, call, daemon_rss, start_daemons
 from kvmap.tools.bench.profiles import Profile, get_profile
 from kvmap.tools.bench.results import Tp8
+from kvmap.tools.bench.workload import Request
 
 
-def _planner(opts: runner.Options) -> str:
+def _planner(opts: Options) -> str:
     """The daemon's default planner when the run measures it."""
     default = planners.DEFAULT_PLANNER
     return default if default in opts.planners else opts.planners[-1]
 
 
-def measure_pod(opts: runner.Options) -> Tp8:
+def measure_pod(opts: Options) -> Tp8:
     assert opts.tp8_profile is not None
     with tempfile.TemporaryDirectory(prefix="kvmap-bench-tp8-") as tmp:
         try:
@@ -43,13 +45,13 @@ def measure_pod(opts: runner.Options) -> Tp8:
             raise RuntimeError(f"tp8: {err}") from err
 
 
-def _measure(opts: runner.Options, profile_name: str, workdir: Path) -> Tp8:
+def _measure(opts: Options, profile_name: str, workdir: Path) -> Tp8:
     profile = get_profile(profile_name)
     planner = _planner(opts)
     names = [f"tp{i}" for i in range(opts.tp8_workers)]
     with contextlib.ExitStack() as stack:
-        daemons = runner._start_daemons(workdir, [planner])
-        pair = runner.Pair(stack, planner, daemons[planner])
+        daemons = start_daemons(workdir, [planner])
+        pair = Pair(stack, planner, daemons[planner])
         cmds = [
             {
                 "cmd": "register",
@@ -60,11 +62,11 @@ def _measure(opts: runner.Options, profile_name: str, workdir: Path) -> Tp8:
             }
             for n in names
         ]
-        out = runner._call(pair.pw, {"cmd": "register_many", "workers": cmds})
+        out = call(pair.pw, {"cmd": "register_many", "workers": cmds})
         ready = [float(w["ready_seconds"]) for w in out["workers"]]
-        rss = runner.daemon_rss(pair.prefill.proc.pid)
+        rss = daemon_rss(pair.prefill.proc.pid)
         region_maps = sum(len(base64.b64decode(w["region_map"])) for w in out["workers"])
-        metadata = runner.agent_metadata(pair.prefill.tcp_target, f"prefill-{names[0]}")
+        metadata = agent_metadata(pair.prefill.tcp_target, f"prefill-{names[0]}")
         pair.register("decode", "full", profile_name, 1)
         first = _first_contact(pair, profile, names)
         opts.progress(
@@ -85,13 +87,12 @@ def _measure(opts: runner.Options, profile_name: str, workdir: Path) -> Tp8:
         )
 
 
-def _first_contact(pair: runner.Pair, profile: Profile, names: list[str]) -> float:
+def _first_contact(pair: Pair, profile: Profile, names: list[str]) -> float:
     """One block per group from every worker at once (distinct local
     blocks), cold, minus the same again."""
     groups = tuple(g.transfer_group for g in profile.request_groups)
     reqs = [
-        runner.Request(groups, [[i + 1] for _ in groups], [[1] for _ in groups])
-        for i in range(len(names))
+        Request(groups, [[i + 1] for _ in groups], [[1] for _ in groups]) for i in range(len(names))
     ]
     for n, req in zip(names, reqs, strict=True):
         pair.fill(n, req)

@@ -48,6 +48,7 @@ from kvmap.core.transfer_plan import (
 )
 from kvmap.daemon.adapters import memory
 from kvmap.daemon.adapters.nixl_agent import DlistHandle, NixlAgent, Xfer, XferOp, XferState
+from kvmap.daemon.adapters.nixl_loader import nixl_module
 from kvmap.daemon.engine.progress import BUSY_INTERVAL_S
 from kvmap.tools import json_lines
 from kvmap.tools.bench.profiles import get_profile
@@ -301,8 +302,7 @@ def _agent(name: str, num_workers: int) -> NixlAgent:
     if not num_workers:
         return NixlAgent.create(name)
     # A backend parameter NixlAgent does not expose: the bandwidth variants only.
-    import nixl._api as nixl_api  # noqa: PLC0415
-
+    nixl_api = nixl_module("_api")
     config = nixl_api.nixl_agent_config(enable_prog_thread=False, backends=[])
     raw = nixl_api.nixl_agent(name, config)
     raw.create_backend("UCX", {"num_workers": str(num_workers)})

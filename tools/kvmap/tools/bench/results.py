@@ -138,7 +138,7 @@ class Concurrency:
     pull_p50_seconds: float
     pull_p95_seconds: float
     # CPU time per pull over the level's rounds, by where it was spent
-    # (runner.CPU_PLACES); absent ({}) in results from before it was measured.
+    # (pair.CPU_PLACES); absent ({}) in results from before it was measured.
     cpu_seconds_per_pull: dict[str, float] = field(default_factory=dict)
 
 

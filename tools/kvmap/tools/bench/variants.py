@@ -33,9 +33,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvmap.tools.bench import runner
+from kvmap.tools.bench import host, workload
+from kvmap.tools.bench.options import MIB
 from kvmap.tools.bench.profiles import get_profile
 from kvmap.tools.bench.raw_nixl import RawPair
+from kvmap.tools.bench.workload import Request
 
 # (label, UCX environment, UCX backend num_workers)
 ENVIRONMENTS: tuple[tuple[str, dict[str, str], int], ...] = (
@@ -58,7 +60,7 @@ POSTINGS: tuple[tuple[str, dict[str, Any]], ...] = (
 )
 
 
-def _gbps(rp: RawPair, prep: str, req: runner.Request, repeats: int, **opt: Any) -> dict[str, Any]:
+def _gbps(rp: RawPair, prep: str, req: Request, repeats: int, **opt: Any) -> dict[str, Any]:
     spec = [{"prep": prep, "groups": req.spec()}]
     rp.pull(spec, 1, **opt)  # warm up: the destination pages become resident
     out = rp.pull(spec, repeats, **opt)
@@ -72,13 +74,13 @@ def _gbps(rp: RawPair, prep: str, req: runner.Request, repeats: int, **opt: Any)
 
 def _pair(
     stack: contextlib.ExitStack, workdir: Path, profile: str, env: dict[str, str], workers: int
-) -> tuple[RawPair, runner.Request, runner.Request]:
+) -> tuple[RawPair, Request, Request]:
     prof = get_profile(profile)
-    scattered, contiguous = runner.requests(prof)
+    scattered, contiguous = workload.requests(prof)
     full = prof.geometry()
-    budget = 256 * runner.MIB
-    bw = scattered.head(runner.bandwidth_blocks(full, scattered, budget))
-    co = contiguous.head(runner.bandwidth_blocks(full, contiguous, budget))
+    budget = 256 * MIB
+    bw = scattered.head(workload.bandwidth_blocks(full, scattered, budget))
+    co = contiguous.head(workload.bandwidth_blocks(full, contiguous, budget))
     rp = RawPair(stack, workdir, env=env, num_workers=workers)
     rp.register("full", profile, 1)
     for req in (bw, co):
@@ -99,10 +101,8 @@ def run(profile: str, repeats: int) -> list[dict[str, Any]]:
         print(f"  .. {label:28s} {planner:9s} {fig['gbps']:6.2f} GB/s "
               f"({fig['descriptors']:,} descriptors)", file=sys.stderr, flush=True)  # fmt: skip
 
-    rows.append({"variant": "memcpy, one thread", "gbps": runner.memcpy_gbps(256 * runner.MIB)})
-    rows.append(
-        {"variant": "memcpy, all cores", "gbps": runner.memcpy_all_cores_gbps(256 * runner.MIB)}
-    )
+    rows.append({"variant": "memcpy, one thread", "gbps": host.memcpy_gbps(256 * MIB)})
+    rows.append({"variant": "memcpy, all cores", "gbps": host.memcpy_all_cores_gbps(256 * MIB)})
     with tempfile.TemporaryDirectory(prefix="kvmap-variants-") as tmp:
         for i, (label, env, workers) in enumerate(ENVIRONMENTS):
             try:

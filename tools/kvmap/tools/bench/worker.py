@@ -33,7 +33,8 @@ import numpy.typing as npt
 from numpy.lib.stride_tricks import as_strided
 
 from kvmap.client.client import KvmapClient
-from kvmap.client.errors import KvmapClientError, Unavailable
+from kvmap.client.errors import status_name
+from kvmap.core.errors import KvmapError, Unavailable
 from kvmap.core.geometry import ViewSpec, WorkerGeometry
 from kvmap.tools import block_pattern, json_lines
 from kvmap.tools.bench.profiles import WORD, get_profile
@@ -144,8 +145,8 @@ def timed_pull(client: KvmapClient, spec: transfers_pb2.TransferSpec) -> dict[st
     start = time.perf_counter()
     try:
         result = client.pull(spec, timeout_s=120.0)
-    except KvmapClientError as err:
-        return {"ok": False, "code": err.code.name, "message": err.message}
+    except KvmapError as err:
+        return {"ok": False, "code": status_name(err), "message": err.message}
     wall = time.perf_counter() - start
     return {"ok": True, "wall_seconds": wall, "stats": dict(result.__dict__)}
 
@@ -270,7 +271,7 @@ class BenchWorker:
                     if event.HasField("transfer_finished"):
                         with reg.lock:
                             reg.finished += 1
-            except KvmapClientError as err:
+            except KvmapError as err:
                 with reg.lock:
                     reg.stream_errors.append(str(err))
 
@@ -428,8 +429,8 @@ def handle(w: BenchWorker, cmd: dict[str, Any]) -> dict[str, Any]:
         return {"ok": False, "code": "UNKNOWN_COMMAND", "message": str(op)}
     try:
         out: dict[str, Any] = getattr(w, op)(cmd)
-    except KvmapClientError as err:
-        return {"ok": False, "code": err.code.name, "message": err.message}
+    except KvmapError as err:
+        return {"ok": False, "code": status_name(err), "message": err.message}
     return out
 
 

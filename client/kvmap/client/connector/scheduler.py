@@ -1,0 +1,312 @@
+"""The scheduler side of the connector: one ``SchedulerCore`` per engine, in
+vLLM's scheduler process. It decides per request what the workers do (the
+per-step ``ConnectorMeta``), and on a prefill engine it asks this pod's
+kvmapd to grant the pulls of a finished request's blocks and writes the
+``kv_transfer_params`` that carry the capability. See README.md here."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvmap.client.client import KvmapClient
+from kvmap.client.connector.blocks import BlockIds
+from kvmap.client.connector.grants import MAX_GRANT_TTL_MS, revoke
+from kvmap.client.connector.metadata import ConnectorMeta, RecvTask
+from kvmap.client.connector.options import ConnectorOptions, host_port
+from kvmap.client.connector.params import (
+    CAPABILITY_KEY,
+    OPEN_GRANTS_KEY,
+    PARAMS_VERSION,
+    READERS_TP_KEY,
+    TRUNCATED_KEY,
+    UNREAD_CAPABILITY,
+    RemoteSource,
+)
+from kvmap.client.connector.tp_mapping import tp_readers
+from kvmap.client.connector.windows import GroupWindows
+from kvmap.core.errors import KvmapError
+from kvmap.v1 import types_pb2
+
+log = logging.getLogger("kvmap.client.connector")
+
+# No windowed or state group: every block of a request moves.
+_NO_WINDOWS = GroupWindows()
+
+
+class SchedulerCore:
+    """vLLM's scheduler-side connector calls, on plain ids and lists: which
+    requests load remote KV, what each step's workers do, and the params a
+    finished prefill request returns (its blocks granted, then kept)."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        options: ConnectorOptions,
+        *,
+        dp_rank: int = 0,
+        pp_rank: int = 0,
+        tp_size: int = 1,
+        client: KvmapClient | None = None,
+        windows: GroupWindows = _NO_WINDOWS,
+        block_size: int = 0,
+        kv_heads: int = 0,
+        replicated: bool = False,
+    ) -> None:
+        self.engine_id = engine_id
+        self.options = options
+        self.dp_rank = dp_rank
+        self.pp_rank = pp_rank
+        self.tp_size = tp_size
+        # The decode ranks that read each rank's blocks (a bad pairing of
+        # sizes is a configuration error: raised here, at start-up).
+        self.decode_tp_size = options.decode_tp_size or tp_size
+        self.readers = tp_readers(kv_heads, tp_size, self.decode_tp_size, replicated=replicated)
+        # No decode TP size configured: open grants (readers all 1 here).
+        self.open_grants = not options.decode_tp_size
+        # Offered with the KV, so a decode engine of another block size can
+        # map the two block grids (0: not said).
+        self.block_size = block_size
+        # Sliding-window groups: only their last blocks are offered and loaded.
+        self.windows = windows
+        # This pod's kvmapd, which grants the transfers of kept blocks; None
+        # on engines that only consume KV (they keep nothing).
+        self.client = client
+        self._meta = ConnectorMeta()
+
+    def num_new_matched_tokens(
+        self,
+        request_id: str,
+        params: Mapping[str, Any] | None,
+        num_prompt_tokens: int,
+        num_computed_tokens: int,
+    ) -> tuple[int, bool]:
+        """Tokens this request will load asynchronously beyond what is
+        computed locally (vLLM's ``get_num_new_matched_tokens``)."""
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        try:
+            RemoteSource.parse(params)
+        except ValueError as err:
+            log.warning("request %s: not loading remote KV: %s", request_id, err)
+            return 0, False
+        count = self.loaded_tokens(num_prompt_tokens) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    @property
+    def prefill_backoff(self) -> int:
+        """Trailing prompt tokens the prefill engine leaves uncomputed and
+        the decode engine computes: one where a group holds recurrent state.
+        vLLM computes a prompt's last token on the decode engine even when
+        every token's KV was loaded; rewriting an attention slot is harmless,
+        but a Mamba state holding the whole prompt would take that token a
+        second time. The prefill engine's state is h(N-1), from which the
+        decode engine derives h(N) (NixlConnector's rule)."""
+        return 1 if self.windows.has_state else 0
+
+    def loaded_tokens(self, num_prompt_tokens: int) -> int:
+        """Prompt tokens a decode request loads: all but the backoff."""
+        backoff = self.prefill_backoff
+        if backoff and num_prompt_tokens > backoff:
+            return num_prompt_tokens - backoff
+        return num_prompt_tokens
+
+    def prefill_truncation(
+        self, params: dict[str, Any] | None, num_prompt_tokens: int, *, reads_prefix_cache: bool
+    ) -> int:
+        """Trailing prompt tokens to drop from a new prefill request
+        (``do_remote_decode``) so it stops short by the backoff; 0 for any
+        other request, for one already cut (``params`` marked: a preempted
+        request comes back), and for one that skips reading the prefix cache
+        (prompt logprobs: its decode side recomputes the whole prompt)."""
+        backoff = self.prefill_backoff
+        if (
+            not backoff
+            or not params
+            or not params.get("do_remote_decode")
+            or params.get(TRUNCATED_KEY)
+            or num_prompt_tokens <= backoff
+            or not reads_prefix_cache
+        ):
+            return 0
+        params[TRUNCATED_KEY] = True
+        return backoff
+
+    def after_alloc(
+        self,
+        request_id: str,
+        params: dict[str, Any] | None,
+        local_block_ids: Sequence[Sequence[int]],
+        num_external_tokens: int,
+    ) -> None:
+        """Blocks were allocated for the request (``update_state_after_alloc``)."""
+        if not params:
+            return
+        if params.get("do_remote_decode"):
+            self._meta.in_batch.add(request_id)
+            return
+        if not params.get("do_remote_prefill"):
+            return
+        if num_external_tokens > 0:
+            try:
+                source = RemoteSource.parse(params)
+            except ValueError as err:  # num_new_matched_tokens said 0 already
+                log.warning("request %s: not loading remote KV: %s", request_id, err)
+            else:
+                local = self._local_blocks(local_block_ids, source)
+                self._meta.recv.append(RecvTask(request_id, source, local))
+        else:
+            self._release(request_id, params)
+        # One transfer per request, even when vLLM calls this again.
+        params["do_remote_prefill"] = False
+
+    def _release(self, request_id: str, params: Mapping[str, Any]) -> None:
+        """The workers release this decode request's uses of the prefill
+        side's grants (it loads none of the blocks), so the prefill side
+        frees them now rather than when its lease runs out."""
+        try:
+            source = RemoteSource.parse(params)
+        except ValueError:
+            return  # never a pull either: nothing to release
+        if source.capability:
+            self._meta.release.append(RecvTask(request_id, source, ()))
+
+    def _local_blocks(
+        self, local_block_ids: Sequence[Sequence[int]], source: RemoteSource
+    ) -> BlockIds:
+        """The allocated blocks the remote blocks load into: windowed groups
+        clipped as the prefill side clipped its own (a group count that does
+        not match is left for ``pair_blocks`` to refuse)."""
+        local = tuple(tuple(int(b) for b in g) for g in local_block_ids)
+        try:
+            local = self.windows.clip(local)
+        except ValueError:
+            return local
+        if source.block_size and self.block_size and source.block_size != self.block_size:
+            return local  # other block grids: the token mapping aligns the trailing blocks
+        return self.windows.fit(local, source.block_ids)
+
+    def build_meta(self) -> ConnectorMeta:
+        meta, self._meta = self._meta, ConnectorMeta()
+        return meta
+
+    def request_finished(
+        self,
+        request_id: str,
+        params: dict[str, Any] | None,
+        *,
+        finished_normally: bool,
+        block_ids: Sequence[Sequence[int]],
+        num_computed_tokens: int,
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """(keep the blocks for a pull?, kv_transfer_params for the client)."""
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):
+            # A decode request that ended before it was scheduled: nothing to
+            # pull; its uses of the grants are released.
+            params["do_remote_prefill"] = False
+            self._release(request_id, params)
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if not finished_normally or not self.options.peer_address:
+            if finished_normally:
+                log.error("request %s: no peer_address configured; not offering KV", request_id)
+            self._meta.not_processed.add(request_id)
+            return False, None
+        # Only the blocks a transfer needs are offered (and granted).
+        groups = [list(g) for g in self.windows.clip(block_ids)]
+        capability, open_grants = self._grant(request_id, groups) if any(groups) else ("", False)
+        # Blocks nobody may pull are not kept.
+        keep = bool(capability)
+        if keep:
+            self._meta.send[request_id] = self.options.lease_seconds
+        else:
+            self._meta.not_processed.add(request_id)
+        host, port = host_port(self.options.peer_address, "peer_address")
+        offered: dict[str, Any] = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request_id,
+            "remote_block_ids": groups,
+            "remote_target": self.options.peer_address,
+            "remote_host": host,
+            "remote_port": port,
+            "remote_dp_rank": self.dp_rank,
+            "remote_pp_rank": self.pp_rank,
+            "tp_size": self.tp_size,
+            "remote_num_tokens": num_computed_tokens,
+            "kvmap_params_version": PARAMS_VERSION,
+        }
+        if self.decode_tp_size != self.tp_size:
+            offered[READERS_TP_KEY] = self.decode_tp_size
+        if open_grants:
+            offered[OPEN_GRANTS_KEY] = True
+        if self.block_size:
+            offered["remote_block_size"] = self.block_size
+        if capability:
+            offered[CAPABILITY_KEY] = capability
+        return keep, offered
+
+    def _rank_workers(self) -> list[types_pb2.WorkerId]:
+        """This engine's workers that hold a request's blocks: one per
+        tensor-parallel rank (read by ``readers[rank]`` decode ranks)."""
+        return [
+            types_pb2.WorkerId(
+                engine_id=self.engine_id, dp_rank=self.dp_rank, tp_rank=r, pp_rank=self.pp_rank
+            )
+            for r in range(self.tp_size)
+        ]
+
+    def _grant(self, request_id: str, groups: list[list[int]]) -> tuple[str, bool]:
+        """Grant a pull of exactly ``groups`` (block ids per transfer group)
+        on every rank's worker for the lease's time: the capabilities joined
+        in rank order, or "" (logged) when any grant fails; then the grants
+        already made are revoked, since no one will be told of them. And
+        whether every grant is open (a kvmapd that predates open grants
+        makes each a one-use grant: decode engines of this TP size only)."""
+        if self.client is None:
+            log.error("request %s: no kvmapd to grant the transfer; not offering KV", request_id)
+            return "", False
+        blocks = {g: ids for g, ids in enumerate(groups) if ids}
+        # A lease longer than kvmapd's longest grant: the grant ends first,
+        # and the blocks wait unreadable until the lease frees them.
+        ttl_ms = min(int(self.options.lease_seconds * 1000), MAX_GRANT_TTL_MS)
+        granted: list[types_pb2.WorkerId] = []
+        capabilities: list[str] = []
+        open_grants = self.open_grants
+        try:
+            for worker in self._rank_workers():
+                if not self.readers[worker.tp_rank]:
+                    # No decode rank reads this rank (a replicated cache
+                    # read from fewer ranks): nothing to grant; its worker
+                    # frees the blocks at once.
+                    capabilities.append(UNREAD_CAPABILITY)
+                    continue
+                # Exactly as many completed pulls as decode ranks read this
+                # rank (open: as the first decode rank declares): a replayed
+                # capability beyond them is refused.
+                grant = self.client.grant_transfer(
+                    worker,
+                    request_id,
+                    blocks,
+                    ttl_ms=ttl_ms,
+                    max_uses=0 if self.open_grants else self.readers[worker.tp_rank],
+                    open_uses=self.open_grants,
+                )
+                granted.append(worker)
+                capabilities.append(grant.capability)
+                open_grants &= grant.open_uses
+        except KvmapError as err:
+            log.error(
+                "request %s: kvmapd did not grant the transfer (%s); not offering its KV",
+                request_id,
+                err.message,
+            )
+            for worker in granted:
+                revoke(self.client, worker, request_id)
+            return "", False
+        return ".".join(capabilities), open_grants

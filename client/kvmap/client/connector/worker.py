@@ -1,0 +1,476 @@
+"""The worker side of the connector: one ``WorkerCore`` per vLLM worker (one
+rank). It keeps the worker registered with this pod's kvmapd
+(``WorkerSession``), runs the decode side's pulls and releases on a thread
+pool, tracks the prefill side's kept blocks until a peer has pulled them
+(kvmapd's ``TransferFinishedEvent``) or their lease ran out, and reports
+what finished each step (vLLM's ``get_finished``). See README.md here."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import queue
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvmap.client.client import KvmapClient, TransferResult
+from kvmap.client.connector.blocks import BlockIds, pair_blocks
+from kvmap.client.connector.grants import revoke
+from kvmap.client.connector.metadata import ConnectorMeta, RecvTask
+from kvmap.client.connector.options import ConnectorOptions
+from kvmap.client.connector.params import RemoteSource
+from kvmap.client.connector.pulls import PullSpecs, with_timeout
+from kvmap.client.connector.stats import TransferStatsBook
+from kvmap.client.connector.tp_mapping import tp_readers
+from kvmap.client.errors import status_name
+from kvmap.client.session import WorkerSession
+from kvmap.core.errors import SHUTTING_DOWN, KvmapError, NotFound, Unavailable
+from kvmap.core.retry import RetryPolicy
+from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
+
+log = logging.getLogger("kvmap.client.connector")
+
+# A pull that has not ended this long after its own deadline is given up.
+WATCHDOG_GRACE_S = 5.0
+# The longest pause between two attempts of a pull that broke because this
+# pod's kvmapd restarted under it.
+PULL_RETRY_MAX_S = 1.0
+
+
+@dataclass(frozen=True)
+class TransferResults:
+    finished_sending: set[str]
+    finished_recving: set[str]
+    failed_recving: set[str]
+
+
+@dataclass(frozen=True)
+class LoadRecord:
+    """One finished (or failed) load, kept for inspection and logs."""
+
+    request_id: str
+    remote_request_id: str
+    local_block_ids: BlockIds
+    remote_block_ids: BlockIds
+    ok: bool
+    error: str
+    seconds: float
+    bytes: int
+
+
+@dataclass
+class _Load:
+    task: RecvTask
+    spec: transfers_pb2.TransferSpec | None
+    future: concurrent.futures.Future[TransferResult] | None
+    started: float
+    deadline: float
+    error: str = ""
+
+
+def _pulled_remote_blocks(load: _Load) -> BlockIds:
+    """The remote blocks a successful load read, per group."""
+    spec = load.spec
+    if spec is not None and any(g.num_tokens for g in spec.groups):
+        by_group = {g.transfer_group: tuple(g.remote_block_ids) for g in spec.groups}
+        return tuple(by_group.get(g, ()) for g in range(len(load.task.source.block_ids)))
+    return pair_blocks(load.task.local_block_ids, load.task.source.block_ids)[1]
+
+
+class WorkerCore:
+    """vLLM's worker-side connector calls, on plain ids and lists: register
+    the KV cache, start each step's loads and releases, track the kept
+    blocks of prefill requests, and say what finished."""
+
+    def __init__(
+        self,
+        client: KvmapClient,
+        worker: types_pb2.WorkerId,
+        options: ConnectorOptions,
+        *,
+        tp_size: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+        history: int = 1024,
+        block_size: int = 0,
+        kv_heads: int = 0,
+        replicated: bool = False,
+    ) -> None:
+        self.client = client
+        self.worker = worker
+        self.options = options
+        self.tp_size = tp_size
+        self.block_size = block_size
+        self.kv_heads = kv_heads
+        self.replicated = replicated
+        self.pulls = PullSpecs(
+            worker,
+            options,
+            tp_size=tp_size,
+            block_size=block_size,
+            kv_heads=kv_heads,
+            replicated=replicated,
+            features=lambda: self.daemon_features,
+        )
+        # Finished pulls that free a prefill request's blocks on this rank.
+        self.send_readers = tp_readers(
+            kv_heads, tp_size, options.decode_tp_size or tp_size, replicated=replicated
+        )[worker.tp_rank]
+        self.clock = clock
+        self.session: WorkerSession | None = None
+        self.loads: collections.deque[LoadRecord] = collections.deque(maxlen=history)
+        self.leases_expired = 0
+        # Grant uses this rank released (loads that needed no block).
+        self.released = 0
+        # What loads and leases did since vLLM last took it (connector stats).
+        self.stats = TransferStatsBook()
+        # (request id, whether its grant is used up; None: the daemon does
+        # not say) of each finished pull of this rank's blocks.
+        self._events: queue.SimpleQueue[tuple[str, bool | None]] = queue.SimpleQueue()
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=options.max_parallel_pulls, thread_name_prefix="kvmap-pull"
+        )
+        self._loading: dict[str, _Load] = {}
+        self._to_process: set[str] = set()
+        self._send_deadline: dict[str, float] = {}
+        # Pulls finished so far of prefill requests read by several ranks.
+        self._send_pulls: dict[str, int] = {}
+        # Kept requests of a rank no decode rank reads, freed at the next poll.
+        self._unread_sends: set[str] = set()
+        self._load_errors: set[int] = set()
+
+    # Registration ---------------------------------------------------------
+
+    def register(
+        self, request: registry_pb2.RegisterWorkerRequest, fds: Sequence[int]
+    ) -> types_pb2.RegionMap:
+        self.session = WorkerSession(
+            self.client, request, fds, on_event=self.on_event, backoff=self.options.backoff
+        )
+        return self.session.start(self.options.register_timeout_s)
+
+    def on_event(self, event: registry_pb2.AttachResponse) -> None:
+        """Attach events (on the session's thread)."""
+        if event.WhichOneof("event") != "transfer_finished":
+            return
+        done = event.transfer_finished
+        if done.direction == registry_pb2.TRANSFER_DIRECTION_PULLED_FROM:
+            self._events.put((done.request_id, done.exhausted if done.max_uses else None))
+
+    # Steps ----------------------------------------------------------------
+
+    def start(self, meta: ConnectorMeta) -> None:
+        """Start this step's loads and track this step's sends."""
+        now = self.clock()
+        for task in meta.recv:
+            self._submit(task, now)
+        for task in meta.release:
+            self._submit_release(task)
+        self._to_process |= meta.in_batch
+        for request_id in meta.not_processed:
+            self._to_process.discard(request_id)
+            self._send_pulls.pop(request_id, None)
+        for request_id, lease_s in meta.send.items():
+            if not self.send_readers:
+                # No decode rank reads this rank (granted nothing): its
+                # blocks are freed at the next poll.
+                self._to_process.discard(request_id)
+                self._unread_sends.add(request_id)
+                continue
+            # A pull may already have finished: then it is no longer listed.
+            if request_id in self._to_process:
+                self._send_deadline[request_id] = now + lease_s
+
+    @property
+    def daemon_features(self) -> frozenset[int]:
+        """What this rank's kvmapd listed when the worker last registered."""
+        return self.session.features if self.session is not None else frozenset()
+
+    def specs_for(self, task: RecvTask) -> list[transfers_pb2.TransferSpec]:
+        """The pulls of one load (``PullSpecs.specs_for``)."""
+        return self.pulls.specs_for(task)
+
+    def readers_of(self, src: RemoteSource) -> tuple[int, ...]:
+        """Per prefill rank, how many ranks of this engine read it (``PullSpecs.readers_of``)."""
+        return self.pulls.readers_of(src)
+
+    def release_specs(self, task: RecvTask, *, pulling: bool) -> list[transfers_pb2.TransferSpec]:
+        """The releases this rank sends for ``task`` (``PullSpecs.release_specs``)."""
+        return self.pulls.release_specs(task, pulling=pulling)
+
+    def _submit_release(self, task: RecvTask, *, pulling: bool = False) -> None:
+        """Send ``task``'s releases (``release_specs``) in the background:
+        best effort, since the prefill side's lease frees the blocks anyway."""
+        if registry_pb2.DAEMON_FEATURE_RELEASE not in self.daemon_features:
+            # An older kvmapd would take the release for a pull of nothing.
+            return
+        try:
+            specs = self.release_specs(task, pulling=pulling)
+        except ValueError as err:
+            log.info("request %s: not releasing remote KV: %s", task.request_id, err)
+            return
+        for spec in specs:
+            self._pool.submit(self._release, spec)
+
+    def _release(self, spec: transfers_pb2.TransferSpec) -> None:
+        timeout_s = spec.timeout_ms / 1000 + 2.0
+        try:
+            if registry_pb2.DAEMON_FEATURE_RELEASE_RPC in self.daemon_features:
+                self.client.release(_release_request(spec), timeout_s=timeout_s)
+            else:
+                # A kvmapd of the previous release: the deprecated flag.
+                self.client.pull(spec, timeout_s=timeout_s)
+            self.released += 1
+        except KvmapError as err:
+            log.info(
+                "request %s: releasing prefill rank %d's grant failed: %s",
+                spec.request_id,
+                spec.remote_worker.tp_rank,
+                err.message,
+            )
+
+    def _submit(self, task: RecvTask, now: float) -> None:
+        deadline = now + self.options.transfer_timeout_s + WATCHDOG_GRACE_S
+        try:
+            specs = self.specs_for(task)
+        except ValueError as err:
+            log.warning("request %s: cannot load remote KV: %s", task.request_id, err)
+            self._loading[task.request_id] = _Load(task, None, None, now, deadline, str(err))
+            return
+        # Prefill ranks no decode rank reads: their blocks are freed now.
+        self._submit_release(task, pulling=True)
+        until = now + self.options.transfer_timeout_s
+        if len(specs) == 1:
+            future = self._pool.submit(self._pull, specs[0], until)
+        else:
+            future = self._pool.submit(self._pull_all, specs, until)
+        self._loading[task.request_id] = _Load(task, specs[0], future, now, deadline)
+
+    def _pull_all(
+        self, specs: Sequence[transfers_pb2.TransferSpec], deadline: float
+    ) -> TransferResult:
+        """The pulls of one load from several prefill ranks, one after the
+        other within the load's deadline; the first failure fails the load."""
+        results = []
+        for spec in specs:
+            results.append(self._pull(with_timeout(spec, deadline - self.clock()), deadline))
+        return TransferResult(
+            descriptors=sum(r.descriptors for r in results),
+            bytes=sum(r.bytes for r in results),
+            post_seconds=sum(r.post_seconds for r in results),
+            completion_seconds=sum(r.completion_seconds for r in results),
+            remote_generation=results[-1].remote_generation,
+            handshaked=any(r.handshaked for r in results),
+        )
+
+    def _pull(self, spec: transfers_pb2.TransferSpec, deadline: float) -> TransferResult:
+        """Pull; a pull that broke because this pod's kvmapd restarted under
+        it is issued again (same capability: the owner's grant outlives a
+        failed attempt) after a backoff, while ``deadline`` allows."""
+        opts = self.options
+        # Asking this pod's own kvmapd again is cheap, and every second of
+        # pause past its return is latency the request pays: a short cap.
+        initial = min(opts.reconnect_initial_s, PULL_RETRY_MAX_S)
+        policy = RetryPolicy(initial, max(min(opts.reconnect_max_s, PULL_RETRY_MAX_S), initial))
+        attempt = 0
+        while True:
+            before = self._daemon_instance()
+            try:
+                # The gRPC deadline sits a little past the daemon's own deadline.
+                timeout_s = spec.timeout_ms / 1000 + 2.0
+                return self.client.pull(spec, timeout_s=timeout_s)
+            except KvmapError as err:
+                remaining = deadline - self.clock()
+                pause = None
+                if self._local_daemon_restarted(err, before):
+                    pause = policy.next_delay(attempt, random.random(), remaining)
+                if pause is None:
+                    raise
+                log.info(
+                    "request %s: pull broke as kvmapd restarted (%s); again in %.2fs",
+                    spec.request_id,
+                    err.message,
+                    pause,
+                )
+            time.sleep(pause)
+            attempt += 1
+            # The daemon's deadline is what is left of the load's.
+            spec = with_timeout(spec, deadline - self.clock())
+
+    def _daemon_instance(self) -> str:
+        """The kvmapd instance this worker is attached to ("" before any)."""
+        return self.session.daemon_instance if self.session is not None else ""
+
+    def _local_daemon_restarted(self, err: KvmapError, before: str) -> bool:
+        """Whether a failed pull met this pod's own kvmapd restarting: the
+        decode side's one classification of a failed pull. Its UNAVAILABLE or
+        NOT_FOUND (the restarted daemon does not know the worker yet) count
+        only when the daemon is down now or is another instance than the one
+        the worker was attached to when the pull began, and its UNAVAILABLE
+        counts when the daemon refused the pull because it is draining
+        (SIGTERM: it is about to be replaced); otherwise, from the same
+        instance, they are the peer's (the daemon already retried those
+        until the deadline) or final. Everything else (PERMISSION_DENIED,
+        INVALID_ARGUMENT, ...) never is."""
+        if not isinstance(err, Unavailable | NotFound):
+            return False
+        if isinstance(err, Unavailable) and SHUTTING_DOWN in err.message:
+            return True
+        try:
+            now = self.client.get_stats().daemon_instance
+        except Unavailable:
+            return True  # still down: restarting (the deadline bounds the wait)
+        except KvmapError:
+            return False
+        return bool(before) and now != before
+
+    def poll(self) -> TransferResults:
+        """What finished since the last call (vLLM's ``get_finished``)."""
+        now = self.clock()
+        sending = self._pulled_sends() | self._expired_sends(now) | self._unread_sends
+        self._unread_sends = set()
+        recving: set[str] = set()
+        failed: set[str] = set()
+        for request_id, load in list(self._loading.items()):
+            outcome = self._outcome(load, now)
+            if outcome is None:
+                continue
+            error, nbytes = outcome
+            del self._loading[request_id]
+            recving.add(request_id)
+            if error:
+                failed.add(request_id)
+            self._finish_load(load, error, nbytes, now)
+        return TransferResults(sending, recving, failed)
+
+    def _pulled_sends(self) -> set[str]:
+        """Prefill requests whose blocks a peer finished pulling (daemon events)."""
+        done: set[str] = set()
+        while True:
+            try:
+                request_id, used_up = self._events.get_nowait()
+            except queue.Empty:
+                return done
+            if request_id in self._to_process:
+                # Freed once every decode rank reading this rank has pulled
+                # (or released): the daemon says when the grant is used up;
+                # one that does not say, once ``send_readers`` pulls finished.
+                if used_up is False:
+                    continue
+                pulls = self._send_pulls.pop(request_id, 0) + 1
+                if used_up is None and pulls < self.send_readers:
+                    self._send_pulls[request_id] = pulls
+                    continue
+                self._to_process.discard(request_id)
+                self._send_deadline.pop(request_id, None)
+                done.add(request_id)
+            else:
+                log.debug("pull of unknown or expired request %s finished", request_id)
+
+    def _expired_sends(self, now: float) -> set[str]:
+        """Prefill requests whose lease ran out before any pull: their grants
+        revoked (a late capability must never read reused blocks), freed."""
+        expired: set[str] = set()
+        for request_id, deadline in list(self._send_deadline.items()):
+            if now < deadline:
+                continue
+            log.warning(
+                "request %s: no pull within the %ss lease; freeing its blocks",
+                request_id,
+                self.options.lease_seconds,
+            )
+            del self._send_deadline[request_id]
+            self._to_process.discard(request_id)
+            self._send_pulls.pop(request_id, None)
+            revoke(self.client, self.worker, request_id)
+            self.leases_expired += 1
+            self.stats.record_kv_expired_req()
+            expired.add(request_id)
+        return expired
+
+    def _outcome(self, load: _Load, now: float) -> tuple[str, int] | None:
+        """(error or "", bytes) of a load that ended, None while it runs;
+        an ended load is counted in ``stats``."""
+        if load.future is None:
+            self.stats.record_failed_transfer("INVALID_PARAMS")
+            return load.error, 0
+        if load.future.done():
+            exc = load.future.exception()
+            if exc is not None:
+                self.stats.record_failed_transfer(status_name(exc))
+                return _describe(exc), 0
+            result = load.future.result()
+            self.stats.record_transfer(result)
+            return "", result.bytes
+        if now >= load.deadline:
+            load.future.cancel()
+            self.stats.record_failed_transfer("DEADLINE_EXCEEDED")
+            return (
+                f"no answer from kvmapd within {self.options.transfer_timeout_s}s "
+                f"+ {WATCHDOG_GRACE_S}s"
+            ), 0
+        return None
+
+    def _finish_load(self, load: _Load, error: str, nbytes: int, now: float) -> None:
+        """Log and keep a record of an ended load; note a failed one's blocks."""
+        local, remote = load.task.local_block_ids, load.task.source.block_ids
+        if error:
+            log.warning(
+                "request %s: loading its KV from %s failed (%s); reported as a load failure",
+                load.task.request_id,
+                load.task.source.target,
+                error,
+            )
+            if len(local) == 1:
+                self._load_errors.update(local[0])
+        self.loads.append(
+            LoadRecord(
+                request_id=load.task.request_id,
+                remote_request_id=load.task.source.request_id,
+                local_block_ids=local,
+                remote_block_ids=_pulled_remote_blocks(load) if not error else remote,
+                ok=not error,
+                error=error,
+                seconds=now - load.started,
+                bytes=nbytes,
+            )
+        )
+
+    def load_error_blocks(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    @property
+    def pending_loads(self) -> int:
+        return len(self._loading)
+
+    @property
+    def pending_sends(self) -> int:
+        return len(self._to_process)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.session is not None:
+            self.session.stop(deregister=True, timeout_s=self.options.call_timeout_s)
+        self.client.close()
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, KvmapError):
+        return exc.message
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _release_request(spec: transfers_pb2.TransferSpec) -> transfers_pb2.ReleaseRequest:
+    """Transfers.Release for a release ``spec`` (one with the deprecated flag)."""
+    return transfers_pb2.ReleaseRequest(
+        request_id=spec.request_id,
+        local_worker=spec.local_worker,
+        remote_target=spec.remote_target,
+        remote_worker=spec.remote_worker,
+        capability=spec.capability,
+        readers=spec.readers,
+        timeout_ms=spec.timeout_ms,
+    )

@@ -1,0 +1,216 @@
+"""The wire forms of ``core.transfer_requests``: a worker's TransferSpec or
+ReleaseRequest checked into a request, a report into a TransferStatus, and
+the owner's BeginTransferRequest both ways. Each check names the field it
+refuses (hostile input: limits are checked before any id is copied)."""
+
+from __future__ import annotations
+
+from kvmap.core.convert import requested_worker, worker_id_to_proto, worker_key_from_proto
+from kvmap.core.errors import InvalidArgument, PermissionDenied
+from kvmap.core.grants import check_readers, check_replaced_agents
+from kvmap.core.token_plan import token_groups
+from kvmap.core.transfer_pieces import LayerSelection
+from kvmap.core.transfer_plan import GroupPairs, block_ids, check_group_count, check_sizes
+from kvmap.core.transfer_requests import (
+    Announcement,
+    Phase,
+    ReleaseNotice,
+    TransferReport,
+    TransferRequest,
+    UseRelease,
+)
+from kvmap.v1 import peer_pb2, transfers_pb2
+
+# Longest request id kept (a longer one is cut, not refused).
+MAX_REQUEST_ID = 256
+
+_STATES = {
+    Phase.HANDSHAKING: transfers_pb2.TRANSFER_STATE_HANDSHAKING,
+    Phase.DONE: transfers_pb2.TRANSFER_STATE_DONE,
+}
+
+
+def transfer_from_spec(
+    spec: transfers_pb2.TransferSpec, default_timeout_s: float
+) -> TransferRequest | UseRelease:
+    """A Pull's or Push's spec; one with the deprecated ``release`` flag is
+    the release of a use (as Transfers.Release)."""
+    _check_route(spec.request_id, spec.remote_target, "spec.")
+    readers = check_readers(spec.readers, "spec.readers")
+    if spec.release:  # deprecated: Transfers.Release
+        return _release_from_spec(spec, readers, default_timeout_s)
+    if not spec.groups:
+        raise InvalidArgument("spec.groups", "at least one transfer group is required")
+    check_group_count(len(spec.groups))
+    groups = tuple(spec.groups)
+    tokens = token_groups(spec)
+    if not tokens:
+        # On the wire fields' lengths: refused before any id is copied.
+        check_sizes([_wire_pairs(g) for g in groups])
+    if not spec.capability:
+        # Refused here, before any peer is dialled: a pull built from
+        # params without a capability is never anyone's legitimate pull.
+        raise PermissionDenied("spec.capability: a transfer needs the owner's capability")
+    return TransferRequest(
+        request_id=spec.request_id[:MAX_REQUEST_ID],
+        local=requested_worker(spec.local_worker, "spec.local_worker"),
+        target=spec.remote_target,
+        remote=requested_worker(spec.remote_worker, "spec.remote_worker"),
+        selections=tuple(LayerSelection(g.transfer_group, tuple(g.layer_names)) for g in groups),
+        pairs=tuple(_array_pairs(g) for g in groups),
+        expected_generation=spec.remote_generation,
+        timeout_s=_timeout_s(spec.timeout_ms, default_timeout_s),
+        capability=spec.capability,
+        tokens=tokens,
+        readers=readers,
+        remote_blocks=tuple((g.transfer_group, g.remote_block_ids) for g in groups),
+    )
+
+
+def _release_from_spec(
+    spec: transfers_pb2.TransferSpec, readers: int, default_timeout_s: float
+) -> UseRelease:
+    """A release: no blocks, only whose grant (a capability) it gives up."""
+    if spec.groups:
+        raise InvalidArgument("spec.groups", "a release names no blocks")
+    if not spec.capability:
+        raise PermissionDenied("spec.capability: a release needs the owner's capability")
+    return UseRelease(
+        request_id=spec.request_id[:MAX_REQUEST_ID],
+        local=requested_worker(spec.local_worker, "spec.local_worker"),
+        target=spec.remote_target,
+        remote=requested_worker(spec.remote_worker, "spec.remote_worker"),
+        capability=spec.capability,
+        readers=readers,
+        timeout_s=_timeout_s(spec.timeout_ms, default_timeout_s),
+    )
+
+
+def release_from_request(req: transfers_pb2.ReleaseRequest, default_timeout_s: float) -> UseRelease:
+    """Transfers.Release: the checks of a spec with ``release``, in its order."""
+    _check_route(req.request_id, req.remote_target, "")
+    readers = check_readers(req.readers, "readers")
+    if not req.capability:
+        raise PermissionDenied("capability: a release needs the owner's capability")
+    return UseRelease(
+        request_id=req.request_id[:MAX_REQUEST_ID],
+        local=requested_worker(req.local_worker, "local_worker"),
+        target=req.remote_target,
+        remote=requested_worker(req.remote_worker, "remote_worker"),
+        capability=req.capability,
+        readers=readers,
+        timeout_s=_timeout_s(req.timeout_ms, default_timeout_s),
+    )
+
+
+def _check_route(request_id: str, target: str, prefix: str) -> None:
+    if not request_id:
+        raise InvalidArgument(f"{prefix}request_id", "must not be empty")
+    if not target or ":" not in target:
+        raise InvalidArgument(f"{prefix}remote_target", "expected HOST:PORT")
+
+
+def _timeout_s(timeout_ms: int, default_timeout_s: float) -> float:
+    return timeout_ms / 1000 if timeout_ms else default_timeout_s
+
+
+def _wire_pairs(g: transfers_pb2.GroupBlocks) -> GroupPairs:
+    """A wire group's block ids as the message holds them (for their lengths)."""
+    return GroupPairs(g.transfer_group, g.local_block_ids, g.remote_block_ids)
+
+
+def _array_pairs(g: transfers_pb2.GroupBlocks) -> GroupPairs:
+    """A wire group's block ids as int64 arrays, as planning takes them."""
+    return GroupPairs(g.transfer_group, block_ids(g.local_block_ids), block_ids(g.remote_block_ids))
+
+
+def report_to_proto(report: TransferReport) -> transfers_pb2.TransferStatus:
+    return transfers_pb2.TransferStatus(
+        state=_STATES[report.phase],
+        message=report.message,
+        stats=transfers_pb2.TransferStats(
+            descriptors=report.descriptors,
+            bytes=report.bytes,
+            post_seconds=report.post_seconds,
+            completion_seconds=report.completion_seconds,
+            remote_generation=report.remote_generation,
+            handshaked=report.handshaked,
+        ),
+    )
+
+
+def announcement_to_proto(a: Announcement) -> peer_pb2.BeginTransferRequest:
+    announced = peer_pb2.BeginTransferRequest(
+        request_id=a.request_id,
+        worker=worker_id_to_proto(a.worker),
+        generation=a.generation,
+        agent_name=a.agent_name,
+        peer_agent=a.peer_agent,
+        write=a.write,
+        lease_ms=a.lease_ms,
+        blocks=a.blocks,
+        bytes=a.nbytes,
+        capability=a.capability,
+        replaces_agents=a.replaces_agents,
+        readers=a.readers,
+    )
+    for group, ids in a.groups:
+        announced.groups.add(transfer_group=group, block_ids=ids)
+    return announced
+
+
+def announcement_from_proto(req: peer_pb2.BeginTransferRequest) -> Announcement:
+    """Peer.BeginTransfer's arguments, checked: they are wrong whatever the
+    owner's state, so they are refused before anything else is."""
+    if req.blocks < 0 or req.bytes < 0:
+        raise InvalidArgument("blocks" if req.blocks < 0 else "bytes", "must not be negative")
+    if not req.peer_agent:
+        # The claim and the completion notification are bound to it.
+        raise InvalidArgument("peer_agent", "must not be empty")
+    check_replaced_agents(req.replaces_agents, req.peer_agent)
+    check_readers(req.readers)
+    if req.release:
+        raise InvalidArgument("release", "a release is answered by release_notice_from_proto")
+    return Announcement(
+        request_id=req.request_id,
+        worker=worker_key_from_proto(req.worker),
+        generation=req.generation,
+        agent_name=req.agent_name,
+        peer_agent=req.peer_agent,
+        write=req.write,
+        lease_ms=req.lease_ms,
+        blocks=req.blocks,
+        nbytes=req.bytes,
+        capability=req.capability,
+        groups=tuple((g.transfer_group, g.block_ids) for g in req.groups),
+        replaces_agents=tuple(req.replaces_agents),
+        readers=req.readers,
+    )
+
+
+def release_notice_to_proto(n: ReleaseNotice) -> peer_pb2.BeginTransferRequest:
+    """A release on the peer wire: BeginTransfer with ``release``, which
+    owners of this release and the previous one answer alike."""
+    return peer_pb2.BeginTransferRequest(
+        request_id=n.request_id,
+        worker=worker_id_to_proto(n.worker),
+        peer_agent=n.peer_agent,
+        capability=n.capability,
+        readers=n.readers,
+        release=True,
+    )
+
+
+def release_notice_from_proto(req: peer_pb2.BeginTransferRequest) -> ReleaseNotice:
+    if req.groups:
+        raise InvalidArgument("groups", "a release names no blocks")
+    if not req.peer_agent:
+        raise InvalidArgument("peer_agent", "must not be empty")
+    check_readers(req.readers)
+    return ReleaseNotice(
+        request_id=req.request_id,
+        worker=worker_key_from_proto(req.worker),
+        peer_agent=req.peer_agent,
+        capability=req.capability,
+        readers=req.readers,
+    )

@@ -1,0 +1,225 @@
+"""The owner's side of a transfer: the capabilities its workers grant, the
+leases that pin a worker while a peer reads (or writes) it, a reader's
+release of its use, and the end of each: a NIXL notification from the
+lease's agent, the peer's EndTransfer, or the lease running out."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import structlog
+
+from kvmap.core.convert import check_requested
+from kvmap.core.errors import SHUTTING_DOWN, FailedPrecondition, HandshakeAgain, Unavailable
+from kvmap.core.geometry import WorkerKey
+from kvmap.core.grants import Grant
+from kvmap.core.transfer_requests import Announcement, ReleaseNotice
+from kvmap.daemon.adapters.metrics import Metrics
+from kvmap.daemon.engine.events import EventOutbox
+from kvmap.daemon.engine.grants import GrantTable
+from kvmap.daemon.engine.leases import DEFAULT_LEASE_S, Lease, LeaseTable, token_of
+from kvmap.daemon.engine.lifecycle import Lifecycle
+from kvmap.daemon.engine.workers import WorkerTable
+from kvmap.v1 import admin_pb2, registry_pb2
+
+log = structlog.get_logger("kvmapd")
+
+
+class OwnerSide:
+    """Grants, leases and what ends them, for the workers of this daemon."""
+
+    def __init__(
+        self,
+        *,
+        agent_name: str,
+        table: WorkerTable,
+        grants: GrantTable,
+        leases: LeaseTable,
+        events: EventOutbox,
+        lifecycle: Lifecycle,
+        metrics: Metrics,
+        counters: admin_pb2.TransferCounters,
+        draining: Callable[[], bool],
+        wake: Callable[[], None],
+    ) -> None:
+        self._agent_name = agent_name
+        self._table = table
+        self._grants = grants
+        self._leases = leases
+        self._events = events
+        self._lifecycle = lifecycle
+        self._metrics = metrics
+        self._counters = counters
+        self._draining = draining
+        # Wakes the progress loop: the peer posts as soon as we answer.
+        self._wake = wake
+
+    def _refuse_while_draining(self) -> None:
+        if self._draining():
+            raise Unavailable(SHUTTING_DOWN)
+
+    def grant(
+        self,
+        key: WorkerKey,
+        *,
+        request_id: str,
+        groups: Sequence[tuple[int, Sequence[int]]],
+        ttl_ms: int,
+        max_uses: int,
+        open_uses: bool = False,
+    ) -> tuple[str, Grant]:
+        """Registry.GrantTransfer: a capability for one request's blocks of an
+        attached worker (its transfer_finished event must reach someone)."""
+        self._refuse_while_draining()
+        record = self._table.get(key)
+        if self._table.subscriber_count(key) == 0 and not self._lifecycle.may_grant_unattached(key):
+            raise FailedPrecondition(f"worker {key} has no Attach stream open")
+        return self._grants.grant(
+            record,
+            request_id=request_id,
+            groups=groups,
+            ttl_ms=ttl_ms,
+            max_uses=max_uses,
+            open_uses=open_uses,
+        )
+
+    def revoke(self, key: WorkerKey, request_id: str) -> None:
+        """Registry.RevokeTransfer: idempotent for a known worker."""
+        self._table.get(key)
+        self._grants.revoke(key, request_id)
+
+    def begin(self, a: Announcement) -> Lease:
+        """Peer.BeginTransfer (its arguments checked by the wire parse):
+        capability, agent, worker, generation and limits before the lease
+        and the grant's claim."""
+        self._refuse_while_draining()
+        # No capability, no answer about workers or agents.
+        self._grants.find(a.capability)
+        if a.agent_name and a.agent_name != self._agent_name:
+            raise HandshakeAgain(
+                f"transfer planned against agent {a.agent_name}; this daemon runs "
+                f"{self._agent_name} (it restarted): handshake again"
+            )
+        record = self._lifecycle.worker_for_peer(check_requested(a.worker, "worker"))
+        replaces = frozenset(a.replaces_agents)
+        grant = self._grants.admit(
+            a.capability,
+            record=record,
+            request_id=a.request_id,
+            groups=a.groups,
+            peer_agent=a.peer_agent,
+            replaces=replaces,
+            readers=a.readers,
+        )
+        lease = self._leases.begin(
+            record,
+            generation=a.generation,
+            request_id=a.request_id,
+            peer_agent=a.peer_agent,
+            write=a.write,
+            blocks=a.blocks,
+            nbytes=a.nbytes,
+            lease_s=(a.lease_ms / 1000) if a.lease_ms else DEFAULT_LEASE_S,
+            grant=grant.digest,
+        )
+        self._take_over(grant.digest, replaces)
+        self._grants.claim(grant, a.peer_agent)
+        self._wake()
+        return lease
+
+    def release(self, n: ReleaseNotice) -> Grant:
+        """A reader that needs none of the blocks gives up its use: every
+        check (capability, worker, request, claim, expiry, declared count)
+        before one use is spent and the worker told; no lease, no pin."""
+        self._refuse_while_draining()
+        self._grants.find(n.capability)  # no capability, no answer about workers
+        record = self._lifecycle.worker_for_peer(check_requested(n.worker, "worker"))
+        used = self._grants.release_use(
+            n.capability,
+            record=record,
+            request_id=n.request_id,
+            readers=n.readers,
+            peer_agent=n.peer_agent,
+        )
+        log.info(
+            "transfer_use_released",
+            request_id=n.request_id,
+            peer=n.peer_agent,
+            uses=used.uses,
+            max_uses=used.max_uses,
+        )
+        done = registry_pb2.TransferFinishedEvent(
+            request_id=n.request_id,
+            direction=registry_pb2.TRANSFER_DIRECTION_PULLED_FROM,
+            peer_agent=n.peer_agent,
+            released=True,
+        )
+        self._events.tell_finished(record.key, done, used)
+        return used
+
+    def _take_over(self, digest: bytes, replaces: frozenset[str]) -> None:
+        """End the leases of a replaced agent under this grant (after the new
+        lease pinned the worker, so the pin never lapses): each releases its
+        claim and unpins once, here, and the dead agent's late EndTransfer or
+        notification finds no lease."""
+        holder = self._grants.claimed_by(digest)
+        if holder not in replaces:
+            return
+        for old in self._leases.held_by(holder, digest):
+            self._leases.finish(old.token)
+            self._grants.release(digest)
+            log.warning("claim_taken_over", request_id=old.request_id, old_agent=holder)
+
+    def end(self, token: str) -> Lease | None:
+        """A peer gave up on a transfer (EndTransfer): the pin goes, and the
+        capability may be tried again."""
+        lease = self._leases.finish(token)
+        if lease is not None:
+            self._grants.release(lease.grant)
+        return lease
+
+    def expire(self, now: float | None = None) -> list[Lease]:
+        """End leases that ran out (their capabilities may be tried again)
+        and forget long-expired grants."""
+        gone = self._leases.expire(now)
+        self._metrics.leases_expired.inc(len(gone))
+        for lease in gone:
+            self._grants.release(lease.grant)
+            log.warning("lease_expired", request_id=lease.request_id, peer=lease.peer_agent)
+        self._grants.sweep()
+        return gone
+
+    def on_notifs(self, notifs: dict[str, list[bytes]]) -> None:
+        """NIXL notifications from pullers/pushers: the transfer is complete."""
+        for peer, messages in notifs.items():
+            for message in messages:
+                token = token_of(message)
+                lease = self._leases.finish_from(token, peer) if token else None
+                if lease is None:
+                    self._unmatched_notif(peer, message, token)
+                    continue
+                self._finished(lease, peer)
+
+    def _finished(self, lease: Lease, peer: str) -> None:
+        # Its use is stored with the event (``tell_finished``).
+        used = self._grants.complete(lease.grant, persist=False)
+        self._counters.served_done += 1
+        self._counters.served_blocks += lease.blocks
+        direction = (
+            registry_pb2.TRANSFER_DIRECTION_PUSHED_TO
+            if lease.write
+            else registry_pb2.TRANSFER_DIRECTION_PULLED_FROM
+        )
+        done = registry_pb2.TransferFinishedEvent(
+            request_id=lease.request_id, direction=direction, peer_agent=peer
+        )
+        self._events.tell_finished(lease.record.key, done, used, store_use=True)
+
+    def _unmatched_notif(self, peer: str, message: bytes, token: str | None) -> None:
+        holder = self._leases.holder(token) if token else None
+        if holder is not None:
+            # A live lease's token from an agent that does not hold it: a
+            # forged (or misrouted) "done"; the lease and its blocks stay.
+            log.warning("notif_from_other_agent", peer=peer, holder=holder)
+        else:
+            log.info("notif_unmatched", peer=peer, message=message[:64])

@@ -1,0 +1,34 @@
+"""What one ``kvmapd bench`` run measures: profiles, planners, repeats and
+the byte budgets that scale each series to this machine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvmap.tools.bench.results import CONCURRENCY
+
+MIB = 1024 * 1024
+
+
+@dataclass
+class Options:
+    profiles: list[str]
+    planners: list[str]
+    repeats: int = 5
+    # Largest request (bytes per side) the 128K-token requests may move.
+    request_budget: int = 128 * MIB
+    # Bytes per side of the full-page-size bandwidth request.
+    bandwidth_budget: int = 256 * MIB
+    memcpy_bytes: int = 256 * MIB
+    contact_repeats: int = 20
+    # Scattered 128K-token pulls in flight at once, and the bytes per side
+    # all of the largest level's requests may move together.
+    concurrency: tuple[int, ...] = CONCURRENCY
+    concurrency_budget: int = 64 * MIB
+    # The descriptor-cost request: pages divided until it moves at most this.
+    descriptor_budget: int = 2 * MIB
+    # The TP pod: this profile's full-scale workers on one daemon (None: skip).
+    tp8_profile: str | None = "glm53"
+    tp8_workers: int = 8
+    progress: Callable[[str], None] = field(default=lambda line: None)

@@ -1,0 +1,260 @@
+"""A planner's processes: its prefill and decode daemons, a bench worker
+next to each (``Pair``), and what is read from them directly: the daemons'
+resident memory, their CPU time, and the agent metadata a peer downloads."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kvmap.tools.bench.options import MIB
+from kvmap.tools.bench.results import Rss
+from kvmap.tools.bench.worker import packed_ids
+from kvmap.tools.bench.workload import Request
+from kvmap.tools.launch import DaemonProc, WorkerProc, spawn_worker, start_daemon
+from kvmap.v1 import peer_pb2, peer_pb2_grpc, types_pb2
+
+WORKER_TIMEOUT_S = 180.0
+
+
+def start_daemons(workdir: Path, planners_: list[str]) -> dict[str, tuple[DaemonProc, DaemonProc]]:
+    """Start a prefill and a decode daemon per planner, all at once."""
+    out: dict[tuple[str, str], DaemonProc] = {}
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def start(planner: str, side: str) -> None:
+        try:
+            d = start_daemon(workdir / planner / side, "--planner", planner, name=side)
+        except BaseException as err:
+            with lock:
+                errors.append(err)
+            return
+        with lock:
+            out[(planner, side)] = d
+
+    threads = [
+        threading.Thread(target=start, args=(p, side))
+        for p in planners_
+        for side in ("prefill", "decode")
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        for d in out.values():
+            d.kill()
+        raise errors[0]
+    return {p: (out[(p, "prefill")], out[(p, "decode")]) for p in planners_}
+
+
+def _start_worker(daemon: DaemonProc, side: str) -> WorkerProc:
+    return spawn_worker(
+        daemon, "kvmap.tools.bench.worker", [], f"bench-worker-{side}", WORKER_TIMEOUT_S
+    )
+
+
+def call(w: WorkerProc, cmd: dict[str, Any]) -> dict[str, Any]:
+    out = w.call(cmd, timeout=WORKER_TIMEOUT_S)
+    if not out.get("ok"):
+        raise RuntimeError(f"bench worker {cmd['cmd']} failed: {out.get('code')}: {out}")
+    return out
+
+
+def daemon_rss(pid: int) -> int:
+    """The daemon's own resident memory: RSS minus the shared KV-cache pages
+    it maps (those belong to the worker and are counted there)."""
+    fields: dict[str, int] = {}
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            key, _, rest = line.partition(":")
+            if key in ("RssAnon", "RssFile"):
+                fields[key] = int(rest.split()[0]) * 1024
+    return fields.get("RssAnon", 0) + fields.get("RssFile", 0)
+
+
+def agent_metadata(target: str, engine_id: str) -> peer_pb2.GetAgentMetadataResponse:
+    """What a peer downloads at first contact (the Peer handshake)."""
+    with grpc.insecure_channel(
+        target, options=[("grpc.max_receive_message_length", 64 * MIB)]
+    ) as ch:
+        stub = peer_pb2_grpc.PeerStub(ch)
+        resp: peer_pb2.GetAgentMetadataResponse = stub.GetAgentMetadata(
+            peer_pb2.GetAgentMetadataRequest(worker=types_pb2.WorkerId(engine_id=engine_id)),
+            timeout=30,
+        )
+    return resp
+
+
+class Pair:
+    """A planner's two daemons (prefill, decode) and a bench worker next to
+    each. The decode worker pulls; the prefill worker owns the source."""
+
+    def __init__(
+        self, stack: contextlib.ExitStack, planner: str, daemons: tuple[DaemonProc, DaemonProc]
+    ) -> None:
+        self.planner = planner
+        self.prefill, self.decode = daemons
+        stack.callback(self.prefill.stop)
+        stack.callback(self.decode.stop)
+        self.pw = _start_worker(self.prefill, "prefill")
+        stack.callback(self.pw.stop)
+        self.dw = _start_worker(self.decode, "decode")
+        stack.callback(self.dw.stop)
+        self.pulls = 0
+
+    def register(self, side: str, name: str, profile: str, divisor: int) -> dict[str, Any]:
+        """Register worker ``<side>-<name>`` with the profile's geometry."""
+        return call(
+            self.pw if side == "prefill" else self.dw,
+            {
+                "cmd": "register",
+                "name": name,
+                "engine_id": f"{side}-{name}",
+                "profile": profile,
+                "divisor": divisor,
+            },
+        )
+
+    def pull(self, name: str, req: Request, remote: str = "") -> dict[str, Any]:
+        """Decode worker ``name`` pulls ``req`` from prefill worker ``remote``
+        (default: the prefill worker of the same name), with the capability
+        that worker granted for exactly those blocks (outside the timing)."""
+        return call(self.dw, self._pull_cmd(name, req, remote))
+
+    def pull_many(
+        self, pulls: list[tuple[str, Request, str]], cpu: dict[str, float] | None = None
+    ) -> list[dict[str, Any]]:
+        """Every (decode worker, request, prefill worker) pull in flight at
+        once (granted first, outside the timing); their answers in order.
+        With ``cpu``, the pulls' CPU seconds are added to it by place
+        (``CPU_PLACES``; the grants are outside the count, as the timing)."""
+        cmds = [self._pull_cmd(name, req, remote) for name, req, remote in pulls]
+        if cpu is None:
+            out: list[dict[str, Any]] = call(self.dw, {"cmd": "pull_many", "pulls": cmds})["pulls"]
+            return out
+        # The window opens once the worker has read the command, built the
+        # specs and started the threads (harness work, not the client's) and
+        # closes when the last pull is DONE and answered.
+        call(self.dw, {"cmd": "stage_pulls", "pulls": cmds})
+        before = cpu_now(self)
+        out = call(self.dw, {"cmd": "release_pulls"})["pulls"]
+        for k, v in cpu_now(self).items():
+            # A thread's tick can land between the two reads that split
+            # main thread from the rest: never count less than nothing.
+            cpu[k] = cpu.get(k, 0.0) + max(0.0, v - before[k])
+        return out
+
+    def _pull_cmd(self, name: str, req: Request, remote: str) -> dict[str, Any]:
+        self.pulls += 1
+        owner = remote or name
+        request_id = f"bench-{name}-{self.pulls}"
+        blocks: dict[int, dict[int, None]] = {}
+        for g, ids in zip(req.groups, req.remote, strict=True):
+            blocks.setdefault(g, {}).update(dict.fromkeys(ids))
+        grant = call(
+            self.pw,
+            {
+                "cmd": "grant",
+                "name": owner,
+                "request_id": request_id,
+                "groups": [{"group": g, "blocks": list(ids)} for g, ids in blocks.items()],
+            },
+        )
+        return {
+            "cmd": "pull",
+            "name": name,
+            "request_id": request_id,
+            "remote_target": self.prefill.tcp_target,
+            "remote_engine_id": f"prefill-{owner}",
+            # Packed ids: json reads thousands of numbers per group 4x
+            # slower than their base64 (``worker._ids``).
+            "groups": [
+                {
+                    "group": g["group"],
+                    "local": packed_ids(g["local"]),
+                    "remote": packed_ids(g["remote"]),
+                }
+                for g in req.spec()
+            ],
+            "capability": grant["capability"],
+        }
+
+    def fill(self, name: str, req: Request) -> None:
+        """Write the pattern into the source blocks of ``req``."""
+        groups = [
+            {"group": g, "blocks": ids} for g, ids in zip(req.groups, req.remote, strict=True)
+        ]
+        call(self.pw, {"cmd": "fill", "name": name, "groups": groups})
+
+    def zero(self, name: str, req: Request) -> None:
+        call(self.dw, {"cmd": "zero", "name": name, "groups": req.spec()})
+
+    def verify(self, name: str, req: Request) -> tuple[int, int]:
+        """(bytes checked, blocks that differ) of ``req``'s destination."""
+        out = call(self.dw, {"cmd": "verify", "name": name, "groups": req.spec()})
+        return int(out["bytes"]), int(out["bad_blocks"])
+
+    def contact(self, profile: str, repeats: int) -> dict[str, Any]:
+        """First-contact steps timed in the decode worker (bench.contact)."""
+        return call(
+            self.dw,
+            {
+                "cmd": "contact",
+                "remote_target": self.prefill.tcp_target,
+                "remote_engine_id": "prefill-full",
+                "profile": profile,
+                "planner": self.planner,
+                "repeats": repeats,
+            },
+        )
+
+    def rss(self) -> Rss:
+        return Rss(
+            prefill=daemon_rss(self.prefill.proc.pid), decode=daemon_rss(self.decode.proc.pid)
+        )
+
+    def notified(self) -> int:
+        """Transfers the prefill worker was told of (TransferFinished events)."""
+        return int(call(self.pw, {"cmd": "events"})["finished"])
+
+
+# Where a concurrency round's CPU time is counted: each daemon's event loop
+# (its main thread) and its other threads (the NIXL thread above all, and
+# grpc's), and the decode bench worker (the stand-in vLLM worker).
+CPU_PLACES = (
+    "prefill_loop",
+    "prefill_threads",
+    "decode_loop",
+    "decode_threads",
+    "decode_worker",
+)
+
+
+def _stat_cpu(path: str) -> float:
+    """utime + stime of a /proc stat file, in seconds."""
+    with open(path, encoding="ascii") as f:
+        utime, stime = f.read().rpartition(")")[2].split()[11:13]
+    return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+
+
+def _process_cpu(pid: int) -> tuple[float, float]:
+    """(main thread, other threads) CPU seconds of a process so far. The
+    process's own stat counts every thread, those that ended included, so
+    a thread ending between two readings takes nothing away."""
+    main = _stat_cpu(f"/proc/{pid}/task/{pid}/stat")
+    return main, _stat_cpu(f"/proc/{pid}/stat") - main
+
+
+def cpu_now(pair: Pair) -> dict[str, float]:
+    """CPU seconds so far in each of ``CPU_PLACES`` of a planner's pair."""
+    p_loop, p_threads = _process_cpu(pair.prefill.proc.pid)
+    d_loop, d_threads = _process_cpu(pair.decode.proc.pid)
+    worker = sum(_process_cpu(pair.dw.pid))
+    return dict(zip(CPU_PLACES, (p_loop, p_threads, d_loop, d_threads, worker), strict=True))
