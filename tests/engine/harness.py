@@ -65,6 +65,8 @@ class FakePeers:
         self.ended: list[str] = []  # tokens of the leases ended
         self.begun: list[peer_pb2.BeginTransferRequest] = []
         self.tokens: list[str] = []  # of the leases begun
+        # The bound each begin or release was given, in order.
+        self.call_timeouts: list[float] = []
         # Every handshake asked for, by target, in order.
         self.handshakes: list[str] = []
         self._asked = asyncio.Condition()
@@ -106,7 +108,8 @@ class FakePeers:
             )
         )
 
-    async def begin(self, target: str, announcement: Announcement) -> str:
+    async def begin(self, target: str, announcement: Announcement, timeout_s: float) -> str:
+        self.call_timeouts.append(timeout_s)
         app = self._app(target)
         # Over the wire form and back, as PeerClient sends it.
         req = announcement_to_proto(announcement)
@@ -118,7 +121,8 @@ class FakePeers:
         self.tokens.append(lease.token)
         return lease.token
 
-    async def release(self, target: str, notice: ReleaseNotice) -> None:
+    async def release(self, target: str, notice: ReleaseNotice, timeout_s: float) -> None:
+        self.call_timeouts.append(timeout_s)
         app = self._app(target)
         req = release_notice_to_proto(notice)
         self.begun.append(req)

@@ -17,6 +17,7 @@ from harness import (
     cluster,
     next_event,
     run,
+    run_spec,
     spec,
 )
 
@@ -53,6 +54,46 @@ def test_a_deadline_past_the_lease_field_still_pulls() -> None:
             statuses = await a.transfer(request)
             assert statuses[-1].state == DONE
             assert wa.block(0) == wb.block(5)
+
+    run(main())
+
+
+def test_the_owner_is_given_the_whole_transfer_time_to_answer() -> None:
+    """A pull's announcement to the owner is bounded by the pull's own
+    timeout (here 45 s, past the daemon's 3 s connect timeout), so an owner
+    slow to answer under load does not fail a pull whose deadline has time
+    left."""
+
+    async def main() -> None:
+        async with cluster() as c:
+            a, wa, b, wb = await two(c)
+            request = spec(wa, b, wb, [(0, 5)])
+            request.timeout_ms = 45_000
+            statuses = await a.transfer(request)
+            assert statuses[-1].state == DONE
+            assert a.peers.call_timeouts == [45.0]
+
+    run(main())
+
+
+def test_a_deadline_passing_while_a_report_is_sent_ends_the_pull_with_deadline_exceeded() -> None:
+    """The pull's deadline passes while its caller still holds the first
+    report (a servicer writing it to a slow client): the caller is not
+    cancelled, and the pull then ends DEADLINE_EXCEEDED, its answer. A
+    timeout that cancelled the caller's task instead cancelled the RPC's
+    handler, and the client heard nothing until its own deadline."""
+
+    async def main() -> None:
+        async with cluster() as c:
+            a, wa, b, wb = await two(c)
+            request = spec(wa, b, wb, [(0, 5)])
+            request.timeout_ms = 50
+            reports = run_spec(a.app, request)
+            first = await anext(reports)
+            assert first.state == HANDSHAKING
+            await asyncio.sleep(0.2)  # sending the report took past the deadline
+            with pytest.raises(DeadlineExceeded, match=r"no completion in 0\.05s"):
+                await anext(reports)
 
     run(main())
 

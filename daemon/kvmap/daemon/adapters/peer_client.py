@@ -134,8 +134,16 @@ class PeerClient:
         credentials: grpc.ChannelCredentials | None = None,
         policy: PeerPolicy = DEFAULT_POLICY,
         tls_identity: TlsIdentity | None = None,
+        call_timeout_s: float | None = None,
     ) -> None:
+        # Connecting (name look-up, the TLS identity check) is bounded by the
+        # connect timeout: a dead or silent target fails fast and the
+        # transfer retries. A call on a connected channel is bounded by the
+        # transfer's own time instead: an owner slow to answer (its first
+        # contact under load took over 3 s) must not fail a pull whose
+        # deadline has time left.
         self._timeout = connect_timeout_s
+        self._call_timeout = max(call_timeout_s or connect_timeout_s, connect_timeout_s)
         self._credentials = credentials
         self._policy = policy
         # Under mutual TLS with listed identities, each new peer's server
@@ -153,7 +161,13 @@ class PeerClient:
             if config.tls_cert
             else None
         )
-        return cls(config.connect_timeout_s, peer_credentials(config), config.peer_policy, tls)
+        return cls(
+            config.connect_timeout_s,
+            peer_credentials(config),
+            config.peer_policy,
+            tls,
+            call_timeout_s=config.transfer_timeout_s,
+        )
 
     async def _stub(self, target: str) -> peer_pb2_grpc.PeerAsyncStub:
         if target not in self._channels:
@@ -240,8 +254,10 @@ class PeerClient:
     async def handshake(self, target: str, worker: WorkerKey) -> PeerHandshake:
         req = peer_pb2.GetAgentMetadataRequest(worker=convert.worker_id_to_proto(worker))
         try:
+            # Shared by every pull waiting on it; each is bounded by its own
+            # deadline, and the call is cancelled once all of them gave up.
             resp = await (await self._stub(target)).GetAgentMetadata(
-                req, timeout=self._timeout, wait_for_ready=False
+                req, timeout=self._call_timeout, wait_for_ready=False
             )
         except aio.AioRpcError as err:
             raise _peer_error(target, err) from None
@@ -252,17 +268,20 @@ class PeerClient:
                 f"remote daemon {target} sent a bad region map: {err}"
             ) from None
 
-    async def begin(self, target: str, announcement: Announcement) -> str:
-        return await self._begin(target, announcement_to_proto(announcement))
+    async def begin(self, target: str, announcement: Announcement, timeout_s: float) -> str:
+        """Peer.BeginTransfer, bounded by ``timeout_s``: the transfer's time."""
+        return await self._begin(target, announcement_to_proto(announcement), timeout_s)
 
-    async def release(self, target: str, notice: ReleaseNotice) -> None:
+    async def release(self, target: str, notice: ReleaseNotice, timeout_s: float) -> None:
         """Give up a use of the owner's grant: BeginTransfer with ``release``
         on the wire, which owners of this release and the one before answer."""
-        await self._begin(target, release_notice_to_proto(notice))
+        await self._begin(target, release_notice_to_proto(notice), timeout_s)
 
-    async def _begin(self, target: str, req: peer_pb2.BeginTransferRequest) -> str:
+    async def _begin(
+        self, target: str, req: peer_pb2.BeginTransferRequest, timeout_s: float
+    ) -> str:
         try:
-            resp = await (await self._stub(target)).BeginTransfer(req, timeout=self._timeout)
+            resp = await (await self._stub(target)).BeginTransfer(req, timeout=timeout_s)
         except aio.AioRpcError as err:
             # Only what a new handshake cures is retried as stale; anything
             # else (an expired capability, say) reaches the caller as it is.

@@ -29,7 +29,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import structlog
 
@@ -67,6 +67,8 @@ from kvmap.daemon.engine.progress import Progress
 from kvmap.daemon.engine.workers import WorkerRecord, WorkerTable
 from kvmap.v1 import admin_pb2
 
+T = TypeVar("T")
+
 log = structlog.get_logger("kvmapd.transfers")
 
 # Handshakes waiting for a remote daemon at once. Each holds a peer channel;
@@ -82,8 +84,8 @@ class Peers(Protocol):
     """The calls made to remote daemons' Peer service (``peer_client.PeerClient``)."""
 
     async def handshake(self, target: str, worker: WorkerKey) -> PeerHandshake: ...
-    async def begin(self, target: str, announcement: Announcement) -> str: ...
-    async def release(self, target: str, notice: ReleaseNotice) -> None: ...
+    async def begin(self, target: str, announcement: Announcement, timeout_s: float) -> str: ...
+    async def release(self, target: str, notice: ReleaseNotice, timeout_s: float) -> None: ...
     async def end(self, target: str, token: str) -> None: ...
     async def close(self) -> None: ...
 
@@ -98,6 +100,25 @@ class Pacing:
     now: Callable[[], float] = time.monotonic
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
     draw: Callable[[], float] = random.random
+
+
+async def _within(timeout_s: float, items: AsyncIterator[T]) -> AsyncIterator[T]:
+    """``items``, the whole of which must come within ``timeout_s`` (else
+    TimeoutError). The deadline is only ever enforced while the next item is
+    made, never while the caller holds one: a timeout that cancelled the
+    caller's task while it was sending a report (a servicer writing it to
+    gRPC) would cancel the RPC's handler instead of ending the transfer with
+    DEADLINE_EXCEEDED, and the client would hear nothing until its own
+    deadline."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    iterator = aiter(items)
+    while True:
+        async with asyncio.timeout_at(deadline):
+            try:
+                item = await anext(iterator)
+            except StopAsyncIteration:
+                return
+        yield item
 
 
 def _code_name(err: BaseException) -> str:
@@ -200,9 +221,8 @@ class TransferEngine:
         started = time.perf_counter()
         try:
             deadline = self._pacing.now() + req.timeout_s
-            async with asyncio.timeout(req.timeout_s):
-                async for item in self._retried(req, record, write, deadline):
-                    yield item
+            async for item in _within(req.timeout_s, self._retried(req, record, write, deadline)):
+                yield item
             self._metrics.labelled(self._metrics.transfers, direction, "done").inc()
             self._metrics.transfer_ended(direction, req.target, "OK", time.perf_counter() - started)
             if write:
@@ -327,7 +347,10 @@ class TransferEngine:
                 plan = plan_transfer(
                     prepared.table, req.pairs, destination=Side.REMOTE if write else Side.LOCAL
                 )
-            token = await self.peers.begin(req.target, self._announcement(req, hs, plan, write))
+            # The whole transfer's time (it is bounded by its deadline anyway).
+            token = await self.peers.begin(
+                req.target, self._announcement(req, hs, plan, write), req.timeout_s
+            )
         except BaseException as err:
             await self._caches.done_with(prepared)
             if not isinstance(err, StaleGeneration) or not retry:
@@ -362,7 +385,7 @@ class TransferEngine:
             capability=req.capability,
             readers=req.readers,
         )
-        await self.peers.release(req.target, notice)
+        await self.peers.release(req.target, notice, req.timeout_s)
         return TransferReport(Phase.DONE, "released")
 
     def _announcement(
