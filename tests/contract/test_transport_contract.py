@@ -707,7 +707,8 @@ PULL_ERRORS: dict[str, tuple[Change, type[KvmapError], str, bool]] = {
         True,
     ),
     "unreachable remote daemon": (
-        _spec_set(remote_target=UNREACHABLE),
+        # Retried until the deadline (UNAVAILABLE passes); 3 s keeps it short.
+        _spec_set(remote_target=UNREACHABLE, timeout_ms=3000),
         Unavailable,
         f"UNAVAILABLE: remote daemon {UNREACHABLE}: UNAVAILABLE: ",
         True,

@@ -6,6 +6,7 @@ between daemons replaced by ``FakePeers`` and worker memory in real memfds."""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import shutil
 import tempfile
@@ -404,6 +405,10 @@ class Cluster:
             await node.app.close()
 
     async def close(self) -> None:
+        # Leases a test left open would pin their records, and each daemon's
+        # close would wait transfer_timeout_s for them: the test is over.
+        for node in self.nodes:
+            node.app.owner.expire(now=math.inf)
         for node in list(self.nodes):
             await self.stop(node)
         for w in self.workers:

@@ -134,7 +134,8 @@ def test_mutual_tls_between_daemons(tmp_path: Path) -> None:
         ok = tw.call(granted(pw, pull))
         assert ok["ok"] and ok["bad_blocks"] == 0, ok
         for refused in (uw, plw):
-            out = refused.call(granted(pw, pull))
+            # UNAVAILABLE is retried until the deadline, then passed on.
+            out = refused.call(granted(pw, {**pull, "timeout_ms": 5000}))
             assert (out["ok"], out["code"]) == (False, "UNAVAILABLE"), out
 
         # Operators: a plaintext client gets nothing; a client with a

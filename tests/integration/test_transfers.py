@@ -264,6 +264,8 @@ def test_remote_daemon_down_is_unavailable(coalesced: Pair) -> None:
             "remote_target": f"127.0.0.1:{port}",
             "remote_worker": {"engine_id": "prefill"},
             "groups": both_groups([1], [1]),
+            # UNAVAILABLE is retried until the deadline, then passed on.
+            "timeout_ms": 5000,
         }
         out = coalesced.decode.worker.call(granted(coalesced.prefill.worker, pull), timeout=60)
     assert (out["ok"], out["code"]) == (False, "UNAVAILABLE"), out

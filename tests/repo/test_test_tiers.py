@@ -30,7 +30,7 @@ def test_serial_phase_takes_vllm_engines_listed_files_and_marked_tests() -> None
     """Every test of tests/vllm, the listed files and tests marked serial run alone; an
     in-process test and a daemon test that keeps its ports do not."""
     assert tiers.is_serial("vllm/test_vllm_tp.py", set())
-    assert tiers.is_serial("security/test_responsiveness.py", set())
+    assert tiers.is_serial("integration/test_restart.py", set())
     assert tiers.is_serial("unit/test_planner.py", {"serial"})
     assert not tiers.is_serial("unit/test_planner.py", set())
     assert not tiers.is_serial("integration/test_transfers.py", {"integration"})

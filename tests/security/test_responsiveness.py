@@ -132,6 +132,8 @@ def _pull(c: Cluster, spec: transfers_pb2.TransferSpec) -> tuple[Code, str, floa
     return code, msg, time.monotonic()
 
 
+# A healthy pull timed against 100 silent peers: it runs alone.
+@pytest.mark.serial
 def test_silent_peers_delay_only_the_pulls_to_them(c: Cluster) -> None:
     """100 pulls towards 100 silent peers: MAX_HANDSHAKES_IN_FLIGHT of them wait on their
     handshake, the others are RESOURCE_EXHAUSTED naming the limit; meanwhile a warm pull to the
@@ -232,6 +234,8 @@ ROUNDS, FLOOR_ROUNDS = 13, 5
 GROWTH_LIMIT_KIB = 64 * 1024
 
 
+# RSS is not the CPU's to change: this one shares the machine, with time for it.
+@pytest.mark.timeout(600)
 def test_rejected_requests_leave_the_daemons_memory_as_it_was(c: Cluster) -> None:
     """Pulls of ~20,000 groups are refused for the group limit; rounds of six pulls of ~1,000
     groups, each a new layer selection, refused only after planning, do not grow the decode

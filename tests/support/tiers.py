@@ -29,8 +29,6 @@ PROCESS_DIRECTORIES = frozenset(
 SERIAL_DIRECTORIES = frozenset({"vllm"})
 # Serial beyond SERIAL_DIRECTORIES, by path under tests/, and why.
 SERIAL_FILES = {
-    # RSS of a live daemon, and a healthy pull timed against 100 silent peers.
-    "security/test_responsiveness.py": "measures memory and responsiveness",
     # Counts gRPC's reconnect attempts within a 4 s wall-clock window.
     "unit/test_peer_channel_backoff.py": "counts events in a wall-clock window",
     # A daemon restarted on the port its predecessor gave back, or on a port
