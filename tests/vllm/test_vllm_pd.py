@@ -256,8 +256,10 @@ def pd_request(run: Run, prompt: list[int], max_tokens: int = MAX_TOKENS) -> lis
 
 def test_restarted_decode_daemon_gets_the_worker_back_and_loads_again(run: Run) -> None:
     # Last in this module: the decode side runs on a new kvmapd afterwards.
-    """After the decode kvmapd restarts, the connector registers again by itself (the test waits for
-    that event) with the new daemon instance, and the next P/D request loads over the new daemon
+    """After the decode kvmapd restarts, the connector gets its worker back by itself (the test
+    waits for its session to attach to the new daemon instance): the new daemon restored the
+    worker from its state dir over the memory it reopened, or, where the session asked first,
+    the connector registered again; either way the next P/D request loads over the new daemon
     and gives the single engine's tokens."""
     old = run.decode_daemon
     assert old.terminate() == 0, old.log()
@@ -265,12 +267,13 @@ def test_restarted_decode_daemon_gets_the_worker_back_and_loads_again(run: Run) 
     new = start_daemon(old.workdir, name="decode")
     run.decode_daemon = new
     deadline = time.monotonic() + 30
-    while stats(new).workers != 1:  # the connector registers again by itself
+    # Which comes first, the daemon's restore or the session's re-registration,
+    # is a race; the worker comes back once, by one of them.
+    while run.decode.call({"cmd": "session"})["daemon_instance"] != new.instance:
         assert time.monotonic() < deadline, run.decode.tail()
         time.sleep(0.1)
-    session = run.decode.call({"cmd": "session"})
-    assert session["registrations"] == 2
-    assert session["daemon_instance"] == new.instance
+    assert stats(new).workers == 1
+    assert run.decode.call({"cmd": "session"})["registrations"] in (1, 2)
     assert pd_request(run, run.spare_prompt) == run.spare_reference
     s = stats(new).transfers
     assert (s.pulls_done, s.failed, s.blocks) == (1, 0, blocks_of(len(run.spare_prompt)))
