@@ -73,33 +73,34 @@ def _release_from_spec(
     """A release: no blocks, only whose grant (a capability) it gives up."""
     if spec.groups:
         raise InvalidArgument("spec.groups", "a release names no blocks")
-    if not spec.capability:
-        raise PermissionDenied("spec.capability: a release needs the owner's capability")
-    return UseRelease(
-        request_id=spec.request_id[:MAX_REQUEST_ID],
-        local=requested_worker(spec.local_worker, "spec.local_worker"),
-        target=spec.remote_target,
-        remote=requested_worker(spec.remote_worker, "spec.remote_worker"),
-        capability=spec.capability,
-        readers=readers,
-        timeout_s=_timeout_s(spec.timeout_ms, default_timeout_s),
-    )
+    return _use_release(spec, readers, default_timeout_s, "spec.")
 
 
 def release_from_request(req: transfers_pb2.ReleaseRequest, default_timeout_s: float) -> UseRelease:
     """Transfers.Release: the checks of a spec with ``release``, in its order."""
     _check_route(req.request_id, req.remote_target, "")
     readers = check_readers(req.readers, "readers")
-    if not req.capability:
-        raise PermissionDenied("capability: a release needs the owner's capability")
+    return _use_release(req, readers, default_timeout_s, "")
+
+
+def _use_release(
+    msg: transfers_pb2.TransferSpec | transfers_pb2.ReleaseRequest,
+    readers: int,
+    default_timeout_s: float,
+    prefix: str,
+) -> UseRelease:
+    """The release either form names (the same fields; errors name them
+    with ``prefix``), once its route and readers were checked."""
+    if not msg.capability:
+        raise PermissionDenied(f"{prefix}capability: a release needs the owner's capability")
     return UseRelease(
-        request_id=req.request_id[:MAX_REQUEST_ID],
-        local=requested_worker(req.local_worker, "local_worker"),
-        target=req.remote_target,
-        remote=requested_worker(req.remote_worker, "remote_worker"),
-        capability=req.capability,
+        request_id=msg.request_id[:MAX_REQUEST_ID],
+        local=requested_worker(msg.local_worker, f"{prefix}local_worker"),
+        target=msg.remote_target,
+        remote=requested_worker(msg.remote_worker, f"{prefix}remote_worker"),
+        capability=msg.capability,
         readers=readers,
-        timeout_s=_timeout_s(req.timeout_ms, default_timeout_s),
+        timeout_s=_timeout_s(msg.timeout_ms, default_timeout_s),
     )
 
 
