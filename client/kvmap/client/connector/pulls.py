@@ -68,18 +68,11 @@ class PullSpecs:
             )
         try:
             rank_heads(self.kv_heads, src.tp_size, 0)  # the heads split over it
-            pulls = source_ranks(
-                self.kv_heads,
-                src.tp_size,
-                self.tp_size,
-                self.worker.tp_rank,
-                replicated=self.replicated,
-            )
         except KvmapError as err:
             raise ValueError(str(err)) from None
         # Token mode: kvmapd moves the heads both ranks hold (their published
         # head layouts), each source rank's once.
-        return [self._spec(task, rank, token_mode=True) for rank, _ in pulls]
+        return [self._spec(task, rank, token_mode=True) for rank in self._source_ranks(src)]
 
     def _check_readers_tp(self, src: RemoteSource) -> None:
         """Refuse params whose grants were sized for another decode TP size
