@@ -1,7 +1,9 @@
-"""deploy/grafana/kvmap.json queries only metrics that exist: every panel's
-PromQL (and every template variable's query) names series that a real
-kvmapd's /metrics endpoint exports or that the vLLM connector's stats
-metrics (kvmap.client.connector.stats.PromMetrics) register; a bogus name is caught."""
+"""deploy/grafana/kvmap.json and the alert rules
+(deploy/k8s/components/alerts) query only metrics that exist: every panel's
+and every alert's PromQL (and every template variable's query) names series
+that a real kvmapd's /metrics endpoint exports or that the vLLM connector's
+stats metrics (kvmap.client.connector.stats.PromMetrics) register; a bogus
+name is caught. The one name allowed beside them is Prometheus' own ``up``."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -23,13 +26,18 @@ from kvmap.tools.launch import start_daemon
 
 pytestmark = pytest.mark.integration  # scrapes a real kvmapd
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "kvmap.json"
+REPO = Path(__file__).resolve().parents[2]
+DASHBOARD = REPO / "deploy" / "grafana" / "kvmap.json"
+ALERTS = REPO / "deploy" / "k8s" / "components" / "alerts" / "prometheusrule.yaml"
+# Series Prometheus makes itself for every target (not exported by anyone).
+PROMETHEUS_SERIES = {"up"}
 
-# Series names each metric type exposes (prometheus_client's exposition).
+# Series names each metric type exposes (prometheus_client's exposition;
+# kvmapd exports no _created series, so a query of one is caught too).
 _SUFFIXES = {
-    "counter": ("_total", "_created"),
-    "histogram": ("_bucket", "_sum", "_count", "_created"),
-    "summary": ("", "_sum", "_count", "_created"),
+    "counter": ("_total",),
+    "histogram": ("_bucket", "_sum", "_count"),
+    "summary": ("", "_sum", "_count"),
     "gauge": ("",),
     "info": ("_info",),
     "untyped": ("",),
@@ -88,14 +96,29 @@ def queries(dashboard: dict[str, Any]) -> Iterator[tuple[str, str]]:
             yield f"variable {var['name']}", inner.group(1) if inner else q
 
 
-def unknown_metrics(dashboard: dict[str, Any], exported: set[str]) -> list[tuple[str, str]]:
-    """(where, name) of every queried name nothing exports."""
+def alert_queries(rule: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """(where, PromQL) of every alerting and recording rule of a PrometheusRule."""
+    for group in rule["spec"]["groups"]:
+        for r in group["rules"]:
+            yield f"alert {r.get('alert') or r.get('record')!r}", r["expr"]
+
+
+def unknown_metrics(
+    dashboard: dict[str, Any], exported: set[str], rule: dict[str, Any] | None = None
+) -> list[tuple[str, str]]:
+    """(where, name) of every name a panel or alert queries that nothing exports."""
+    everything = [*queries(dashboard), *(alert_queries(rule) if rule else ())]
     return sorted(
         (where, name)
-        for where, expr in queries(dashboard)
+        for where, expr in everything
         for name in metric_names(expr)
-        if name not in exported
+        if name not in exported | PROMETHEUS_SERIES
     )
+
+
+def load_alerts() -> dict[str, Any]:
+    rule: dict[str, Any] = yaml.safe_load(ALERTS.read_text())
+    return rule
 
 
 def _free_port() -> int:
@@ -116,6 +139,9 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
         daemon_text = urllib.request.urlopen(url, timeout=10).read().decode()
     finally:
         assert daemon.terminate() == 0, daemon.log()
+    assert "_created" not in daemon_text  # prometheus_client's are turned off
+    # A ready daemon says so (the KvmapDaemonNotReady alert reads it).
+    assert re.search(r"^kvmap_ready 1\.0$", daemon_text, re.M), daemon_text
     registry = CollectorRegistry()
 
     def bound(cls: type) -> Any:
@@ -134,7 +160,32 @@ def test_every_queried_metric_is_exported(exported: set[str]) -> None:
     assert "kvmap_peer_transfer_seconds_bucket" in found
     assert "vllm:kvmap_xfer_time_seconds_bucket" in found
     assert "kvmap_peer_transfers_total" in found
+    # The series issue 26 added: in-flight, per-peer served, RPC codes, builds.
+    assert {"kvmap_transfers_in_flight", "kvmap_served_transfers_total"} <= set(found)
+    assert {"kvmap_rpcs_total", "kvmap_build_info", "kvmap_served_bytes_total"} <= set(found)
     assert unknown_metrics(dashboard, exported) == []
+
+
+def test_every_alert_metric_is_exported(exported: set[str]) -> None:
+    """Each name in each alert rule's PromQL, checked by the same function
+    as the dashboard's, is a series kvmapd or the connector exports (or
+    Prometheus' own ``up``); the rules cover what the runbook promises."""
+    rule = load_alerts()
+    found = {name for _, expr in alert_queries(rule) for name in metric_names(expr)}
+    assert {"kvmap_transfers_total", "kvmap_ready", "kvmap_generations_total"} <= found
+    assert "kvmap_registered_bytes_limit" in found and "kvmap_rpcs_total" in found
+    assert unknown_metrics(json.loads(DASHBOARD.read_text()), exported, rule) == []
+
+
+def test_a_bogus_alert_metric_is_caught(exported: set[str]) -> None:
+    """An alert querying a name nothing exports (a renamed label's old
+    series, a _created series) is reported with the alert's name."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    for bogus in ("kvmap_no_such_metric", "kvmap_transfers_created", "kvmap_ready_total"):
+        rule = load_alerts()
+        first = rule["spec"]["groups"][0]["rules"][0]
+        first["expr"] = f'sum(rate({bogus}{{code!="OK"}}[5m])) > 0'
+        assert unknown_metrics(dashboard, exported, rule) == [(f"alert {first['alert']!r}", bogus)]
 
 
 def test_a_bogus_metric_is_caught(exported: set[str]) -> None:

@@ -282,14 +282,18 @@ def test_writable_root_needs_image_dirs_the_user_owns(
 def test_pod_script_runs_the_sidecar_as_the_kubelet_would(
     rendered: dict[str, list[Doc]], facts_doc: Doc
 ) -> None:
-    """The sandbox script runs the image's entrypoint with the sidecar's args ($(POD_IP)
-    expanded), as its uid with the fsGroup, every volume at its mountPath (the ConfigMap
-    read-only) and the root read-only; the socket's client is vLLM's uid."""
+    """The sandbox script runs the image's entrypoint with the sidecar's args ($(POD_IP) and the
+    pod network from its ConfigMap expanded), as its uid with the fsGroup, every volume at its
+    mountPath (the ConfigMap read-only) and the root read-only; the socket's client is vLLM's
+    uid."""
     docs = rendered["overlays/prefill"]
     side = ic.sidecars(docs)[0]
     facts = ic.load_facts(facts_doc)
     script = ic.pod_script(docs, side, facts, rootfs=Path("/r"), work=Path("/w"), pod_ip="10.9.8.7")
-    assert "ENTRY=(kvmapd serve --config /etc/kvmap/kvmapd.toml --listen 10.9.8.7:50051)" in script
+    assert (
+        "ENTRY=(kvmapd serve --config /etc/kvmap/kvmapd.toml --listen 10.9.8.7:50051 "
+        "--peer-accept 10.0.0.0/8 --peer-allow 10.0.0.0/8)"  # the pod network's ConfigMap key
+    ) in script
     assert "--userspec=10001:10001 --groups=2000" in script
     assert 'mount -o remount,bind,ro "$ROOT"\n' in script
     for mount in side.mounts:

@@ -44,7 +44,12 @@ SIDECAR = "kvmapd"
 MAIN = "vllm"
 MIN_K8S = "1.29.0"  # restartable init containers (native sidecars) are on by default from 1.29
 READINESS_SERVICE = "kvmap.v1.Peer"
-CRD_KINDS = {("monitoring.coreos.com/v1", "PodMonitor")}
+CRD_KINDS = {
+    ("monitoring.coreos.com/v1", "PodMonitor"),
+    # Checked by tests/deploy/test_alerts.py (no schema for it offline).
+    ("monitoring.coreos.com/v1", "PrometheusRule"),
+}
+PODMONITOR_KINDS = {("monitoring.coreos.com/v1", "PodMonitor")}
 GPU_RESOURCE = "nvidia.com/gpu"
 TOOL_TIMEOUT_S = 120
 
@@ -266,7 +271,57 @@ def daemon_settings(docs: Docs, spec: Doc) -> dict[str, Any]:
         value = flag(args, "--" + key.replace("_", "-"))
         if value is not None:
             settings[key] = value
+    for key in ("peer_accept", "peer_allow", "peer_identity"):
+        # Repeatable, each value possibly comma-separated and from the env.
+        values = [env_expanded(docs, spec, v) for v in flags(args, "--" + key.replace("_", "-"))]
+        if values:
+            settings[key] = [p.strip() for v in values for p in v.split(",") if p.strip()]
     return settings
+
+
+def flags(args: list[str], name: str) -> list[str]:
+    """Every value of a repeatable --name in args, in order."""
+    out = []
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            out.append(args[i + 1])
+        elif a.startswith(name + "="):
+            out.append(a.split("=", 1)[1])
+    return out
+
+
+def env_source(spec: Doc, name: str) -> Doc | None:
+    """The sidecar's env entry called name, or None."""
+    return next((e for e in sidecar_of(spec).get("env") or [] if e.get("name") == name), None)
+
+
+def env_expanded(docs: Docs, spec: Doc, value: str) -> str:
+    """value with each $(VAR) replaced as the kubelet does from the sidecar's env (literal
+    values and ConfigMap keys); an unresolvable reference stays as it is, as the kubelet
+    leaves it."""
+
+    def one(m: re.Match[str]) -> str:
+        entry = env_source(spec, m.group(1)) or {}
+        if "value" in entry:
+            return str(entry["value"])
+        ref = (entry.get("valueFrom") or {}).get("configMapKeyRef")
+        cm = configmap_named(docs, ref["name"]) if ref else None
+        if ref and cm and ref["key"] in (cm.get("data") or {}):
+            return str(cm["data"][ref["key"]])
+        return m.group(0)
+
+    return re.sub(r"\$\((\w+)\)", one, value)
+
+
+def settings_network(docs: Docs, spec: Doc) -> str:
+    """The pod network setting (the ConfigMap key the allow-list flags take)."""
+    values = flags(sidecar_of(spec).get("args") or [], "--peer-accept")
+    return env_expanded(docs, spec, values[0]) if values else ""
+
+
+def kvmapd_configmap(docs: Docs) -> Doc:
+    """The (first) ConfigMap that holds a kvmapd.toml."""
+    return next(d for d in docs if d["kind"] == "ConfigMap" and "kvmapd.toml" in d.get("data", {}))
 
 
 def config_file(docs: Docs, spec: Doc, path: str) -> dict[str, Any]:
@@ -585,7 +640,7 @@ def check_labels(docs: Docs) -> list[str]:
 
 def check_podmonitor(docs: Docs) -> list[str]:
     problems = []
-    for pm in (d for d in docs if (d.get("apiVersion"), d.get("kind")) in CRD_KINDS):
+    for pm in (d for d in docs if (d.get("apiVersion"), d.get("kind")) in PODMONITOR_KINDS):
         selector = pm["spec"].get("selector", {}).get("matchLabels") or {}
         selected = [
             dep
@@ -697,13 +752,49 @@ def check_peer_allow_lists(docs: Docs) -> list[str]:
             continue
         try:
             policy = PeerPolicy.parse(
-                lists["peer_accept"], lists["peer_allow"], settings.get("peer_identities", [])
+                lists["peer_accept"], lists["peer_allow"], settings.get("peer_identity", [])
             )
         except ValueError as err:
             problems.append(f"{name}: {err}")
             continue
         if any(n.prefixlen == 0 for n in (*policy.accept, *policy.allow_networks)):
             problems.append(f"{name}: an allow-list admits every address")
+    return problems
+
+
+def check_pod_network(docs: Docs) -> list[str]:
+    """Both allow-lists are the one pod-network setting: each flag given once, as the same
+    $(VAR), whose value is a key of a ConfigMap of this render (a missing key would keep the
+    sidecar from starting)."""
+    problems = []
+    for name, spec in each_pod(docs):
+        args = sidecar_of(spec).get("args") or []
+        raw = {f: flags(args, f) for f in ("--peer-accept", "--peer-allow")}
+        if any(len(v) != 1 for v in raw.values()) or len({v[0] for v in raw.values()}) != 1:
+            problems.append(f"{name}: --peer-accept and --peer-allow are not one setting: {raw}")
+            continue
+        var = re.fullmatch(r"\$\((\w+)\)", raw["--peer-accept"][0])
+        entry = env_source(spec, var.group(1)) if var else None
+        ref = ((entry or {}).get("valueFrom") or {}).get("configMapKeyRef")
+        cm = configmap_named(docs, ref["name"]) if ref else None
+        if not ref or ref.get("optional") or not cm or ref["key"] not in (cm.get("data") or {}):
+            problems.append(f"{name}: the allow-lists' {raw} is not a ConfigMap key of this render")
+    return problems
+
+
+def check_failed_loads_recompute(docs: Docs) -> list[str]:
+    """vLLM recomputes a prompt whose KV load failed (a refused or timed-out pull) instead of
+    failing the request: kv_load_failure_policy is recompute, explicitly (vLLM's default is
+    fail)."""
+    problems = []
+    for name, spec in each_pod(docs):
+        try:
+            policy = kv_transfer_config(main_of(spec)).get("kv_load_failure_policy")
+        except LookupError as err:
+            problems.append(f"{name}: {err}")
+            continue
+        if policy != "recompute":
+            problems.append(f"{name}: kv_load_failure_policy is {policy!r}, not 'recompute'")
     return problems
 
 
@@ -722,6 +813,8 @@ CHECKERS: list[Callable[[Docs], list[str]]] = [
     check_podmonitor,
     check_network_policy,
     check_peer_allow_lists,
+    check_pod_network,
+    check_failed_loads_recompute,
 ]
 
 
@@ -958,7 +1051,7 @@ def _edit_connector(docs: Docs, **changes: Any) -> None:
 
 
 def _edit_config(docs: Docs, old: str, new: str) -> None:
-    cm = next(d for d in docs if d["kind"] == "ConfigMap")
+    cm = kvmapd_configmap(docs)
     key = next(iter(cm["data"]))
     assert old in cm["data"][key]
     cm["data"][key] = cm["data"][key].replace(old, new)
@@ -1157,16 +1250,45 @@ BREAKAGES: list[tuple[str, Callable[[Docs], list[str]], Callable[[Docs], None]]]
         lambda d: d.remove(next(x for x in d if x["kind"] == "NetworkPolicy")),
     ),
     (
-        "peer-accept-everyone",
+        "pod-network-everyone",
         check_peer_allow_lists,
-        lambda d: _edit_config(d, 'peer_accept = ["10.0.0.0/8"]', 'peer_accept = ["0.0.0.0/0"]'),
+        lambda d: _network_configmap(d)["data"].update(pod_network="10.0.0.0/8,0.0.0.0/0"),
     ),
     (
         "peer-allow-unset",
         check_peer_allow_lists,
-        lambda d: _edit_config(d, 'peer_allow = ["10.0.0.0/8"]', ""),
+        lambda d: _drop_flag(sidecar_of(_pod(d)), "--peer-allow"),
+    ),
+    (
+        "peer-allow-a-second-setting",
+        check_pod_network,
+        lambda d: _set_arg(sidecar_of(_pod(d)), "--peer-allow", "10.0.0.0/8"),
+    ),
+    (
+        "pod-network-key-missing",
+        check_pod_network,
+        lambda d: _network_configmap(d)["data"].pop("pod_network"),
+    ),
+    (
+        "load-failure-fails-the-request",
+        check_failed_loads_recompute,
+        lambda d: _set_arg(
+            main_of(_pod(d)),
+            "--kv-transfer-config",
+            json.dumps({**kv_transfer_config(main_of(_pod(d))), "kv_load_failure_policy": "fail"}),
+        ),
     ),
 ]
+
+
+def _network_configmap(docs: Docs) -> Doc:
+    return next(d for d in docs if d["kind"] == "ConfigMap" and "pod_network" in d["data"])
+
+
+def _drop_flag(container: Doc, name: str) -> None:
+    args = container["args"]
+    i = args.index(name)
+    del args[i : i + 2]
 
 
 @pytest.mark.parametrize(
@@ -1201,7 +1323,10 @@ def test_roles_differ_only_where_they_should(render: Callable[[str], Docs]) -> N
     p_main, d_main = main_of(pod_spec(p_dep)), main_of(pod_spec(d_dep))
     assert p_main["args"] != d_main["args"]
     assert kv_transfer_config(p_main) == kv_transfer_config(d_main)
-    assert sidecar_of(pod_spec(p_dep)) == sidecar_of(pod_spec(d_dep))
+    # The sidecars are identical but for the role's name prefix of the
+    # ConfigMap their pod network comes from.
+    sidecars = [json.dumps(sidecar_of(pod_spec(dep))) for dep in (p_dep, d_dep)]
+    assert sidecars[0].replace('"prefill-', '"') == sidecars[1].replace('"decode-', '"')
 
 
 def test_editing_the_config_does_not_roll_the_pods(tmp_path: Path) -> None:
@@ -1215,9 +1340,30 @@ def test_editing_the_config_does_not_roll_the_pods(tmp_path: Path) -> None:
     toml.write_text(toml.read_text().replace('planner = "coalesce"', 'planner = "baseline"'))
     after = kustomize(tmp_path / "k8s" / "overlays" / "prefill")
     assert deployments(before) == deployments(after)
-    cm = [next(d for d in docs if d["kind"] == "ConfigMap") for docs in (before, after)]
+    cm = [kvmapd_configmap(docs) for docs in (before, after)]
     assert cm[0]["metadata"]["name"] == cm[1]["metadata"]["name"]
     assert cm[0]["data"] != cm[1]["data"]
+
+
+def test_the_pod_network_is_one_setting(tmp_path: Path) -> None:
+    """The example's one pod-network patch sets both allow-lists of both roles' daemons:
+    changing it there changes what every daemon accepts and dials (a comma-separated pair
+    included), and nothing else in the Deployments."""
+    shutil.copytree(K8S, tmp_path / "k8s")
+    example = tmp_path / "k8s" / "examples" / "pd-rdma-monitoring"
+    before = kustomize(example)
+    kustomization = example / "kustomization.yaml"
+    text = kustomization.read_text()
+    assert text.count("value: 10.0.0.0/8") == 1
+    kustomization.write_text(text.replace("value: 10.0.0.0/8", "value: 192.168.0.0/16,fd00::/8"))
+    after = kustomize(example)
+    for docs, expected in ((before, ["10.0.0.0/8"]), (after, ["192.168.0.0/16", "fd00::/8"])):
+        pods = list(each_pod(docs))
+        assert len(pods) == 2
+        for _, spec in pods:
+            settings = daemon_settings(docs, spec)
+            assert settings["peer_accept"] == settings["peer_allow"] == expected
+    assert deployments(before) == deployments(after)
 
 
 def test_the_daemon_accepts_the_rendered_configuration(
@@ -1236,8 +1382,13 @@ def test_the_daemon_accepts_the_rendered_configuration(
     assert path is not None
     settings = config_file(docs, spec, path)
     local = tmp_path / "kvmapd.toml"
-    local.write_text(next(d for d in docs if d["kind"] == "ConfigMap")["data"][Path(path).name])
-    overrides = {"listen": (flag(args, "--listen") or "").replace("$(POD_IP)", "10.1.2.3")}
+    local.write_text(kvmapd_configmap(docs)["data"][Path(path).name])
+    overrides = {
+        "listen": (flag(args, "--listen") or "").replace("$(POD_IP)", "10.1.2.3"),
+        # The repeatable flags as kvmapd gets them: the pod network's value.
+        "peer_accept": [env_expanded(docs, spec, v) for v in flags(args, "--peer-accept")],
+        "peer_allow": [env_expanded(docs, spec, v) for v in flags(args, "--peer-allow")],
+    }
     config = load_config(str(local), overrides)
     connector = kv_transfer_config(main_of(spec))["kv_connector_extra_config"]
     assert config.socket_path == connector["socket"] == settings["socket"]
@@ -1245,6 +1396,32 @@ def test_the_daemon_accepts_the_rendered_configuration(
     assert config.listen == "10.1.2.3:50051"
     assert config.log_format == "json"
     assert config.metrics_listen and config.state_dir
+    network = settings_network(docs, spec)
+    assert config.peer_accept == config.peer_allow == (network,)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_the_peer_secret_is_a_secret_only_the_sidecar_mounts(
+    render: Callable[[str], Docs], role: str
+) -> None:
+    """kvmapd.toml's peer_secret_file lies in a volume of the Secret kvmap-peer-secret (one for
+    both roles) mounted read-only into the kvmapd sidecar only, with no access for "other"
+    (kvmapd refuses such a file): a neighbour on the pod's loopback lacks it."""
+    docs = render(role)
+    spec = _pod(docs)
+    sidecar = sidecar_of(spec)
+    path = flag(sidecar["args"], "--config")
+    assert path is not None
+    secret_file = Path(config_file(docs, spec, path)["peer_secret_file"])
+    mounts = {m["name"]: m for m in sidecar["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    [name] = [n for n, m in mounts.items() if secret_file.parent == Path(m["mountPath"])]
+    assert mounts[name].get("readOnly") is True
+    secret = volumes[name]["secret"]
+    assert secret["secretName"] == "kvmap-peer-secret"
+    assert secret["defaultMode"] & 0o007 == 0
+    assert secret_file.name in [item["path"] for item in secret.get("items", [])]
+    assert name not in {m["name"] for m in main_of(spec).get("volumeMounts", [])}
 
 
 # ---- tests: image

@@ -17,7 +17,7 @@ from typing import Any
 
 from fake_nixl import FakeAgent, FakeNetwork
 
-from kvmap.client.fd_handoff import send_fds
+from kvmap.client.fd_handoff import sealed_memfd, send_fds
 from kvmap.core import convert
 from kvmap.core.config import DaemonConfig
 from kvmap.core.errors import HandshakeAgain, StaleGeneration, Unavailable
@@ -52,6 +52,12 @@ SIZE = BLOCKS * ROW
 
 def no_cuda() -> CudaDriver:
     raise CudaUnavailable("no CUDA driver in the engine's unit tests")
+
+
+# Who every in-process daemon's Peer calls come from, as
+# ``api.authorization.peer_identity`` would name them: daemons of one host
+# (one address, no certificates).
+HARNESS_PEER = "127.0.0.1"
 
 
 class FakePeers:
@@ -131,20 +137,24 @@ class FakePeers:
 
     async def end(self, target: str, token: str) -> None:
         self.ended.append(token)
-        self._app(target).owner.end(token)
+        self._app(target).owner.end(token, peer=HARNESS_PEER)
 
     async def close(self) -> None:
         pass
 
 
-def begin_transfer(app: DaemonApp, req: peer_pb2.BeginTransferRequest) -> Lease:
-    """What PeerService.BeginTransfer runs for a transfer."""
-    return app.owner.begin(announcement_from_proto(req))
+def begin_transfer(
+    app: DaemonApp, req: peer_pb2.BeginTransferRequest, peer: str = HARNESS_PEER
+) -> Lease:
+    """What PeerService.BeginTransfer runs for a transfer from ``peer``."""
+    return app.owner.begin(announcement_from_proto(req), peer=peer)
 
 
-def release_grant(app: DaemonApp, req: peer_pb2.BeginTransferRequest) -> Grant:
-    """What PeerService.BeginTransfer runs for a release."""
-    return app.owner.release(release_notice_from_proto(req))
+def release_grant(
+    app: DaemonApp, req: peer_pb2.BeginTransferRequest, peer: str = HARNESS_PEER
+) -> Grant:
+    """What PeerService.BeginTransfer runs for a release from ``peer``."""
+    return app.owner.release(release_notice_from_proto(req), peer=peer)
 
 
 async def run_spec(
@@ -188,15 +198,18 @@ class Worker:
     """A CPU worker's KV cache: one memfd, ``BLOCKS`` rows of ``LAYERS`` pages."""
 
     engine_id: str
+    # Its tensor-parallel rank and size (what a grant's reader count is
+    # checked against, ``core.grants.ReaderLayout``).
+    tp_rank: int = 0
+    tp_size: int = 1
     fd: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.fd = os.memfd_create(f"kv-{self.engine_id}")
-        os.ftruncate(self.fd, SIZE)
+        self.fd = sealed_memfd(f"kv-{self.engine_id}", SIZE)
 
     @property
     def id(self) -> types_pb2.WorkerId:
-        return types_pb2.WorkerId(engine_id=self.engine_id)
+        return types_pb2.WorkerId(engine_id=self.engine_id, tp_rank=self.tp_rank)
 
     @property
     def key(self) -> WorkerKey:
@@ -214,7 +227,7 @@ class Worker:
 
     def request(self, token: str) -> registry_pb2.RegisterWorkerRequest:
         req = registry_pb2.RegisterWorkerRequest(
-            worker=self.id, kv_cache_layout="BLHNC", block_size_tokens=16
+            worker=self.id, kv_cache_layout="BLHNC", block_size_tokens=16, tp_size=self.tp_size
         )
         req.allocations.add(
             id="kv",
@@ -386,8 +399,9 @@ class Cluster:
         self.nodes.append(node)
         return node
 
-    def worker(self, engine_id: str, seed: int = 0) -> Worker:
-        w = Worker(engine_id)
+    def worker(self, engine_id: str, seed: int = 0, *, tp: tuple[int, int] = (0, 1)) -> Worker:
+        """A worker of rank ``tp[0]`` of tensor-parallel size ``tp[1]``."""
+        w = Worker(engine_id, tp_rank=tp[0], tp_size=tp[1])
         if seed:
             w.fill(seed)
         self.workers.append(w)

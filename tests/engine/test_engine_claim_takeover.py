@@ -10,7 +10,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import Cluster, Node, Worker, begin_transfer, cluster, next_event, run, spec
+from harness import (
+    HARNESS_PEER,
+    Cluster,
+    Node,
+    Worker,
+    begin_transfer,
+    cluster,
+    next_event,
+    run,
+    spec,
+)
 
 from kvmap.core.errors import InvalidArgument, PermissionDenied
 from kvmap.core.grants import MAX_AGENT_NAME, MAX_REPLACED_AGENTS, digest
@@ -59,7 +69,7 @@ def unchanged(b: Node, wb: Worker, cap: str, old: Lease) -> None:
     """The dead agent's claim, lease and pin are as they were."""
     assert len(b.app.leases) == 1 and b.app.table.get(wb.key).pins == 1
     assert b.app.grants.claimed_by(digest(cap)) == old.peer_agent
-    assert b.app.leases.held_by(old.peer_agent, digest(cap)) == [old]
+    assert b.app.leases.held_by(old.peer_agent, digest(cap), HARNESS_PEER) == [old]
 
 
 def test_a_restarted_decode_takes_its_claim_over_and_pulls(tmp_path: Path) -> None:
@@ -81,7 +91,7 @@ def test_a_restarted_decode_takes_its_claim_over_and_pulls(tmp_path: Path) -> No
             assert list(a2.peers.begun[-1].replaces_agents) == [a.app.agent_name]
             assert len(b.app.leases) == 0 and b.app.table.get(wb.key).pins == 0
             assert len(b.app.grants) == 0 and b.app.counters.served_done == 1
-            assert b.app.owner.end(old.token) is None
+            assert b.app.owner.end(old.token, peer=HARNESS_PEER) is None
             b.app.owner.on_notifs({a.app.agent_name: [notification(old.token)]})
             assert b.app.counters.served_done == 1 and b.app.table.get(wb.key).pins == 0
 
@@ -105,7 +115,8 @@ def test_a_taken_over_claim_spends_no_use(tmp_path: Path) -> None:
             b.app.owner.on_notifs({"kvmapd-a2": [notification(lease.token)]})
             assert (await next_event(events)).transfer_finished.peer_agent == "kvmapd-a2"
             assert b.app.grants.find(cap).uses == 1 and b.app.table.get(wb.key).pins == 0
-            assert b.app.owner.end(old.token) is None and b.app.grants.find(cap).uses == 1
+            assert b.app.owner.end(old.token, peer=HARNESS_PEER) is None
+            assert b.app.grants.find(cap).uses == 1
 
     run(main())
 
@@ -128,7 +139,7 @@ def test_naming_the_agent_without_its_capability_changes_nothing(tmp_path: Path)
             begin_transfer(b.app, req)
             assert b.app.grants.claimed_by(digest(other)) == "mallory"
             assert b.app.grants.claimed_by(digest(cap)) == old.peer_agent
-            assert b.app.leases.held_by(old.peer_agent, digest(cap)) == [old]
+            assert b.app.leases.held_by(old.peer_agent, digest(cap), HARNESS_PEER) == [old]
 
     run(main())
 

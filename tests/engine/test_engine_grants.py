@@ -12,7 +12,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import Cluster, Node, Worker, begin_transfer, cluster, next_event, run, spec
+from harness import (
+    HARNESS_PEER,
+    Cluster,
+    Node,
+    Worker,
+    begin_transfer,
+    cluster,
+    next_event,
+    run,
+    spec,
+)
 
 from kvmap.core.errors import PermissionDenied
 from kvmap.daemon.engine.leases import notification
@@ -120,7 +130,7 @@ def test_a_claim_excludes_other_agents_until_released() -> None:
             with pytest.raises(PermissionDenied):
                 begin_transfer(b.app, announce(b, wb, cap, peer="agent-y", blocks=[1]))
             assert len(b.app.leases) == 1 and b.app.table.get(wb.key).pins == 1
-            b.app.owner.end(first.token)
+            b.app.owner.end(first.token, peer=HARNESS_PEER)
             second = begin_transfer(b.app, announce(b, wb, cap, peer="agent-y", blocks=[2]))
             assert second.peer_agent == "agent-y"
             (expired,) = b.app.owner.expire(now=math.inf)

@@ -245,12 +245,16 @@ def test_a_release_request_spends_a_use_as_the_old_flag_does() -> None:
 
 
 def test_a_release_declaring_no_reader_uses_up_an_open_grant_only() -> None:
-    """readers 0 in a release: no one reads the grant; an open one is used up at once (the
-    worker frees its blocks), a fixed one refuses it (FAILED_PRECONDITION, nothing spent)."""
+    """readers 0 in a release: no one reads the grant; an open one of a rank its layout lets
+    go unread (replicated, rank 1 of 2) is used up at once (the worker frees its blocks), a
+    fixed one refuses it (FAILED_PRECONDITION, nothing spent)."""
 
     async def main() -> None:
         async with cluster() as c:
-            a, wa, b, wb = await two(c)
+            a, b = await c.node("a"), await c.node("b")
+            wa, wb = c.worker("decode"), c.worker("prefill", seed=3, tp=(1, 2))
+            await a.register(wa)
+            await b.register(wb)
             cap = b.grant(wb, "req-1", {0: [1]}, open_uses=True)
             events = b.app.table.subscribe(wb.key)
             [s async for s in run_spec(a.app, release(b, wa, wb, cap, 0), False)]
@@ -310,5 +314,31 @@ def test_an_expired_grant_refuses_a_release() -> None:
             with pytest.raises(FailedPrecondition, match="expired"):
                 release_grant(b.app, req)
             assert uses(b) == [(0, 0)]
+
+    run(main())
+
+
+@pytest.mark.parametrize("tp", [(0, 2), (0, 1)])
+def test_a_release_declaring_no_reader_needs_a_rank_its_layout_lets_go_unread(
+    tp: tuple[int, int],
+) -> None:
+    """A decode's readers-0 release of an open grant of a rank every decode engine reads
+    (rank 0: decode rank d reads prefill rank d % tp_size) is refused with
+    FAILED_PRECONDITION: the grant keeps its uses, the worker hears nothing, and a real
+    reader still pulls."""
+
+    async def main() -> None:
+        async with cluster() as c:
+            a, b = await c.node("a"), await c.node("b")
+            wa, wb = c.worker("decode"), c.worker("prefill", seed=3, tp=tp)
+            await a.register(wa)
+            await b.register(wb)
+            cap = b.grant(wb, "req-1", {0: [1]}, open_uses=True)
+            events = b.app.table.subscribe(wb.key)
+            with pytest.raises(FailedPrecondition, match="read by every decode engine"):
+                [s async for s in run_spec(a.app, release(b, wa, wb, cap, 0), False)]
+            assert events.empty() and uses(b) == [(0, 0)]
+            await a.transfer(pull(wa, b, wb, cap, 1))
+            assert (await finished(events)).exhausted and wa.block(0) == wb.block(1)
 
     run(main())

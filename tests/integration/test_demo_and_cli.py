@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvmap.tools.launch import local_env, start_daemon, start_worker
+from kvmap.tools.peers import session_peer_secret
 
 pytestmark = pytest.mark.integration
 
@@ -35,22 +36,27 @@ def _torch_shm(pids: list[int]) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if any(f"torch_{p}_" in n for p in pids)]
 
 
-def _mapped_torch_shm(pid: int) -> set[str]:
-    """Names of the torch shared-memory objects process ``pid`` maps."""
+def _mapped_kv_memfds(pid: int) -> set[str]:
+    """Names of the sealed KV memfds (kvmap.client.shm_export) process ``pid`` maps."""
     with open(f"/proc/{pid}/maps") as f:
-        paths = {line.split(maxsplit=5)[-1].strip() for line in f if "/dev/shm/torch_" in line}
-    return {p.removeprefix("/dev/shm/").removesuffix(" (deleted)") for p in paths}
+        paths = {line.split(maxsplit=5)[-1].strip() for line in f if "/memfd:kvmap-kv-" in line}
+    return {p.removeprefix("/memfd:").removesuffix(" (deleted)") for p in paths}
 
 
 def test_demo_verifies_every_byte(tmp_path: Path) -> None:
-    """kvmapd demo, run as a user would, exits 0 reporting every byte verified, every request's
-    owner told, and the GLM-5.3 descriptor counts, and both its daemons are gone afterwards."""
+    """kvmapd demo, run as a user would, exits 0 reporting its start-up steps as they happen, every
+    byte verified, every request's owner told, and the GLM-5.3 descriptor counts, and both its
+    daemons are gone afterwards."""
     out = subprocess.run(
         [sys.executable, "-m", "kvmap.daemon.cli.kvmapd", "demo", *SMALL],
         capture_output=True, text=True, timeout=180, env=local_env(tmp_path), check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     assert "kvmap demo: every byte verified" in out.stdout
+    # Progress while it starts: each daemon and worker is named before it is waited for.
+    steps = re.findall(r"^kvmap demo: starting (\d)/4 .* up in [\d.]+s$", out.stdout, re.M)
+    assert steps == ["1", "2", "3", "4"], out.stdout
+    assert out.stdout.index("starting 4/4") < out.stdout.index("two daemons and two workers up")
     assert "prefill worker told the pull finished for 3/3 requests" in out.stdout
     assert re.search(r"baseline 3,234,222 vs coalesce 64,044", out.stdout)
     pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", out.stdout)]
@@ -75,10 +81,10 @@ def test_interrupted_demo_leaves_nothing_behind(tmp_path: Path) -> None:
     # directory under tmp_path (its TMPDIR).
     worker_pids = [int(p) for p in _pgrep(f"kvmap.tools.demo_worker.*{tmp_path}").split()]
     assert len(worker_pids) == 2, "".join(lines)
-    # Their KV caches are torch shared memory; torch unlinks each object's name
-    # once it holds the fd, so none may stay in /dev/shm after the demo.
-    segments = set().union(*(_mapped_torch_shm(p) for p in worker_pids))
-    assert segments and all(any(f"torch_{p}_" in n for p in worker_pids) for n in segments)
+    # Their KV caches are sealed memfds (named after their pids), which have no
+    # name in /dev/shm at all; nothing of torch's may be left there either.
+    segments = set().union(*(_mapped_kv_memfds(p) for p in worker_pids))
+    assert segments and all(any(f"kvmap-kv-{p}-" in n for p in worker_pids) for n in segments)
     proc.send_signal(signal.SIGINT)
     rest, _ = proc.communicate(timeout=60)
     text = "".join(lines) + rest
@@ -113,22 +119,24 @@ def test_kvmapctl_tables_and_metrics(tmp_path: Path) -> None:
     worker = start_worker(daemon, "engine-x", "--blocks", "16", "--mla-layers", "4")
     try:
         ctl = [sys.executable, "-m", "kvmap.daemon.cli.kvmapctl"]
-        for target in (f"unix://{daemon.socket}", daemon.tcp_target):
+        # On TCP, kvmapctl presents the peer secret launch gave the daemon.
+        tcp = [daemon.tcp_target, "--peer-secret-file", str(session_peer_secret())]
+        for target in ([f"unix://{daemon.socket}"], tcp):
             workers = subprocess.run(
-                [*ctl, "--target", target, "workers"], capture_output=True, text=True, timeout=30,
+                [*ctl, "--target", *target, "workers"], capture_output=True, text=True, timeout=30,
                 check=False,
             )  # fmt: skip
             assert workers.returncode == 0, workers.stderr
             assert "engine-x" in workers.stdout and "coalesce" in workers.stdout
             regions = subprocess.run(
-                [*ctl, "--target", target, "regions", "engine-x"], capture_output=True, text=True,
+                [*ctl, "--target", *target, "regions", "engine-x"], capture_output=True, text=True,
                 timeout=30, check=False,
             )  # fmt: skip
             assert regions.returncode == 0, regions.stderr
             # 4 MLA + 3 indexer layers x 16 blocks, coalesced to two full rows.
             assert "descriptors  32 in 2 regions (baseline 112" in regions.stdout
         missing = subprocess.run(
-            [*ctl, "--target", daemon.tcp_target, "regions", "nobody"], capture_output=True,
+            [*ctl, "--target", *tcp, "regions", "nobody"], capture_output=True,
             text=True, timeout=30, check=False,
         )  # fmt: skip
         assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
@@ -138,7 +146,10 @@ def test_kvmapctl_tables_and_metrics(tmp_path: Path) -> None:
         assert re.search(r"^kvmap_regions 2\.0$", text, re.M)
         assert re.search(r"^kvmap_descriptors 32\.0$", text, re.M)
         assert re.search(
-            r'^kvmap_rpcs_total\{code="OK",method="RegisterWorker"\} 1\.0$', text, re.M
+            r'^kvmap_rpcs_total\{grpc_code="OK",grpc_method="RegisterWorker",'
+            r'grpc_service="kvmap.v1.Registry"\} 1\.0$',
+            text,
+            re.M,
         )
         assert "kvmap_rpc_seconds_bucket" in text
     finally:

@@ -118,14 +118,14 @@ def target_main(conn: Connection) -> None:
 
 def _target(conn: Connection) -> None:
     os.environ["UCX_NET_DEVICES"] = "lo"
+    from kvmap.client.fd_handoff import sealed_memfd
     from kvmap.daemon.adapters import memory
     from kvmap.daemon.adapters.nixl_agent import NixlAgent
 
     agent = NixlAgent.create("target")
     maps = []
     for size in ALLOC_SIZES:
-        fd = os.memfd_create("target-kv")
-        os.ftruncate(fd, size)
+        fd = sealed_memfd("target-kv", size)
         maps.append(memory.import_shm_fd(fd, 0, size))
     base = [m.address for m in maps]
     for m in maps:

@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 import pytest
 
+from kvmap.client.fd_handoff import credential_metadata
 from kvmap.tools.launch import DaemonProc, start_daemon, start_worker
 from kvmap.v1 import admin_pb2, admin_pb2_grpc, registry_pb2, registry_pb2_grpc, types_pb2
 
@@ -41,11 +42,12 @@ def registration(kv_file: Path) -> registry_pb2.RegisterWorkerRequest:
     return req
 
 
-def _attach(ch: grpc.Channel) -> Any:
+def _attach(ch: grpc.Channel, metadata: Any) -> Any:
     """An Attach stream of the prefill worker, once its ``attached`` event is in."""
     stream = registry_pb2_grpc.RegistryStub(ch).Attach(
-        registry_pb2.AttachRequest(worker=types_pb2.WorkerId(engine_id="prefill")), timeout=30
-    )
+        registry_pb2.AttachRequest(worker=types_pb2.WorkerId(engine_id="prefill")),
+        timeout=30, metadata=metadata,
+    )  # fmt: skip
     assert next(stream).WhichOneof("event") == "attached"
     return stream
 
@@ -59,11 +61,16 @@ def test_finished_notification_survives_daemon_kill(tmp_path: Path) -> None:
     kv_file = tmp_path / "kv.bin"
     kv_file.write_bytes(bytes(range(256)) * (BLOCKS * LAYERS * PAGE // 256))
     state = tmp_path / "state"
-    prefill = start_daemon(tmp_path / "p", "--state-dir", str(state), name="prefill")
+    # The KV file is a path registration: its directory must be an allowed prefix.
+    shm = ("--shm-path-prefix", str(tmp_path))
+    prefill = start_daemon(tmp_path / "p", "--state-dir", str(state), *shm, name="prefill")
     with prefill.channel() as ch:
         registry = registry_pb2_grpc.RegistryStub(ch)
-        registry.RegisterWorker(registration(kv_file), timeout=10)
-        attach = _attach(ch)
+        # The registering uid's credentials: a path registration needs them, and the
+        # worker's Attach and grants are then honoured from that uid only.
+        me = credential_metadata(prefill.socket)
+        registry.RegisterWorker(registration(kv_file), timeout=10, metadata=me)
+        attach = _attach(ch, me)
         # The owner grants the pull, as the vLLM connector does.
         grant = registry.GrantTransfer(
             registry_pb2.GrantTransferRequest(
@@ -71,8 +78,8 @@ def test_finished_notification_survives_daemon_kill(tmp_path: Path) -> None:
                 request_id="while-away",
                 groups=[types_pb2.BlockGrant(transfer_group=0, block_ids=[5, 6])],
             ),
-            timeout=10,
-        )
+            timeout=10, metadata=me,
+        )  # fmt: skip
         prefill.kill()  # the Attach stream dies with it: nobody is attached now
         attach.cancel()
     restarts: list[DaemonProc] = []
@@ -80,7 +87,7 @@ def test_finished_notification_survives_daemon_kill(tmp_path: Path) -> None:
     def restart() -> DaemonProc:
         restarts.append(
             start_daemon(
-                tmp_path / "p", "--state-dir", str(state), name="prefill",
+                tmp_path / "p", "--state-dir", str(state), *shm, name="prefill",
                 listen=prefill.tcp_target,
             )
         )  # fmt: skip

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from test_pending_events import GEO, HANG_GUARD_POLLS, _attach, _wait_until_no_lease, registration
 
+from kvmap.client.fd_handoff import credential_metadata
 from kvmap.tools.launch import DaemonProc, start_daemon, start_worker
 from kvmap.v1 import registry_pb2, registry_pb2_grpc, types_pb2
 
@@ -25,13 +26,14 @@ pytestmark = pytest.mark.integration
 PREFILL = types_pb2.WorkerId(engine_id="prefill")
 
 
-def _grant(registry: Any, request_id: str, blocks: list[int]) -> str:
+def _grant(registry: Any, request_id: str, blocks: list[int], metadata: Any) -> str:
     grant = registry.GrantTransfer(
         registry_pb2.GrantTransferRequest(
             worker=PREFILL,
             request_id=request_id,
             groups=[types_pb2.BlockGrant(transfer_group=0, block_ids=blocks)],
         ),
+        metadata=metadata,
         timeout=10,
     )
     capability: str = grant.capability
@@ -95,12 +97,16 @@ def test_a_pull_started_while_the_owner_is_down_lands_after_its_restart(
     kv_file = tmp_path / "kv.bin"
     kv_file.write_bytes(bytes(range(256)) * (16 * 3 * 32 * 656 // 256))
     state = tmp_path / "state"
-    prefill = start_daemon(tmp_path / "p", "--state-dir", str(state), name="prefill")
+    # The KV file is a path registration: its directory must be an allowed prefix, and the
+    # registering uid's credentials go with it (the worker's calls are honoured from it only).
+    shm = ("--shm-path-prefix", str(tmp_path))
+    prefill = start_daemon(tmp_path / "p", "--state-dir", str(state), *shm, name="prefill")
     with prefill.channel() as ch:
         registry = registry_pb2_grpc.RegistryStub(ch)
-        registry.RegisterWorker(registration(kv_file), timeout=10)
-        attach = _attach(ch)
-        capability = _grant(registry, "gap", [5, 6])
+        me = credential_metadata(prefill.socket)
+        registry.RegisterWorker(registration(kv_file), timeout=10, metadata=me)
+        attach = _attach(ch, me)
+        capability = _grant(registry, "gap", [5, 6], me)
         if stop == "SIGTERM":
             assert prefill.terminate() == 0, prefill.log()
         else:
@@ -125,7 +131,7 @@ def test_a_pull_started_while_the_owner_is_down_lands_after_its_restart(
         _wait_for_retry(decode)
         restarted.append(
             start_daemon(
-                tmp_path / "p", "--state-dir", str(state), name="prefill",
+                tmp_path / "p", "--state-dir", str(state), *shm, name="prefill",
                 listen=prefill.tcp_target,
             )
         )  # fmt: skip
@@ -136,13 +142,14 @@ def test_a_pull_started_while_the_owner_is_down_lands_after_its_restart(
         _wait_until_no_lease(restarted[0])
         with restarted[0].channel() as ch:
             registry = registry_pb2_grpc.RegistryStub(ch)
-            stream = _attach(ch)
+            me = credential_metadata(restarted[0].socket)  # the restart forgot the old token
+            stream = _attach(ch, me)
             first = next(stream)
             assert first.transfer_finished.request_id == "gap"
             assert first.transfer_finished.direction == registry_pb2.TRANSFER_DIRECTION_PULLED_FROM
             again = dw.call(_pull("gap", restarted[0].tcp_target, capability, [2, 3], [5, 6]))
             assert not again["ok"] and again["code"] == "PERMISSION_DENIED", again
-            later = _grant(registry, "later", [7])
+            later = _grant(registry, "later", [7], me)
             assert dw.call(_pull("later", restarted[0].tcp_target, later, [4], [7]))["ok"]
             assert next(stream).transfer_finished.request_id == "later"
             stream.cancel()

@@ -39,7 +39,7 @@ def stats(daemon: DaemonProc) -> admin_pb2.GetStatsResponse:
 
 
 def daemon_holds(daemon_pid: int, worker_pid: int) -> dict[str, list[str]]:
-    needle = f"/torch_{worker_pid}_"
+    needle = f"/memfd:kvmap-kv-{worker_pid}-"  # kvmap.client.shm_export's sealed memfds
     with open(f"/proc/{daemon_pid}/maps") as f:
         maps = [line.strip() for line in f if needle in line]
     fds = []

@@ -110,9 +110,13 @@ def _dangling_in_markdown(line: str, here: Path) -> Iterator[str]:
                 yield f"link {target} resolves outside the repository"
             elif not (here / target).exists():
                 yield f"link {target} points at nothing in the repository"
-    for path in _QUOTED_PATH.findall(line):
+    for quoted in _QUOTED_PATH.findall(line):
+        # ``tests/x.py::test_name`` (a pytest node id): the file and the test in it.
+        path, _, test = quoted.partition("::")
         if not any(REPO.glob(path.rstrip("/"))):
-            yield f"{path} is not in the repository"
+            yield f"{quoted} is not in the repository"
+        elif test and f"def {test}(" not in (REPO / path).read_text():
+            yield f"{quoted}: {path} defines no {test}"
     for dotted in _QUOTED_MODULE.findall(line):
         if not _python_name_exists(dotted):
             yield f"{dotted} is not a module, or a name defined in one, of kvmap"

@@ -19,11 +19,11 @@ import time
 import uuid
 from typing import Any
 
-import grpc
 import numpy as np
 
 from kvmap.core.errors import KvmapError
 from kvmap.daemon.adapters.nixl_agent import NixlAgent, XferOp, XferState
+from kvmap.tools.peers import peer_channel
 from kvmap.v1 import peer_pb2, peer_pb2_grpc, types_pb2
 
 LOCAL_BYTES = 1 << 20
@@ -64,8 +64,9 @@ def _try(agent: NixlAgent, remote: str, op: XferOp, *, local: int, addr: int, n:
         agent.release(xfer)
 
 
-def main(target: str, engine: str) -> dict[str, Any]:
-    with grpc.insecure_channel(target) as ch:
+def main(target: str, engine: str, secret: str = "") -> dict[str, Any]:
+    """``secret``: the peer secret to present ("" for none: a neighbour)."""
+    with peer_channel(target, secret) as ch:
         md = peer_pb2_grpc.PeerStub(ch).GetAgentMetadata(
             peer_pb2.GetAgentMetadataRequest(worker=types_pb2.WorkerId(engine_id=engine)),
             timeout=10,
@@ -84,4 +85,4 @@ def main(target: str, engine: str) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], sys.argv[2])), flush=True)
+    print(json.dumps(main(*sys.argv[1:4])), flush=True)

@@ -15,15 +15,14 @@ import json
 import sys
 import uuid
 
-import grpc
-
 from kvmap.daemon.adapters.nixl_agent import NixlAgent
 from kvmap.daemon.engine.leases import notification
+from kvmap.tools.peers import peer_channel
 from kvmap.v1 import peer_pb2, peer_pb2_grpc, types_pb2
 
 
-def main(target: str, engine: str, token: str) -> None:
-    with grpc.insecure_channel(target) as ch:
+def main(target: str, engine: str, token: str, secret: str = "") -> None:
+    with peer_channel(target, secret) as ch:
         md = peer_pb2_grpc.PeerStub(ch).GetAgentMetadata(
             peer_pb2.GetAgentMetadataRequest(worker=types_pb2.WorkerId(engine_id=engine)),
             timeout=10,
@@ -39,4 +38,4 @@ def main(target: str, engine: str, token: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3])
+    main(*sys.argv[1:5])

@@ -32,7 +32,7 @@ import numpy.typing as npt
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmap.client.fd_handoff import send_fds
+from kvmap.client.fd_handoff import sealed_memfd, send_fds
 from kvmap.tools.launch import DaemonProc, start_daemon
 from kvmap.v1 import (
     peer_pb2_grpc,
@@ -73,7 +73,7 @@ class Live:
     def __init__(self, daemon: DaemonProc) -> None:
         self.daemon = daemon
         self.unix = grpc.insecure_channel(daemon.unix_target, options=CHANNEL_OPTIONS)
-        self.tcp = grpc.insecure_channel(daemon.tcp_target, options=CHANNEL_OPTIONS)
+        self.tcp = daemon.channel(tcp=True, options=CHANNEL_OPTIONS)
         self.registry = registry_pb2_grpc.RegistryStub(self.unix)
         self.maps = region_maps_pb2_grpc.RegionMapsStub(self.unix)
         self.transfers = transfers_pb2_grpc.TransfersStub(self.unix)
@@ -116,17 +116,21 @@ class Live:
 class ShmWorker:
     """A worker whose KV cache is a memfd the test maps and checks byte for byte."""
 
-    def __init__(self, live: Live, engine_id: str, blocks: int, seed: int) -> None:
+    def __init__(
+        self, live: Live, engine_id: str, blocks: int, seed: int, tp: tuple[int, int] = (0, 1)
+    ) -> None:
+        """``tp``: its tensor-parallel rank and size (what a grant's readers
+        are checked against)."""
         self.live = live
         self.engine_id = engine_id
+        self.tp_rank, self.tp_size = tp
         self.blocks = blocks
         sizes = {0: blocks * MLA_STRIDE, 1: blocks * IDX_STRIDE}
         # [guard page][group 0 allocation][guard pages][group 1 allocation][guard page]
         self.offsets = {0: PAGE, 1: PAGE + _round_up(sizes[0]) + PAGE}
         self.sizes = sizes
         self.file_size = self.offsets[1] + _round_up(sizes[1]) + PAGE
-        self.fd = os.memfd_create(f"kv-{engine_id}")
-        os.ftruncate(self.fd, self.file_size)
+        self.fd = sealed_memfd(f"kv-{engine_id}", self.file_size)
         self._mm = mmap.mmap(self.fd, self.file_size, flags=mmap.MAP_SHARED)
         self.buf: npt.NDArray[np.uint8] = np.frombuffer(self._mm, dtype=np.uint8)
         self.buf[:] = np.random.default_rng(seed).integers(0, 256, self.file_size, np.uint8)
@@ -136,11 +140,14 @@ class ShmWorker:
 
     @property
     def worker_id(self) -> types_pb2.WorkerId:
-        return types_pb2.WorkerId(engine_id=self.engine_id)
+        return types_pb2.WorkerId(engine_id=self.engine_id, tp_rank=self.tp_rank)
 
     def request(self, token: str) -> registry_pb2.RegisterWorkerRequest:
         req = registry_pb2.RegisterWorkerRequest(
-            worker=self.worker_id, kv_cache_layout="BLHNC", block_size_tokens=16
+            worker=self.worker_id,
+            kv_cache_layout="BLHNC",
+            block_size_tokens=16,
+            tp_size=self.tp_size,
         )
         for g, (layers, stride) in GROUPS.items():
             alloc = f"g{g}"
@@ -191,9 +198,11 @@ class ShmWorker:
         *,
         ttl_ms: int = 0,
         max_uses: int = 0,
+        open_uses: bool = False,
     ) -> str:
         """The capability for a peer to transfer exactly ``blocks`` (ids per
-        transfer group) of this worker for ``request_id``."""
+        transfer group) of this worker for ``request_id`` (``open_uses``: its
+        first claim fixes the count)."""
         resp = self.live.registry.GrantTransfer(
             registry_pb2.GrantTransferRequest(
                 worker=self.worker_id,
@@ -204,6 +213,7 @@ class ShmWorker:
                 ],
                 ttl_ms=ttl_ms,
                 max_uses=max_uses,
+                open_uses=open_uses,
             ),
             timeout=CALL_TIMEOUT_S,
         )
@@ -357,9 +367,11 @@ class Cluster:
         self.dw.assert_intact(what)
 
 
-def start_cluster(tmp: Path, p_blocks: int = 32, d_blocks: int = 24) -> Iterator[Cluster]:
+def start_cluster(
+    tmp: Path, p_blocks: int = 32, d_blocks: int = 24, prefill_listen: str = "127.0.0.1:0"
+) -> Iterator[Cluster]:
     """Generator body of a module fixture: yields a cluster, then stops it."""
-    p = start_daemon(tmp / "p", "--planner", "coalesce", name="p")
+    p = start_daemon(tmp / "p", "--planner", "coalesce", name="p", listen=prefill_listen)
     d = None
     workers: list[ShmWorker] = []
     try:

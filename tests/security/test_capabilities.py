@@ -245,7 +245,7 @@ def test_a_forged_done_from_another_agent_does_not_free_the_request(
     served = stats(c).transfers.served_done
     forger = subprocess.Popen(
         [sys.executable, str(Path(__file__).with_name("nixl_notifier.py")),
-         c.p.daemon.tcp_target, "prefill", token],
+         c.p.daemon.tcp_target, "prefill", token, c.p.daemon.secret],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=local_env(tmp_path),
     )  # fmt: skip

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmap.client.fd_handoff import send_fds
+from kvmap.client.fd_handoff import sealed_memfd, send_fds
 from kvmap.tools.launch import DaemonProc, local_env, start_daemon
 from kvmap.v1 import (
     admin_pb2,
@@ -35,9 +35,8 @@ BLOCKS = 1 << 16
 
 def _register(daemon: DaemonProc, engine: str, size: int) -> tuple[Code, str]:
     """Register a worker whose one allocation is a fresh sparse memfd of ``size`` bytes."""
-    fd = os.memfd_create(f"kv-{engine}")
+    fd = sealed_memfd(f"kv-{engine}", size)
     try:
-        os.ftruncate(fd, size)
         token = send_fds(daemon.socket + ".fds", [fd], 10)
         req = registry_pb2.RegisterWorkerRequest(
             worker=types_pb2.WorkerId(engine_id=engine), kv_cache_layout="BLHNC",

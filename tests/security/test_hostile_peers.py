@@ -31,7 +31,7 @@ import grpc
 import pytest
 from security_support import Cluster, expect_transfer, start_cluster
 
-from kvmap.tools.launch import local_env
+from kvmap.tools.launch import DaemonProc, local_env
 from kvmap.v1 import peer_pb2, peer_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -44,8 +44,9 @@ class FakePeer(peer_pb2_grpc.PeerServicer):
     """A Peer server that answers with the real prefill daemon's answers,
     after ``tamper`` has edited the handshake."""
 
-    def __init__(self, real_target: str, tamper: Tamper) -> None:
-        self.channel = grpc.insecure_channel(real_target)
+    def __init__(self, real: DaemonProc, tamper: Tamper) -> None:
+        # It holds the peer secret: a peer that is authorized and lies.
+        self.channel = real.channel(tcp=True)
         self.real = peer_pb2_grpc.PeerStub(self.channel)
         self.tamper = tamper
         self.server = grpc.server(futures.ThreadPoolExecutor(4))
@@ -93,7 +94,7 @@ def fake(c: Cluster) -> Iterator[Callable[[Tamper], FakePeer]]:
     made: list[FakePeer] = []
 
     def make(tamper: Tamper) -> FakePeer:
-        made.append(FakePeer(c.p.daemon.tcp_target, tamper))
+        made.append(FakePeer(c.p.daemon, tamper))
         return made[-1]
 
     yield make
@@ -270,7 +271,7 @@ def test_a_peer_borrowing_a_real_agent_name_cannot_cut_off_the_real_peer(
             r.agent_name = str(mode["name"])
             r.generation = r.region_map.generation = int(mode["generation"])
 
-    f = FakePeer(c.p.daemon.tcp_target, borrow_then_change)
+    f = FakePeer(c.p.daemon, borrow_then_change)
     try:
         g = [{"group": 0, "local": [1, 2], "remote": [3, 4]}]
         assert c.transfer(c.spec(g), write=False)[0] is Code.OK
@@ -294,13 +295,13 @@ def test_a_peer_borrowing_a_real_agent_name_cannot_cut_off_the_real_peer(
 def test_a_stranger_with_the_agent_metadata_cannot_touch_bytes_outside_registrations(
     c: Cluster, tmp_path: Path
 ) -> None:
-    """A stranger's own NIXL agent loaded with the prefill daemon's metadata can transfer inside the
-    registrations (the control) but every attempt outside them fails, and prefill's memory and
-    state stay unchanged."""
+    """A compromised peer's own NIXL agent (it holds the peer secret) loaded with the prefill
+    daemon's metadata can transfer inside the registrations (the control) but every attempt
+    outside them fails, and prefill's memory and state stay unchanged."""
     before = c.p.snapshot()
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("nixl_attacker.py")),
-         c.p.daemon.tcp_target, "prefill"],
+         c.p.daemon.tcp_target, "prefill", c.p.daemon.secret],
         capture_output=True, text=True, timeout=120, env=local_env(tmp_path), check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]

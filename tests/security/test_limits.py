@@ -2,7 +2,8 @@
 status and a message that names the limit, and each checked at the limit
 too (what is allowed still works):
 
-- 16 MiB per message, both listeners, every method;
+- 16 MiB per message on the Unix socket, every method, and on TCP each
+  method's own limit (``api.limits``: what a peer legitimately sends);
 - 16,384 views per worker (and 1,024 allocations, 2**24 blocks per view);
 - 65,536 blocks per transfer;
 - 1,024 outstanding transfers per peer (``Peer.BeginTransfer``).
@@ -22,7 +23,7 @@ import grpc
 import pytest
 from security_support import Cluster, Live, expect_transfer, start_cluster
 
-from kvmap.client.fd_handoff import send_fds
+from kvmap.client.fd_handoff import sealed_memfd, send_fds
 from kvmap.core.transfer_plan import MAX_BLOCKS_PER_TRANSFER
 from kvmap.core.validation import (
     MAX_ALLOCATIONS,
@@ -30,10 +31,10 @@ from kvmap.core.validation import (
     MAX_DESCRIPTORS,
     MAX_VIEWS,
 )
+from kvmap.daemon.api.limits import SMALL_REQUEST_BYTES, TCP_REQUEST_LIMITS
 from kvmap.daemon.api.server import MAX_MESSAGE_BYTES
 from kvmap.daemon.engine.leases import MAX_LEASES_PER_PEER
 from kvmap.v1 import (
-    peer_pb2,
     region_maps_pb2,
     registry_pb2,
     types_pb2,
@@ -134,20 +135,32 @@ def _raw(live: Live, method: str, tcp: bool, stream: bool, data: bytes) -> tuple
 
 
 @pytest.mark.parametrize(
-    ("method", "tcp", "stream"),
-    [(m, False, False) for m in UNIX_METHODS]
-    + [(m, False, True) for m in UNIX_STREAMS]
-    + [(m, True, False) for m in TCP_METHODS],
+    ("method", "stream"),
+    [(m, False) for m in UNIX_METHODS] + [(m, True) for m in UNIX_STREAMS],
 )
-def test_a_message_over_16_mib_is_resource_exhausted(
-    c: Cluster, method: str, tcp: bool, stream: bool
-) -> None:
-    """A request one past 16 MiB to any method, unary or streaming, on either listener is
+def test_a_message_over_16_mib_is_resource_exhausted(c: Cluster, method: str, stream: bool) -> None:
+    """A request one past 16 MiB to any method, unary or streaming, on the Unix socket is
     RESOURCE_EXHAUSTED naming the limit, and leaves the daemon's state unchanged and healthy."""
     before = c.d.snapshot()
-    code, msg = _raw(c.d, method, tcp, stream, OVERSIZED)
+    code, msg = _raw(c.d, method, False, stream, OVERSIZED)
     assert code is Code.RESOURCE_EXHAUSTED, (code, msg)
     assert str(MAX_MESSAGE_BYTES) in msg, msg
+    assert c.d.snapshot() == before
+    c.d.assert_healthy()
+
+
+@pytest.mark.parametrize("method", TCP_METHODS)
+def test_a_tcp_request_over_its_methods_limit_is_resource_exhausted(
+    c: Cluster, method: str
+) -> None:
+    """On TCP each kvmap method takes requests up to its own limit (a peer's largest; 352 KiB for
+    BeginTransfer and PlanPreview, 64 KiB for the others): one byte more, from an authorized
+    peer, is RESOURCE_EXHAUSTED naming that limit, and changes nothing."""
+    limit = TCP_REQUEST_LIMITS[method]
+    before = c.d.snapshot()
+    code, msg = _raw(c.d, method, True, False, _list_workers_of_size(limit + 1))
+    assert code is Code.RESOURCE_EXHAUSTED, (code, msg)
+    assert str(limit) in msg, msg
     assert c.d.snapshot() == before
     c.d.assert_healthy()
 
@@ -173,16 +186,17 @@ def _field(number: int, payload: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("tcp", [False, True])
-def test_a_message_of_exactly_16_mib_is_accepted(c: Cluster, tcp: bool) -> None:
-    """A request of exactly 16 MiB is served on both listeners, and one byte more is
-    RESOURCE_EXHAUSTED naming the limit."""
-    data = _list_workers_of_size(MAX_MESSAGE_BYTES)
-    assert len(data) == MAX_MESSAGE_BYTES
+def test_a_message_of_exactly_the_limit_is_accepted(c: Cluster, tcp: bool) -> None:
+    """A ListWorkers request of exactly the listener's limit for it (16 MiB on the Unix socket,
+    64 KiB on TCP) is served, and one byte more is RESOURCE_EXHAUSTED naming the limit."""
+    limit = SMALL_REQUEST_BYTES if tcp else MAX_MESSAGE_BYTES
+    data = _list_workers_of_size(limit)
+    assert len(data) == limit
     method = "/kvmap.v1.RegionMaps/ListWorkers"
     assert _raw(c.d, method, tcp, False, data) == (Code.OK, "")
     code, msg = _raw(c.d, method, tcp, False, data + b"\0")
     assert code is Code.RESOURCE_EXHAUSTED, (code, msg[:200])
-    assert str(MAX_MESSAGE_BYTES) in msg, msg
+    assert str(limit) in msg, msg
 
 
 def test_a_rejection_of_a_huge_request_has_a_bounded_message_and_log_line(c: Cluster) -> None:
@@ -192,7 +206,9 @@ def test_a_rejection_of_a_huge_request_has_a_bounded_message_and_log_line(c: Clu
         worker=types_pb2.WorkerId(engine_id="e" * (MAX_MESSAGE_BYTES - 64))
     )
     log_before = c.d.daemon.log_path.stat().st_size
-    code, msg = _raw(c.d, "/kvmap.v1.RegionMaps/GetRegionMap", True, False, req.SerializeToString())
+    code, msg = _raw(
+        c.d, "/kvmap.v1.RegionMaps/GetRegionMap", False, False, req.SerializeToString()
+    )
     grown = c.d.daemon.log_path.stat().st_size - log_before
     assert grown < 64 * 1024, f"one rejected request grew the daemon's log by {grown} bytes"
     assert code is Code.NOT_FOUND, (code, msg[:200])
@@ -232,8 +248,7 @@ def views_request(
 
 def _with_memory(c: Cluster, req: registry_pb2.RegisterWorkerRequest) -> int:
     """Back the request's allocation with a fresh memfd; returns the fd."""
-    fd = os.memfd_create("wide")
-    os.ftruncate(fd, req.allocations[0].size_bytes)
+    fd = sealed_memfd("wide", req.allocations[0].size_bytes)
     token = send_fds(c.d.daemon.socket + ".fds", [fd], 10)
     req.allocations[0].shm_fd.CopyFrom(types_pb2.ShmFdHandle(token=token, index=0))
     return fd
@@ -362,66 +377,6 @@ def test_65536_blocks_in_one_pull_work_and_65537_are_refused(c: Cluster) -> None
         c.assert_all_intact(f"after a refused transfer of {BLOCKS + 1} blocks")
 
 
-# Outstanding transfers per peer -------------------------------------------------------------
-
-
-def _begin(c: Cluster, peer_agent: str) -> tuple[Code, str, str]:
-    # Each announcement carries its own grant: the limit under test is the
-    # lease count, not the capability.
-    request_id = f"lease-{peer_agent}"
-    req = peer_pb2.BeginTransferRequest(
-        request_id=request_id,
-        worker=c.pw.worker_id,
-        generation=c.pw.region_map.generation if c.pw.region_map else 1,
-        agent_name=c.p.daemon.agent,
-        peer_agent=peer_agent,
-        lease_ms=120_000,
-        blocks=1,
-        bytes=64,
-        capability=c.pw.grant(request_id, {0: [1]}),
-        groups=[types_pb2.BlockGrant(transfer_group=0, block_ids=[1])],
-    )
-    code, msg, resp = _code(c.p.peer.BeginTransfer, req, 10)
-    return code, msg, resp.transfer_token if resp else ""
-
-
-def _end(c: Cluster, token: str) -> None:
-    c.p.peer.EndTransfer(peer_pb2.EndTransferRequest(transfer_token=token), timeout=10)
-
-
-def test_1024_outstanding_transfers_per_peer_then_resource_exhausted(c: Cluster) -> None:
-    """A peer may hold 1,024 outstanding BeginTransfer leases; the next is RESOURCE_EXHAUSTED, an
-    unknown token frees nothing, other peers still transfer, and ending one lease admits exactly
-    one more."""
-    tokens: list[str] = []
-    try:
-        for _ in range(MAX_LEASES_PER_PEER):
-            code, msg, token = _begin(c, "kvmapd-greedy")
-            assert code is Code.OK, (len(tokens), code, msg)
-            tokens.append(token)
-        code, msg, _ = _begin(c, "kvmapd-greedy")
-        assert code is Code.RESOURCE_EXHAUSTED
-        assert msg == (
-            f"peer kvmapd-greedy has {MAX_LEASES_PER_PEER} transfers outstanding (the limit)"
-        ), msg
-
-        # An unknown token releases nothing.
-        _end(c, "0" * 32)
-        assert _begin(c, "kvmapd-greedy")[0] is Code.RESOURCE_EXHAUSTED
-        # Other peers are not affected: a real pull through the decode daemon works.
-        code, msg = c.transfer(c.spec([{"group": 0, "local": [9], "remote": [10]}]), write=False)
-        assert code is Code.OK, msg
-        expect_transfer(c.dw, c.pw, 0, [9], [10])
-        # Ending one of the peer's transfers makes room for exactly one more.
-        _end(c, tokens.pop())
-        code, msg, token = _begin(c, "kvmapd-greedy")
-        assert code is Code.OK, msg
-        tokens.append(token)
-        assert _begin(c, "kvmapd-greedy")[0] is Code.RESOURCE_EXHAUSTED
-    finally:
-        for token in tokens:
-            _end(c, token)
-    code, msg, token = _begin(c, "kvmapd-greedy")
-    assert code is Code.OK, msg
-    _end(c, token)
-    c.assert_all_intact("after the lease limit")
+# Outstanding transfers per peer: counted per authenticated peer, not per
+# declared agent name, so two peer addresses are needed
+# (tests/security/test_peer_identity.py).

@@ -28,7 +28,7 @@ import grpc
 import pytest
 from security_support import CALL_TIMEOUT_S, Live, ShmWorker
 
-from kvmap.client.fd_handoff import send_fds
+from kvmap.client.fd_handoff import sealed_memfd, send_fds
 from kvmap.daemon.adapters.state_store import DB_NAME
 from kvmap.tools.launch import START_TIMEOUT_S, DaemonProc, local_env, start_daemon
 from kvmap.v1 import registry_pb2, types_pb2
@@ -103,9 +103,8 @@ def _register_big(live: Live, engine: str, views: int, name_bytes: int) -> tuple
     req = registry_pb2.RegisterWorkerRequest(
         worker=types_pb2.WorkerId(engine_id=engine), kv_cache_layout="BLHNC", block_size_tokens=16
     )
-    fd = os.memfd_create(engine)
+    fd = sealed_memfd(engine, views)
     try:
-        os.ftruncate(fd, views)
         token = send_fds(live.daemon.socket + ".fds", [fd], 10)
         req.allocations.add(
             id="a",

@@ -33,6 +33,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fake_nixl import FakeNetwork
@@ -44,6 +45,7 @@ from kvmap.core.errors import Unavailable
 from kvmap.core.geometry import WorkerKey
 from kvmap.daemon.api.server import Daemon
 from kvmap.daemon.engine.app import Adapters
+from kvmap.tools.peers import new_peer_secret
 from kvmap.v1 import admin_pb2, region_maps_pb2, registry_pb2, transfers_pb2, types_pb2
 
 T = TypeVar("T")
@@ -297,11 +299,15 @@ class InprocNetwork:
         # Short: a Unix socket path has a 108-byte limit.
         self._root = tempfile.mkdtemp(prefix="kvm-")
         self.daemons: list[InprocDaemon] = []
+        # The peer secret its daemons share (without one, or mutual TLS, a
+        # daemon answers no TCP peer).
+        self.peer_secret_file = str(new_peer_secret(Path(self._root)))
 
     def daemon(self, planner: str = "baseline", **config: Any) -> InprocDaemon:
         """A new running kvmapd planning with ``planner``; ``config`` sets
         other ``DaemonConfig`` fields."""
         folder = tempfile.mkdtemp(dir=self._root)
+        config.setdefault("peer_secret_file", self.peer_secret_file)
         d = InprocDaemon(self.nixl, folder, planner, **config)
         self.daemons.append(d)
         return d

@@ -48,3 +48,37 @@ def test_outcomes_bytes_and_descriptors_by_peer() -> None:
     assert get("kvmap_peer_transfer_seconds_count", {"direction": "pull", "peer": "p:1"}) == 1
     assert get("kvmap_peer_transfer_bytes_total", {"direction": "pull", "peer": "p:1"}) == 4096
     assert get("kvmap_transfer_descriptors_per_transfer_sum", {"direction": "pull"}) == 12
+
+
+def test_served_transfers_by_peer_are_bounded_and_coded() -> None:
+    """The owner's served series count each peer's transfers by code and
+    its completed bytes; past MAX_PEER_LABELS peers they share 'other'."""
+    m = Metrics()
+    m.served("10.0.0.1", "OK", 4096)
+    m.served("10.0.0.1", "PERMISSION_DENIED")
+    get = m.registry.get_sample_value
+    peer = {"peer": "10.0.0.1"}
+    assert get("kvmap_served_transfers_total", {**peer, "code": "OK"}) == 1
+    assert get("kvmap_served_transfers_total", {**peer, "code": "PERMISSION_DENIED"}) == 1
+    assert get("kvmap_served_bytes_total", peer) == 4096
+    for i in range(MAX_PEER_LABELS + 5):
+        m.served(f"10.1.0.{i}", "OK", 1)
+    peers = {
+        s.labels["peer"]
+        for family in m.registry.collect()
+        if family.name == "kvmap_served_transfers"
+        for s in family.samples
+    }
+    assert len(peers) == MAX_PEER_LABELS + 1 and OTHER_PEERS in peers
+
+
+def test_build_info_and_no_created_series() -> None:
+    """kvmap_build_info is 1 with the version as a label, and no counter or
+    histogram exports a _created series (prometheus_client's default)."""
+    m = Metrics()
+    m.transfer_ended("pull", "p:1", "OK", 0.5)
+    m.rpcs.labels("kvmap.v1.Peer", "BeginTransfer", "OK").inc()
+    samples = [s for family in m.registry.collect() for s in family.samples]
+    (build,) = [s for s in samples if s.name == "kvmap_build_info"]
+    assert build.value == 1 and build.labels["version"]
+    assert [s.name for s in samples if s.name.endswith("_created")] == []

@@ -193,6 +193,10 @@ def store(tmp_path: Path) -> StateStore:
     return StateStore(str(tmp_path / "state"))
 
 
+# The authenticated peer every call of these tests comes from.
+HOST = "10.0.0.7"
+
+
 def _table(store: StateStore, clock: _Clock | None = None) -> GrantTable:
     return GrantTable(store, clock or _Clock())
 
@@ -212,6 +216,7 @@ def _admit(
         request_id=request_id,
         groups=groups,
         peer_agent=peer,
+        peer=HOST,
     )
 
 
@@ -277,7 +282,7 @@ def test_any_mismatch_is_one_permission_denied_and_changes_nothing(
     with pytest.raises(PermissionDenied) as raised:
         _admit(table, capability, **args)  # type: ignore[arg-type]
     assert raised.value.message == core.DENIED
-    table.claim(_admit(table, cap, record), "decode-a")
+    table.claim(_admit(table, cap, record), "decode-a", HOST)
 
 
 def test_expired_is_failed_precondition_then_swept(store: StateStore) -> None:
@@ -307,13 +312,13 @@ def test_single_use_claim_release_and_consume(store: StateStore) -> None:
     table = _table(store)
     cap, _ = _mint(table, record)
     grant = _admit(table, cap, record, peer="decode-a")
-    table.claim(grant, "decode-a")
+    table.claim(grant, "decode-a", HOST)
     with pytest.raises(PermissionDenied):
         _admit(table, cap, record, peer="decode-b")
     with pytest.raises(PermissionDenied):  # its one use is taken by the live claim
         _admit(table, cap, record, peer="decode-a")
     table.release(grant.digest)
-    table.claim(_admit(table, cap, record, peer="decode-b"), "decode-b")
+    table.claim(_admit(table, cap, record, peer="decode-b"), "decode-b", HOST)
     table.complete(grant.digest)
     assert len(table) == 0 and store.grants() == []
     for peer in ("decode-a", "decode-b"):
@@ -327,12 +332,12 @@ def test_uses_count_across_a_restart(store: StateStore, tmp_path: Path) -> None:
     record = _Record(_model())
     table = _table(store)
     cap, grant = _mint(table, record, max_uses=2)
-    table.claim(_admit(table, cap, record), "decode-a")
+    table.claim(_admit(table, cap, record), "decode-a", HOST)
     table.complete(grant.digest)
     store.close()
     again = StateStore(str(tmp_path / "state"))
     restarted = _table(again)
-    restarted.claim(_admit(restarted, cap, record, peer="decode-b"), "decode-b")
+    restarted.claim(_admit(restarted, cap, record, peer="decode-b"), "decode-b", HOST)
     restarted.complete(grant.digest)
     with pytest.raises(PermissionDenied):
         _admit(restarted, cap, record)

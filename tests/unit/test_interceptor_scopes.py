@@ -4,7 +4,7 @@ _Guard``) and the peer check remembers its answer per peer string: every
 outcome of a call (OK, a kvmap error, an abort the handler sent itself, a
 cancellation) is counted, timed, logged in its request's context and
 answered exactly as before; a refused peer is refused on every call, before
-its request is parsed."""
+its request is read."""
 
 from __future__ import annotations
 
@@ -17,13 +17,17 @@ import structlog
 from grpc import aio
 
 from kvmap.core.errors import Unavailable
-from kvmap.core.peer_policy import INBOUND_DENIED, PeerPolicy
+from kvmap.core.peer_policy import INBOUND_DENIED, PEER_SECRET_METADATA, PeerPolicy
 from kvmap.daemon.adapters.metrics import Metrics
 from kvmap.daemon.api.authorization import PeerAuthorization
 from kvmap.daemon.api.rpc import ErrorsAndContext
 from kvmap.v1 import peer_pb2
 
 METHOD = "BeginTransfer"
+# The RPC series' labels of METHOD (gRPC's conventions).
+SERIES = {"grpc_service": "kvmap.v1.Peer", "grpc_method": METHOD}
+# The peers' shared secret; every call here presents it.
+SECRET = b"s" * 43
 
 
 class Ctx:
@@ -32,12 +36,20 @@ class Ctx:
     def __init__(self, peer: str = "ipv4:127.0.0.1:40000") -> None:
         self._peer = peer
         self.aborted: list[tuple[grpc.StatusCode, str, Any]] = []
+        # The request's bytes, as gRPC hands them to a streaming-request
+        # handler that reads; how many reads the interceptors made.
+        self.request: list[Any] = []
+        self.reads = 0
+
+    async def read(self) -> Any:
+        self.reads += 1
+        return self.request.pop(0) if self.request else aio.EOF
 
     def peer(self) -> str:
         return self._peer
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("x-request-id", "req-7"),)
+        return (("x-request-id", "req-7"), (PEER_SECRET_METADATA, SECRET.decode()))
 
     def auth_context(self) -> dict[str, list[bytes]]:
         return {}
@@ -58,7 +70,9 @@ class Server:
     def __init__(self, accept: str = "127.0.0.0/8") -> None:
         self.metrics = Metrics()
         self.outer = ErrorsAndContext(self.metrics, "tcp")
-        self.auth = PeerAuthorization(PeerPolicy.parse([accept], [], []), mutual_tls=False)
+        self.auth = PeerAuthorization(
+            PeerPolicy.parse([accept], [], []), mutual_tls=False, secret=SECRET
+        )
         self.seen: list[tuple[str, dict[str, Any]]] = []
         self.behave: Any = None
 
@@ -82,15 +96,18 @@ class Server:
         wrapped = await self.outer.intercept_service(outer, Details())
         if raw is None:
             raw = peer_pb2.BeginTransferRequest(request_id="r1").SerializeToString()
-        return await wrapped.unary_unary(raw, context)
+        # On TCP a unary method is served as a streaming-request one, read
+        # only once the caller is authorized (handlers.read_after).
+        context.request = [raw]
+        return await wrapped.stream_unary(None, context)
 
     def count(self, code: str) -> float | None:
         return self.metrics.registry.get_sample_value(
-            "kvmap_rpcs_total", {"method": METHOD, "code": code}
+            "kvmap_rpcs_total", {**SERIES, "grpc_code": code}
         )
 
     def timed(self) -> float | None:
-        return self.metrics.registry.get_sample_value("kvmap_rpc_seconds_count", {"method": METHOD})
+        return self.metrics.registry.get_sample_value("kvmap_rpc_seconds_count", SERIES)
 
 
 def test_every_outcome_is_counted_timed_and_answered() -> None:
@@ -119,9 +136,7 @@ def test_every_outcome_is_counted_timed_and_answered() -> None:
         assert s.count("OK") == 1 and s.count("UNAVAILABLE") == 1
         assert s.timed() == 4
         assert [rid for rid, _ in s.seen] == ["r1"] * 4
-        assert all(
-            c == {"rpc": METHOD, "request_id": "req-7", "listener": "tcp"} for _, c in s.seen
-        )
+        assert all(c == {"rpc": METHOD, "rpc_id": "req-7", "listener": "tcp"} for _, c in s.seen)
         assert structlog.contextvars.get_contextvars() == {}
 
     asyncio.run(main())
@@ -141,6 +156,7 @@ def test_a_refused_peer_is_refused_on_every_call_before_parsing() -> None:
             with pytest.raises(aio.AbortError):
                 await s.call(ctx, raw=b"\xff\xff not a message")
             assert ctx.aborted == [(grpc.StatusCode.PERMISSION_DENIED, INBOUND_DENIED, ())]
+            assert ctx.reads == 0, "a refused peer's request was read"
         assert s.seen == [] and s.count("PERMISSION_DENIED") == 3
         assert (await s.call(Ctx("ipv4:10.1.2.3:5000"))).transfer_token == "t"
         ctx = Ctx("ipv4:10.1.2.3:5000")

@@ -6,12 +6,14 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from kvmap.client.fd_handoff import sealed_memfd
 from kvmap.client.shm_export import export_tensor, export_tensors
 from kvmap.core.errors import InvalidArgument
 from kvmap.daemon.adapters import memory
@@ -22,7 +24,8 @@ SIZE = 3 * 4096
 
 
 # The daemon's importer: it counts the mappings it made that are open.
-SHM = memory.ShmImporter()
+# Paths under the temporary directory (where tmp_path lies) are allowed here.
+SHM = memory.ShmImporter(path_prefixes=(tempfile.gettempdir(),))
 
 
 @pytest.fixture(autouse=True)
@@ -33,9 +36,7 @@ def no_leaked_mappings() -> Iterator[None]:
 
 
 def _memfd(size: int = SIZE) -> int:
-    fd = os.memfd_create("kvmap-test")
-    os.ftruncate(fd, size)
-    return fd
+    return sealed_memfd("kvmap-test", size)
 
 
 def _fd_open(fd: int) -> bool:
@@ -120,11 +121,27 @@ def test_pipe_is_not_shared_memory() -> None:
 def test_read_only_fd_cannot_be_mapped_read_write(tmp_path: Path) -> None:
     """A file descriptor opened read-only is INVALID_ARGUMENT ("cannot map read/write") on the given
     field."""
-    path = tmp_path / "ro"
-    path.write_bytes(b"\0" * SIZE)
-    fd = os.open(path, os.O_RDONLY)
+    sealed = _memfd()
+    try:
+        fd = os.open(f"/proc/self/fd/{sealed}", os.O_RDONLY)  # the same memfd, read-only
+    finally:
+        os.close(sealed)
     with pytest.raises(InvalidArgument, match="f: cannot map read/write"):
         SHM.import_fd(fd, 0, SIZE, field="f")
+
+
+def test_an_fd_that_can_shrink_is_refused(tmp_path: Path) -> None:
+    """A memfd without F_SEAL_SHRINK, and a plain file (which takes no seals), are
+    INVALID_ARGUMENT naming the missing seal before anything is mapped; the fd is consumed."""
+    unsealed = os.memfd_create("kvmap-unsealed")
+    os.ftruncate(unsealed, SIZE)
+    path = tmp_path / "plain"
+    path.write_bytes(b"\0" * SIZE)
+    plain = os.open(path, os.O_RDWR)
+    for fd in (unsealed, plain):
+        with pytest.raises(InvalidArgument, match=r"f: .*not sealed against shrinking"):
+            SHM.import_fd(fd, 0, SIZE, field="f")
+        assert not _fd_open(fd)
 
 
 @pytest.mark.parametrize(
@@ -203,3 +220,25 @@ def test_export_rejects_empty_storage() -> None:
     """Exporting a tensor with an empty storage raises ValueError."""
     with pytest.raises(ValueError, match="storage is empty"):
         export_tensors([torch.zeros(0)])
+
+
+def test_a_path_outside_the_prefixes_or_through_a_link_is_refused(tmp_path: Path) -> None:
+    """shm_path only under an allowed prefix, in normal form, and no symbolic link anywhere
+    below the prefix (a linked directory on the way, or the file itself): each is
+    INVALID_ARGUMENT on the field saying which, and nothing is mapped."""
+    field = "allocations[0].shm_path"
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "kv").write_bytes(b"\0" * SIZE)
+    (tmp_path / "linked-dir").symlink_to(real)
+    only_dev_shm = memory.ShmImporter()
+    with pytest.raises(InvalidArgument, match=r"not under an allowed shm_path_prefix .*/dev/shm"):
+        only_dev_shm.import_path(str(real / "kv"), 0, SIZE, field=field)
+    with pytest.raises(InvalidArgument, match="path registrations are disabled"):
+        memory.ShmImporter(path_prefixes=()).import_path(str(real / "kv"), 0, SIZE, field=field)
+    with pytest.raises(InvalidArgument, match="not in normal form"):
+        SHM.import_path(f"{tmp_path}/linked-dir/../real/kv", 0, SIZE, field=field)
+    with pytest.raises(InvalidArgument, match=r"cannot open .*symbolic link"):
+        SHM.import_path(str(tmp_path / "linked-dir" / "kv"), 0, SIZE, field=field)
+    with SHM.import_path(str(real / "kv"), 0, SIZE, field=field) as m:
+        assert m.size == SIZE

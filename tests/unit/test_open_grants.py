@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from kvmap.core import grants as core
 from kvmap.core.errors import FailedPrecondition, InvalidArgument
 from kvmap.core.geometry import WorkerKey
+from kvmap.core.reshard import rank_heads, source_readers
 
 
 def grant(max_uses: int, uses: int = 0) -> core.Grant:
@@ -57,20 +58,30 @@ def test_a_fixed_grant_refuses_another_count(max_uses: int, readers: int) -> Non
             core.declare_readers(g, readers)
 
 
+# Rank 1 of 2 of a replicated (MLA) cache: a decode engine of TP 1 reads it not
+# at all, and at most 32 decode ranks (of 64) read it.
+UNREAD = core.ReaderLayout(tp_size=2, tp_rank=1)
+
+
 @given(max_uses=st.integers(min_value=0, max_value=core.MAX_USES), readers=IN_RANGE)
 def test_a_release_spends_one_use(max_uses: int, readers: int) -> None:
     """A release spends one use of the count it declares; declaring no reader uses up an
-    open grant at once and is refused by a fixed one."""
+    open grant of a rank its layout lets go unread at once and is refused by a fixed one;
+    an open grant refuses more readers than its layout has."""
     g = grant(max_uses)
     if readers == 0 and not g.open:
         with pytest.raises(FailedPrecondition, match="declared none"):
-            core.release_use(g, readers)
+            core.release_use(g, readers, UNREAD)
         return
     if readers and not g.open and readers != max_uses:
         with pytest.raises(FailedPrecondition):
-            core.release_use(g, readers)
+            core.release_use(g, readers, UNREAD)
         return
-    after = core.release_use(g, readers)
+    if g.open and readers > UNREAD.max_readers:
+        with pytest.raises(FailedPrecondition, match="read by at most 32 decode ranks"):
+            core.release_use(g, readers, UNREAD)
+        return
+    after = core.release_use(g, readers, UNREAD)
     assert after.uses == 1
     assert after.max_uses == (readers or 1 if g.open else max_uses)
     assert after.exhausted == (after.max_uses == 1)
@@ -84,3 +95,68 @@ def test_grant_uses_of_an_open_grant() -> None:
     with pytest.raises(InvalidArgument, match="must be 0 for an open grant"):
         core.check_grant_uses(2, True)
     assert grant(2, 2).exhausted and not grant(2, 1).exhausted
+
+
+@given(tp_size=st.integers(min_value=1, max_value=core.MAX_USES), readers=IN_RANGE)
+def test_an_open_grant_admits_no_more_readers_than_its_layout_has(
+    tp_size: int, readers: int
+) -> None:
+    """A first claim of an open grant declaring more readers than ceil(64 / tp_size) (what
+    64 decode ranks spread over tp_size prefill ranks give one rank) is FAILED_PRECONDITION;
+    up to that it fixes the count. A fixed grant's own count is the worker's word and stands."""
+    layout = core.ReaderLayout(tp_size=tp_size)
+    most = -(-core.MAX_USES // tp_size)
+    if readers > most:
+        with pytest.raises(FailedPrecondition, match=f"read by at most {most} decode ranks"):
+            core.declare_readers(grant(0), readers, layout)
+    else:
+        assert core.declare_readers(grant(0), readers, layout).max_uses == (readers or 1)
+    assert core.declare_readers(grant(core.MAX_USES), 0, layout).max_uses == core.MAX_USES
+
+
+def test_the_layout_bounds_cover_every_reader_count_resharding_gives() -> None:
+    """For every prefill TP size, decode TP size and KV head count that split evenly, no
+    prefill rank is read by more decode ranks (``reshard.source_readers``) than its layout's
+    ``max_readers``, and a rank read by none is one whose layout ``may_go_unread``: a
+    legitimate decode is never refused."""
+    for src in range(1, core.MAX_USES + 1):
+        most = core.ReaderLayout(tp_size=src).max_readers
+        for dst in range(1, core.MAX_USES + 1):
+            for heads in (0, 1, 2, 4, 8, 16, 64, 3, 6, 24):
+                counts = _readers_or_none(heads, src, dst)
+                if counts is None:
+                    continue
+                assert max(counts) <= most, (src, dst, heads, counts)
+                for rank in (r for r, n in enumerate(counts) if n == 0):
+                    layout = core.ReaderLayout(tp_size=src, tp_rank=rank, kv_heads=heads)
+                    assert layout.may_go_unread, (src, dst, heads, rank)
+
+
+def _readers_or_none(heads: int, src: int, dst: int) -> tuple[int, ...] | None:
+    """``source_readers`` for sizes the heads split over evenly on both sides (None else)."""
+    try:
+        if heads:
+            rank_heads(heads, src, 0)
+            rank_heads(heads, dst, 0)
+        return source_readers(heads, src, dst, replicated=not heads)
+    except FailedPrecondition:
+        return None
+
+
+def test_only_a_rank_past_the_first_holding_replicas_may_go_unread() -> None:
+    """Rank 0 is read by every decode engine (decode rank 0 reads it) and a rank of a
+    head-split cache holding heads of its own (no more ranks than heads) by some decode rank:
+    a readers-0 release of their open grants is FAILED_PRECONDITION and spends nothing.
+    Replicated caches and replicated heads (8 ranks, 2 heads) past rank 0 may go unread."""
+    assert core.ReaderLayout(tp_size=2, tp_rank=1).may_go_unread
+    assert core.ReaderLayout(tp_size=8, tp_rank=4, kv_heads=2).may_go_unread
+    for layout in (
+        core.ReaderLayout(tp_size=2, tp_rank=0),
+        core.ReaderLayout(tp_size=1, tp_rank=0),
+        core.ReaderLayout(tp_size=8, tp_rank=0, kv_heads=2),
+        core.ReaderLayout(tp_size=4, tp_rank=3, kv_heads=8),
+        core.ReaderLayout(tp_size=4, tp_rank=3, kv_heads=4),
+    ):
+        assert not layout.may_go_unread
+        with pytest.raises(FailedPrecondition, match="read by every decode engine"):
+            core.release_use(grant(0), 0, layout)

@@ -326,7 +326,7 @@ def test_parsed_pairs_and_announcement_match_the_old_ones(
     plan = plan_transfer(
         build_piece_table(*_maps(), [LayerSelection(0)]), [GroupPairs(0, [1], [1])]
     )
-    got_msg = announcement_to_proto(TransferEngine._announcement(engine, req, hs, plan, True))
+    got_msg = announcement_to_proto(TransferEngine._announcement(engine, req, hs, plan, True, "t1"))
     want_msg = peer_pb2.BeginTransferRequest(
         request_id="r",
         worker=worker_id_to_proto(WorkerKey("prefill")),
@@ -341,6 +341,7 @@ def test_parsed_pairs_and_announcement_match_the_old_ones(
         replaces_agents=("old",),
         readers=0,
         groups=old_groups(req),
+        transfer_id="t1",
     )
     assert got_msg == want_msg
     assert got_msg.SerializeToString(deterministic=True) == want_msg.SerializeToString(

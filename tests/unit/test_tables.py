@@ -20,15 +20,18 @@ def _summary(engine: str, descriptors: int, baseline: int) -> region_maps_pb2.Wo
 
 
 def test_render_workers() -> None:
-    """The workers table has a daemon/planner header, one row per worker with generation, planner,
-    counts, thousands separators, saving and registered size, "n/a" saving when there is no
-    baseline, and aligned columns."""
+    """The wide workers table has a daemon/planner header, one row per worker with generation,
+    planner, counts, thousands separators, saving and registered size, "n/a" saving when there is
+    no baseline, and aligned columns; the default one leaves out the views and baseline columns."""
     resp = region_maps_pb2.ListWorkersResponse(
         daemon_instance="pod-a",
         planner=types_pb2.PlannerInfo(name="coalesce", version=1),
         workers=[_summary("glm", 64_044, 3_234_222), _summary("odd", 0, 0)],
     )
-    lines = tables.render_workers(resp).splitlines()
+    assert tables.render_workers(resp).splitlines()[2].split() == [
+        "worker", "gen", "planner", "regions", "descriptors", "saving", "registered",
+    ]  # fmt: skip
+    lines = tables.render_workers(resp, wide=True).splitlines()
     assert lines[0] == "daemon pod-a  planner coalesce v1"
     assert lines[2].split() == [
         "worker", "gen", "planner", "regions", "views", "descriptors", "baseline", "saving",

@@ -83,13 +83,13 @@ def test_a_cached_wrapper_runs_its_scope_on_every_call() -> None:
 
     asyncio.run(main())
     assert seen == [b"a", b"b"]
-    assert scopes == ["BeginTransfer", "BeginTransfer"]
+    assert scopes == ["/kvmap.v1.Peer/BeginTransfer"] * 2
 
 
-def test_request_ids_are_distinct_unless_given() -> None:
-    """A call without x-request-id gets a fresh id each time; one that
+def test_rpc_ids_are_distinct_unless_given() -> None:
+    """A call without x-request-id gets a fresh RPC id each time; one that
     brings it keeps it (cut to 128 characters)."""
-    made = {rpc._request_id(Ctx()) for _ in range(1000)}  # type: ignore[arg-type]
+    made = {rpc._rpc_id(Ctx()) for _ in range(1000)}  # type: ignore[arg-type]
     assert len(made) == 1000
-    given = rpc._request_id(Ctx((("x-request-id", "r" * 200),)))  # type: ignore[arg-type]
+    given = rpc._rpc_id(Ctx((("x-request-id", "r" * 200),)))  # type: ignore[arg-type]
     assert given == "r" * 128

@@ -20,6 +20,9 @@ class TransferResult:
     completion_seconds: float
     remote_generation: int
     handshaked: bool
+    # The daemon's id of the transfer (both daemons' logs name it so); ","
+    # joins those of a load from several prefill ranks.
+    transfer_id: str = ""
 
 
 def _result(statuses: Iterable[transfers_pb2.TransferStatus]) -> TransferResult:
@@ -36,6 +39,7 @@ def _result(statuses: Iterable[transfers_pb2.TransferStatus]) -> TransferResult:
         completion_seconds=s.completion_seconds,
         remote_generation=s.remote_generation,
         handshaked=s.handshaked,
+        transfer_id=last.transfer_id,
     )
 
 

@@ -9,6 +9,7 @@ Wire protocol (SOCK_SEQPACKET):
     worker -> daemon   b"kvmap-fds/1 <n>"  + SCM_RIGHTS carrying n fds
     daemon -> worker   b"OK <token>"  or  b"ERR <GRPC_STATUS_NAME> <message>"
 
+A message of no fds gets a credential token (``send_credentials``).
 The fds are duplicated into the daemon by the kernel; the worker keeps (and
 must not close before registering) its own. Imports nothing from the daemon.
 """
@@ -16,6 +17,8 @@ must not close before registering) its own. Imports nothing from the daemon.
 from __future__ import annotations
 
 import array
+import fcntl
+import os
 import socket
 from collections.abc import Sequence
 
@@ -25,6 +28,33 @@ from kvmap.core.errors import DeadlineExceeded, InvalidArgument, Unavailable
 PROTOCOL = b"kvmap-fds/1"
 SCM_MAX_FD = 253  # the kernel's limit of fds in one SCM_RIGHTS message
 _REPLY_MAX = 4096
+# The gRPC metadata key of a credential token (``send_credentials``).
+PEER_TOKEN_METADATA = "kvmap-peer-token"
+# Seals every memfd for the daemon carries: no shrinking (the daemon's
+# mapping would fault with SIGBUS, and it refuses an fd without this seal), no
+# growing, and no further seals (nobody may seal writes away from the worker).
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def sealed_memfd(name: str, size: int) -> int:
+    """A new memfd of ``size`` bytes that can never shrink or grow (the
+    caller owns the fd): what a worker hands the daemon."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def is_sealed(fd: int) -> bool:
+    """Whether the object behind ``fd`` can no longer shrink."""
+    try:
+        return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK)
+    except OSError:  # EINVAL: a file that takes no seals at all
+        return False
 
 
 def fd_socket_path(grpc_socket_path: str) -> str:
@@ -42,6 +72,26 @@ def send_fds(socket_path: str, fds: Sequence[int], timeout: float) -> str:
     """
     if not fds:
         raise InvalidArgument("", "no fds to send")
+    return _send(socket_path, fds, timeout)
+
+
+def send_credentials(socket_path: str, timeout: float) -> str:
+    """A credential token: a message of no fds, which the daemon answers with
+    a token bound to this process's uid (SO_PEERCRED). Registry calls present
+    it as metadata ``PEER_TOKEN_METADATA``: gRPC does not tell the daemon
+    who calls, and a worker's calls are honoured only from the uid that
+    registered it."""
+    return _send(socket_path, (), timeout)
+
+
+def credential_metadata(grpc_socket_path: str, timeout: float = 5.0) -> tuple[tuple[str, str]]:
+    """gRPC metadata for raw Registry calls to the daemon at
+    ``grpc_socket_path``: a fresh credential token (valid 120 s)."""
+    token = send_credentials(fd_socket_path(grpc_socket_path), timeout)
+    return ((PEER_TOKEN_METADATA, token),)
+
+
+def _send(socket_path: str, fds: Sequence[int], timeout: float) -> str:
     if len(fds) > SCM_MAX_FD:
         raise InvalidArgument("", f"{len(fds)} fds in one batch; at most {SCM_MAX_FD}")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -55,9 +105,9 @@ def send_fds(socket_path: str, fds: Sequence[int], timeout: float) -> str:
                 f" ({e.strerror})"
             ) from e
         header = PROTOCOL + b" %d" % len(fds)
-        rights = array.array("i", fds)
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
         try:
-            sock.sendmsg([header], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)])
+            sock.sendmsg([header], rights)
         except OSError as e:
             if isinstance(e, TimeoutError):
                 raise

@@ -1,10 +1,13 @@
 """Worker side: export CPU tensors' memory as shared-memory file descriptors.
 
-``share_memory_()`` moves a tensor's storage into shared memory *in place*
-(every view of the storage follows, since they share one StorageImpl); torch's
-``file_descriptor`` strategy creates it with ``shm_open`` and unlinks the name
-at once, so nothing is left in ``/dev/shm`` if the worker crashes. The fd from
-``_share_fd_cpu_()`` is then sent to the daemon over the fd hand-off socket.
+A tensor's storage is moved *in place* (every view of the storage follows,
+since they share one StorageImpl) into a memfd sealed against shrinking and
+growing (``sealed_memfd``): the daemon maps the object and NIXL reads it, and
+a file that could shrink under that mapping would kill the daemon with
+SIGBUS, so the daemon refuses an fd without ``F_SEAL_SHRINK``. (torch's own
+``share_memory_()`` uses ``shm_open``, whose files cannot be sealed.) A memfd
+has no name, so nothing is left behind if the worker crashes. Its fd is then
+sent to the daemon over the fd hand-off socket.
 
 Views are grouped by backing storage, so a storage holding many layer views is
 exported (and registered by the daemon) once. The fd belongs to the storage:
@@ -13,11 +16,14 @@ do not close it; it stays valid while the storage lives.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from kvmap.client.fd_handoff import is_sealed, sealed_memfd
 
 
 @dataclass(frozen=True)
@@ -56,11 +62,10 @@ def export_tensors(
     views: list[SharedView] = []
     for i, tensor in enumerate(tensors):
         _check(tensor, i)
-        # Share before keying: sharing moves the storage, so a view's pointer
-        # before sharing would not match a sibling view's pointer after it.
-        # On a storage that is already shared this is a no-op.
-        shareable: Any = tensor  # share_memory_ is untyped in torch's stubs
-        shareable.share_memory_()
+        # Move before keying: moving changes the storage's pointer, so a
+        # view's pointer before would not match a sibling view's after it.
+        # On a storage already in a sealed memfd this is a no-op.
+        _move_to_sealed_memfd(tensor.untyped_storage(), i)
         key = int(tensor.untyped_storage().data_ptr())
         if key not in index_of:
             index_of[key] = len(storages)
@@ -78,6 +83,34 @@ def _check(tensor: torch.Tensor, i: int) -> None:
     if tensor.untyped_storage().nbytes() == 0:
         # An empty storage has no memory (data_ptr 0) and nothing to share.
         raise ValueError(f"tensors[{i}]: its storage is empty")
+
+
+def _move_to_sealed_memfd(storage: Any, i: int) -> None:
+    """Move ``storage``'s bytes, in place, into a new sealed memfd (unless it
+    lives in one already): every tensor viewing it follows."""
+    if storage.is_shared() and _shared_fd_is_sealed(storage):
+        return
+    size = int(storage.nbytes())
+    # Named after the process, as torch names its objects: /proc/<pid>/maps tells whose it is.
+    fd = sealed_memfd(f"kvmap-kv-{os.getpid()}-{i}", size)
+    try:
+        untyped: Any = torch.UntypedStorage  # its private constructors are untyped
+        moved = untyped._new_shared_fd_cpu(fd, size)  # maps a dup of fd
+    finally:
+        os.close(fd)
+    moved.copy_(storage)
+    # Swapped, not re-pointed per tensor: the storage keeps its identity, so
+    # the tensors vLLM holds see the memfd's pages; ``moved`` now holds the
+    # old memory and frees it when dropped.
+    storage._swap_data_ptr_(moved)
+
+
+def _shared_fd_is_sealed(storage: Any) -> bool:
+    try:
+        fd, _ = storage._share_fd_cpu_()  # the storage's own fd, not a new one
+    except RuntimeError:  # shared under the file_system strategy: no fd
+        return False
+    return is_sealed(int(fd))
 
 
 def _fd_of(tensor: torch.Tensor, i: int) -> SharedStorage:

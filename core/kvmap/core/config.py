@@ -6,9 +6,13 @@ deeper in the daemon reads the environment."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import ipaddress
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
 
+from kvmap.core.errors import ConfigError
 from kvmap.core.peer_policy import LOOPBACK, PeerPolicy
+from kvmap.core.planner import PLANNERS
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
 # Largest message either listener accepts or sends (a full-scale registration
@@ -18,12 +22,16 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # GetAgentMetadata sends beside it.
 MAX_REGION_MAP_BYTES = MAX_MESSAGE_BYTES - 2 * 1024 * 1024
 DEFAULT_PLANNER = "coalesce"
+LOG_LEVELS = ("debug", "info", "warning", "error")
 # Workers one daemon serves: a pod's ranks (8 for TP-8) with ample room.
 DEFAULT_MAX_WORKERS = 64
 # Bytes of worker memory one daemon maps and registers: a TP-8 pod of
 # full-scale ranks (about 111 GB of KV cache each, at most a 141 GB GPU's
 # worth) is 0.9-1.1 TB; 2 TiB leaves room for a re-registration in flight.
 DEFAULT_MAX_REGISTERED_BYTES = 2 * 1024**4
+# Where shm_path registrations may point: POSIX shared memory (in the
+# manifests, the pod's /dev/shm emptyDir that both containers mount).
+DEFAULT_SHM_PATH_PREFIXES = ("/dev/shm",)
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,7 @@ class DaemonConfig:
     planner: str = DEFAULT_PLANNER
     state_dir: str = ""
     log_format: str = "console"
+    log_level: str = "info"
     metrics_listen: str = ""
     # Unix socket for SCM_RIGHTS fd hand-off; "" means "<socket>.fds".
     fd_socket: str = ""
@@ -52,6 +61,9 @@ class DaemonConfig:
     # Caps checked before a registration maps anything (RESOURCE_EXHAUSTED).
     max_workers: int = DEFAULT_MAX_WORKERS
     max_registered_bytes: int = DEFAULT_MAX_REGISTERED_BYTES
+    # Directories under which a registration's shm_path may name a file (no
+    # links below them); empty: path registrations are refused.
+    shm_path_prefix: tuple[str, ...] = DEFAULT_SHM_PATH_PREFIXES
     # TLS on the TCP listener (PEM files). With tls_client_ca, clients must
     # present a certificate signed by it (mutual TLS). The same certificate
     # and key are this daemon's client identity towards its peers, whose
@@ -68,8 +80,16 @@ class DaemonConfig:
     peer_allow: tuple[str, ...] = LOOPBACK
     peer_accept: tuple[str, ...] = LOOPBACK
     peer_identities: tuple[str, ...] = ()
-    # The file this config came from (SIGHUP re-reads its planner).
+    # A file holding the secret this daemon's peers share (a Kubernetes
+    # Secret, the demo's runtime dir): without mutual TLS a TCP caller of
+    # Peer and RegionMaps must present it besides an accepted address, and
+    # this daemon presents it to its peers. With neither it nor mutual TLS,
+    # every TCP caller is refused (a neighbour shares loopback).
+    peer_secret_file: str = ""
+    # The file this config came from (SIGHUP re-reads it).
     config_file: str = ""
+    # The keys given as flags: an error names the flag rather than the file.
+    flag_keys: tuple[str, ...] = ()
 
     @property
     def socket_path(self) -> str:
@@ -91,8 +111,16 @@ class DaemonConfig:
         return bool(self.tls_client_ca)
 
     def validated(self) -> DaemonConfig:
+        check_types({f.name: getattr(self, f.name) for f in fields(self)})
         if self.log_format not in ("json", "console"):
-            raise ValueError(f"log_format: must be json or console, not {self.log_format!r}")
+            raise ConfigError("log_format", self.log_format, "must be json or console")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(
+                "log_level", self.log_level, f"must be one of {', '.join(LOG_LEVELS)}"
+            )
+        if self.planner not in PLANNERS:
+            known = ", ".join(sorted(PLANNERS))
+            raise ConfigError("planner", self.planner, f"unknown planner (known: {known})")
         parse_host_port(self.listen, "listen")
         if self.metrics_listen:
             parse_host_port(self.metrics_listen, "metrics_listen")
@@ -100,12 +128,20 @@ class DaemonConfig:
             raise ValueError("tls_cert and tls_key: give both or neither")
         if (self.tls_client_ca or self.peer_ca) and not self.tls_cert:
             raise ValueError("tls_client_ca/peer_ca need tls_cert and tls_key")
-        if self.drain_seconds < 0 or self.transfer_timeout_s <= 0 or self.connect_timeout_s <= 0:
-            raise ValueError(
-                "drain_seconds, transfer_timeout_s, connect_timeout_s must be positive"
-            )
+        if self.drain_seconds < 0:
+            raise ConfigError("drain_seconds", self.drain_seconds, "must not be negative")
+        for name in ("transfer_timeout_s", "connect_timeout_s", "restore_attach_grace_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, getattr(self, name), "must be positive")
         self._validate_caps()
-        return self._validated_peers()
+        return self._validated_peers()._validated_shm_prefixes()
+
+    def _validated_shm_prefixes(self) -> DaemonConfig:
+        prefixes = _strings("shm_path_prefix", self.shm_path_prefix)
+        for prefix in prefixes:
+            if not prefix.startswith("/"):
+                raise ConfigError("shm_path_prefix", prefix, "must be an absolute path")
+        return replace(self, shm_path_prefix=prefixes)
 
     def _validated_peers(self) -> DaemonConfig:
         # TOML arrays and repeated flags arrive as lists: keep the config frozen.
@@ -130,9 +166,9 @@ class DaemonConfig:
         for name in ("max_workers", "max_registered_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: must be a positive integer, not {value!r}")
+                raise ConfigError(name, value, "must be a positive integer")
         if self.attach_grace_s <= 0:
-            raise ValueError(f"attach_grace_s: must be positive, not {self.attach_grace_s!r}")
+            raise ConfigError("attach_grace_s", self.attach_grace_s, "must be positive")
 
 
 def _strings(name: str, values: object) -> tuple[str, ...]:
@@ -145,5 +181,97 @@ def _strings(name: str, values: object) -> tuple[str, ...]:
 def parse_host_port(value: str, name: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"{name}: expected HOST:PORT, got {value!r}")
+        raise ConfigError(name, value, "expected HOST:PORT")
     return host.strip("[]"), int(port)
+
+
+# Fields that are no configuration key: where the configuration came from.
+INTERNAL_FIELDS = frozenset({"config_file", "flag_keys"})
+# A key whose name differs from its field's (the flag is --peer-identity,
+# repeatable like --peer-allow and --peer-accept).
+KEY_OF_FIELD = {"peer_identities": "peer_identity"}
+# Old spellings of keys, still accepted in the file with a deprecation line.
+DEPRECATED_KEYS = {"peer_identities": "peer_identity"}
+# Keys a SIGHUP applies to the running daemon; any other changed key is
+# named in a log line as taking effect only at the next start.
+RELOADABLE_KEYS = frozenset({"planner"})
+# Keys whose values the effective-config log line and check-config hide.
+SECRET_MARKERS = ("secret", "password", "token")
+_EXPECTED: dict[str, tuple[type | tuple[type, ...], str]] = {
+    "str": (str, "a string"),
+    "float": ((int, float), "a number (seconds)"),
+    "int": (int, "an integer"),
+    "bool": (bool, "true or false"),
+    "tuple[str, ...]": ((list, tuple), "a list of strings"),
+}
+
+
+def config_keys() -> dict[str, str]:
+    """Every configuration key, in the dataclass's order, to its field's name."""
+    return {
+        KEY_OF_FIELD.get(f.name, f.name): f.name
+        for f in fields(DaemonConfig)
+        if f.name not in INTERNAL_FIELDS
+    }
+
+
+def field_type(name: str) -> str:
+    """The field's annotation as written (``"float"``, ``"tuple[str, ...]"``)."""
+    return str(next(f.type for f in fields(DaemonConfig) if f.name == name))
+
+
+def check_types(values: Mapping[str, object]) -> None:
+    """Raise ConfigError for the first field whose value has the wrong type
+    (a TOML ``drain_seconds = "10s"``); ``values`` are keyed by field name."""
+    for name, value in values.items():
+        if name in INTERNAL_FIELDS:
+            continue
+        expected = _EXPECTED.get(field_type(name))
+        if expected is None:
+            continue
+        types, words = expected
+        wrong_bool = isinstance(value, bool) and types is not bool
+        if wrong_bool or not isinstance(value, types):
+            raise ConfigError(KEY_OF_FIELD.get(name, name), value, f"expected {words}")
+        if isinstance(value, list | tuple) and not all(isinstance(v, str) for v in value):
+            raise ConfigError(KEY_OF_FIELD.get(name, name), value, f"expected {words}")
+
+
+def effective(config: DaemonConfig) -> dict[str, object]:
+    """Every key and the value the daemon runs with, secrets hidden."""
+    out: dict[str, object] = {}
+    for key, name in config_keys().items():
+        value = getattr(config, name)
+        # A file's path is no secret; a value that is one is hidden.
+        if value and any(m in key for m in SECRET_MARKERS) and not key.endswith("_file"):
+            value = "(hidden)"
+        out[key] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def changed_keys(old: DaemonConfig, new: DaemonConfig) -> list[str]:
+    """The keys whose values differ between two configurations."""
+    return [k for k, n in config_keys().items() if getattr(old, n) != getattr(new, n)]
+
+
+def exposure_warning(config: DaemonConfig) -> str:
+    """Why a daemon listening beyond loopback would refuse every peer: its
+    peer_accept admits loopback only (and no mutual TLS admits by
+    certificate). "" when there is nothing to say."""
+    host, _ = parse_host_port(config.listen, "listen")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return ""  # a host name: what it resolves to is the operator's to know
+    if address.is_loopback or config.mutual_tls:
+        return ""
+    networks = [ipaddress.ip_network(n, strict=False) for n in config.peer_accept]
+    if any(
+        not (n.network_address.is_loopback and n.broadcast_address.is_loopback) for n in networks
+    ):
+        return ""
+    return (
+        f"listen {config.listen} reaches beyond loopback but peer_accept admits loopback "
+        "only: every peer daemon on another host gets PERMISSION_DENIED; set peer_accept "
+        "and peer_allow to the pod network (docs/security.md)"
+    )

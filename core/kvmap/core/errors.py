@@ -2,6 +2,7 @@
 
     KvmapError               UNKNOWN
     ├── InvalidArgument      INVALID_ARGUMENT   (names the offending field)
+    │   └── ConfigError      (a configuration key's value; also a ValueError)
     ├── NotFound             NOT_FOUND
     ├── AlreadyExists        ALREADY_EXISTS
     ├── PermissionDenied     PERMISSION_DENIED  (the caller may not do this; says no more)
@@ -78,6 +79,19 @@ class InvalidArgument(KvmapError):
         super().__init__(f"{field}: {problem}" if field else problem)
         self.field = field
         self.problem = problem
+
+
+class ConfigError(InvalidArgument, ValueError):
+    """A configuration key has a value the daemon cannot use. ``key`` is the
+    key (the flag's name with underscores) and ``value`` what it was given;
+    the daemon's start-up says where the value came from (the file or the
+    flag), a replan answers INVALID_ARGUMENT. A ValueError too, as every
+    other configuration problem is."""
+
+    def __init__(self, key: str, value: object, problem: str) -> None:
+        super().__init__(key, problem)
+        self.key = key
+        self.value = value
 
 
 class NotFound(KvmapError):

@@ -212,13 +212,56 @@ def check_readers(readers: int, field: str = "readers") -> int:
     return readers
 
 
-def declare_readers(grant: Grant, readers: int) -> Grant:
+@dataclass(frozen=True)
+class ReaderLayout:
+    """What the granting worker's registration says about who can read it:
+    its tensor-parallel size and rank, and its model's KV head count when its
+    cache is split by heads (a head layout registered; 0 when the cache is
+    replicated on every rank: MLA, indexer caches)."""
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    kv_heads: int = 0
+
+    @property
+    def max_readers(self) -> int:
+        """Decode ranks that can read one rank: a decode engine has at most
+        ``MAX_USES`` ranks, and ``reshard.source_ranks`` spreads them evenly
+        over the prefill ranks (whole heads, or round-robin over replicas),
+        so no rank is read by more than ``ceil(MAX_USES / tp_size)``."""
+        return -(-MAX_USES // max(self.tp_size, 1))
+
+    @property
+    def may_go_unread(self) -> bool:
+        """Whether some decode engine reads this rank not at all
+        (``reshard.source_ranks``): never rank 0 (decode rank 0 reads it);
+        another rank of a replicated cache (decode rank d reads prefill rank
+        ``d % tp_size``), or of a head-split one whose ranks hold replicas of
+        the heads (more ranks than heads: a decode reads one replica of
+        each). Ranks holding heads of their own are always read."""
+        if self.tp_rank < 1:
+            return False
+        return self.kv_heads == 0 or self.tp_size > self.kv_heads
+
+
+def declare_readers(grant: Grant, readers: int, layout: ReaderLayout | None = None) -> Grant:
     """The grant as a claim declaring ``readers`` (0: none) sees it: an open
     grant's count fixed (1 when none is declared), a fixed one unchanged.
     A declared count other than a fixed one is refused: the other readers
     would find the grant used up, or the owner would keep the blocks for
-    readers who never come."""
+    readers who never come. So is a count the worker's layout cannot have
+    (``ReaderLayout.max_readers``): a first claim declaring 64 readers of a
+    rank 4 decode ranks can read would hold the blocks for readers who do
+    not exist."""
     readers = check_readers(readers)
+    layout = layout or ReaderLayout()
+    if grant.open and readers > layout.max_readers:
+        # (A fixed count is the worker's own word, checked below.)
+        raise FailedPrecondition(
+            f"capability for request {grant.request_id}: its worker (tensor-parallel size "
+            f"{layout.tp_size}) is read by at most {layout.max_readers} decode ranks; "
+            f"the caller declared {readers}"
+        )
     if grant.open:
         return replace(grant, max_uses=readers or 1)
     if readers and readers != grant.max_uses:
@@ -229,18 +272,29 @@ def declare_readers(grant: Grant, readers: int) -> Grant:
     return grant
 
 
-def release_use(grant: Grant, readers: int) -> Grant:
+def release_use(grant: Grant, readers: int, layout: ReaderLayout | None = None) -> Grant:
     """The grant once a reader gave up its use without a transfer: one use
     spent; with ``readers`` 0 (no one reads the grant) an open grant with
-    no use taken is used up at once (``max_uses`` 1, ``uses`` 1)."""
+    no use taken is used up at once (``max_uses`` 1, ``uses`` 1). That burns
+    the grant unread, so it needs the prefill worker's own word: its
+    registered layout must allow a rank no decode reads
+    (``ReaderLayout.may_go_unread``); a decode peer's say alone is not
+    enough."""
+    layout = layout or ReaderLayout()
     if readers == 0:
         if not grant.open:
             raise FailedPrecondition(
                 f"capability for request {grant.request_id} admits {grant.max_uses} readers; "
                 "the caller declared none"
             )
+        if not layout.may_go_unread:
+            raise FailedPrecondition(
+                f"capability for request {grant.request_id}: its worker (rank {layout.tp_rank} "
+                f"of tensor-parallel size {layout.tp_size}) is read by every decode engine; "
+                "the caller declared no readers"
+            )
         return replace(grant, max_uses=1, uses=1)
-    fixed = declare_readers(grant, readers)
+    fixed = declare_readers(grant, readers, layout)
     return replace(fixed, uses=fixed.uses + 1)
 
 

@@ -15,11 +15,17 @@ would be a port scanner).
   resolves to must lie in a listed network (with TLS, the server certificate's
   identity is matched as well).
 
-The default of both lists is loopback only.
+The default of both lists is loopback only. An address alone is not enough
+inbound: a neighbour on the same host or in the same pod shares loopback, so
+without mutual TLS a caller must also present the pod-scoped peer secret
+(``peer_secret_file``; ``secret_matches``), and a daemon with neither refuses
+every TCP caller.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
 import re
 import urllib.parse
@@ -34,8 +40,30 @@ LOOPBACK = ("127.0.0.0/8", "::1/128")
 # The one answer to a caller that may not do what it asked. Deliberately the
 # same whatever failed (unlisted address, DNS error, wrong certificate), so it
 # reveals nothing about what lies behind an address or which check failed.
-INBOUND_DENIED = "this peer is not authorized"
+# The hint names the settings, never what this caller lacked: a stranger
+# learns nothing it could not read in the docs.
+INBOUND_DENIED = (
+    "this peer is not authorized (its daemon's operator admits callers with "
+    "peer_accept and peer_secret_file, or peer_identity under mutual TLS: docs/security.md)"
+)
 OUTBOUND_DENIED = "remote_target is not an allowed peer of this daemon"
+
+
+# gRPC metadata key under which a peer daemon presents the shared peer secret.
+PEER_SECRET_METADATA = "kvmap-peer-secret"
+# Fewest bytes a peer secret file must hold (``secrets.token_urlsafe(32)``
+# writes 43): a short one could be guessed.
+MIN_PEER_SECRET_BYTES = 16
+
+
+def secret_matches(presented: str | bytes | None, secret: bytes) -> bool:
+    """Whether a caller presented the peer secret. Both sides are hashed
+    first and compared in constant time, so neither the secret's bytes nor
+    its length shows in the time a refusal takes."""
+    if presented is None:
+        return False
+    raw = presented.encode("utf-8", "surrogatepass") if isinstance(presented, str) else presented
+    return hmac.compare_digest(hashlib.sha256(raw).digest(), hashlib.sha256(secret).digest())
 
 
 _LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")

@@ -97,6 +97,8 @@ class Announcement:
     groups: tuple[GroupBlockIds, ...]
     replaces_agents: tuple[str, ...]
     readers: int
+    # The caller's id of the transfer, which both daemons log (peer.proto).
+    transfer_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -109,3 +111,4 @@ class ReleaseNotice:
     peer_agent: str
     capability: str
     readers: int
+    transfer_id: str = ""  # as an announcement's

@@ -5,12 +5,20 @@ refuses (hostile input: limits are checked before any id is copied)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvmap.core.convert import requested_worker, worker_id_to_proto, worker_key_from_proto
 from kvmap.core.errors import InvalidArgument, PermissionDenied
 from kvmap.core.grants import check_readers, check_replaced_agents
 from kvmap.core.token_plan import token_groups
 from kvmap.core.transfer_pieces import LayerSelection
-from kvmap.core.transfer_plan import GroupPairs, block_ids, check_group_count, check_sizes
+from kvmap.core.transfer_plan import (
+    MAX_BLOCKS_PER_TRANSFER,
+    GroupPairs,
+    block_ids,
+    check_group_count,
+    check_sizes,
+)
 from kvmap.core.transfer_requests import (
     Announcement,
     Phase,
@@ -19,10 +27,13 @@ from kvmap.core.transfer_requests import (
     TransferRequest,
     UseRelease,
 )
-from kvmap.v1 import peer_pb2, transfers_pb2
+from kvmap.v1 import peer_pb2, transfers_pb2, types_pb2
 
 # Longest request id kept (a longer one is cut, not refused).
 MAX_REQUEST_ID = 256
+# Longest transfer id (BeginTransferRequest.transfer_id) an owner keeps and
+# logs; a longer one is cut, as a request id is.
+MAX_TRANSFER_ID = 64
 
 _STATES = {
     Phase.HANDSHAKING: transfers_pb2.TRANSFER_STATE_HANDSHAKING,
@@ -154,6 +165,7 @@ def announcement_to_proto(a: Announcement) -> peer_pb2.BeginTransferRequest:
         capability=a.capability,
         replaces_agents=a.replaces_agents,
         readers=a.readers,
+        transfer_id=a.transfer_id,
     )
     for group, ids in a.groups:
         announced.groups.add(transfer_group=group, block_ids=ids)
@@ -163,6 +175,7 @@ def announcement_to_proto(a: Announcement) -> peer_pb2.BeginTransferRequest:
 def announcement_from_proto(req: peer_pb2.BeginTransferRequest) -> Announcement:
     """Peer.BeginTransfer's arguments, checked: they are wrong whatever the
     owner's state, so they are refused before anything else is."""
+    check_named_blocks(req.groups)
     if req.blocks < 0 or req.bytes < 0:
         raise InvalidArgument("blocks" if req.blocks < 0 else "bytes", "must not be negative")
     if not req.peer_agent:
@@ -186,7 +199,21 @@ def announcement_from_proto(req: peer_pb2.BeginTransferRequest) -> Announcement:
         groups=tuple((g.transfer_group, g.block_ids) for g in req.groups),
         replaces_agents=tuple(req.replaces_agents),
         readers=req.readers,
+        transfer_id=req.transfer_id[:MAX_TRANSFER_ID],
     )
+
+
+def check_named_blocks(groups: Sequence[types_pb2.BlockGrant]) -> None:
+    """A BeginTransfer names no more groups and owner's blocks than one
+    transfer moves: checked on the counts alone, before any id is copied or
+    compared with a grant (15 million copies of one granted id took seconds
+    of the event loop's time)."""
+    check_group_count(len(groups))
+    named = sum(len(g.block_ids) for g in groups)
+    if named > MAX_BLOCKS_PER_TRANSFER:
+        raise InvalidArgument(
+            "groups", f"{named} block ids exceed the limit of {MAX_BLOCKS_PER_TRANSFER}"
+        )
 
 
 def release_notice_to_proto(n: ReleaseNotice) -> peer_pb2.BeginTransferRequest:
@@ -199,6 +226,7 @@ def release_notice_to_proto(n: ReleaseNotice) -> peer_pb2.BeginTransferRequest:
         capability=n.capability,
         readers=n.readers,
         release=True,
+        transfer_id=n.transfer_id,
     )
 
 
@@ -214,4 +242,5 @@ def release_notice_from_proto(req: peer_pb2.BeginTransferRequest) -> ReleaseNoti
         peer_agent=req.peer_agent,
         capability=req.capability,
         readers=req.readers,
+        transfer_id=req.transfer_id[:MAX_TRANSFER_ID],
     )

@@ -12,7 +12,7 @@ import random
 import signal
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from types import FrameType
@@ -21,24 +21,41 @@ from typing import Any
 from kvmap.core import planner as planners
 from kvmap.core.convert import geometry_from_json
 from kvmap.daemon.adapters.logs import configure_logging
+from kvmap.daemon.cli.kvmapd import OneLineParser
 from kvmap.daemon.examples import example_path
 from kvmap.tools.grants import GrantRefused, granted
 from kvmap.tools.launch import DaemonProc, WorkerProc, start_daemon, start_worker
+from kvmap.tools.peers import new_peer_secret
 
 
 def main(argv: Sequence[str]) -> int:
     """``kvmapd demo ARGS``: parse the arguments and run."""
-    p = argparse.ArgumentParser(prog="kvmapd demo", description=__doc__)
-    p.add_argument("--blocks", type=int, default=128, help="KV blocks per worker")
-    p.add_argument("--block-tokens", type=int, default=64)
-    p.add_argument("--mla-layers", type=int, default=12)
-    p.add_argument("--indexer-layers", type=int, default=4)
-    p.add_argument("--requests", type=int, default=6)
-    p.add_argument("--decode-planner", default="baseline",
-                   help="planner of the decode daemon (the prefill one runs coalesce)")  # fmt: skip
-    p.add_argument("--seed", type=int, default=7)
+    p = OneLineParser(prog="kvmapd demo", description=__doc__, allow_abbrev=False)
+    # Checked before anything starts: a request needs at least two blocks
+    # to scatter over, and every count below one would leave nothing to pull.
+    p.add_argument("--blocks", type=_at_least(2), default=128,
+                   help="KV blocks per worker (default: 128)")  # fmt: skip
+    p.add_argument("--block-tokens", type=_at_least(1), default=64, help="(default: 64)")
+    p.add_argument("--mla-layers", type=_at_least(1), default=12, help="(default: 12)")
+    p.add_argument("--indexer-layers", type=_at_least(1), default=4, help="(default: 4)")
+    p.add_argument("--requests", type=_at_least(1), default=6, help="(default: 6)")
+    p.add_argument("--decode-planner", default="baseline", choices=sorted(planners.PLANNERS),
+                   help="planner of the decode daemon; the prefill one runs coalesce "
+                   "(default: baseline)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=7, help="(default: 7)")
     configure_logging("console", level=logging.WARNING)
     return run(p.parse_args(argv))
+
+
+def _at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, not {value}")
+        return value
+
+    parse.__name__ = "count"  # argparse names the type in its "invalid ..." message
+    return parse
 
 
 def _scattered(rng: random.Random, n_blocks: int, count: int) -> list[int]:
@@ -77,7 +94,7 @@ def _full_scale() -> str:
     return (
         f"  full-scale GLM-5.3 rank ({len(geo.views)} layers x {geo.views[0].num_blocks:,} "
         f"blocks): baseline {base:,} vs coalesce {coal:,} registered descriptors "
-        f"({base / coal:.0f}x fewer)"
+        f"({base / coal:.1f}x fewer)"
     )
 
 
@@ -95,21 +112,44 @@ def _interrupts_raise() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
+@contextmanager
+def _step(what: str) -> Iterator[None]:
+    """One start-up step's progress line: its name at once (a daemon takes
+    seconds to start on a busy machine), then how long it took."""
+    print(f"kvmap demo: starting {what} ...", end="", flush=True)
+    t0 = time.perf_counter()
+    try:
+        yield
+    except BaseException:
+        print(" failed", flush=True)
+        raise
+    print(f" up in {time.perf_counter() - t0:.1f}s", flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     with ExitStack() as stack, _interrupts_raise():
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvmap-demo-")))
         t0 = time.perf_counter()
-        prefill = start_daemon(tmp / "prefill", "--planner", "coalesce", name="prefill")
+        # The two daemons' shared peer secret (0600, in the demo's private
+        # folder): without it each would refuse the other on TCP.
+        peers = ("--peer-secret-file", str(new_peer_secret(tmp)))
+        with _step("1/4 prefill daemon (planner coalesce)"):
+            prefill = start_daemon(tmp / "prefill", "--planner", "coalesce", *peers, name="prefill")
         stack.callback(prefill.stop)
-        decode = start_daemon(tmp / "decode", "--planner", args.decode_planner, name="decode")
+        with _step(f"2/4 decode daemon (planner {args.decode_planner})"):
+            decode = start_daemon(
+                tmp / "decode", "--planner", args.decode_planner, *peers, name="decode"
+            )
         stack.callback(decode.stop)
         geo_args = [
             "--blocks", str(args.blocks), "--block-tokens", str(args.block_tokens),
             "--mla-layers", str(args.mla_layers), "--indexer-layers", str(args.indexer_layers),
         ]  # fmt: skip
-        pw = start_worker(prefill, "prefill-engine", *geo_args, "--fill")
+        with _step("3/4 prefill worker (registers its KV cache, fills it)"):
+            pw = start_worker(prefill, "prefill-engine", *geo_args, "--fill")
         stack.callback(pw.stop)
-        dw = start_worker(decode, "decode-engine", *geo_args)
+        with _step("4/4 decode worker (registers its KV cache)"):
+            dw = start_worker(decode, "decode-engine", *geo_args)
         stack.callback(dw.stop)
         print(f"kvmap demo: two daemons and two workers up in {time.perf_counter() - t0:.1f}s")
         print(f"  prefill daemon {prefill.tcp_target} (pid {prefill.proc.pid}), "

@@ -29,6 +29,7 @@ from google.protobuf import json_format
 from kvmap.client.client import KvmapClient
 from kvmap.client.errors import status_name
 from kvmap.client.session import Backoff, WorkerSession
+from kvmap.client.shm_export import export_tensor
 from kvmap.core.config import DaemonConfig
 from kvmap.core.errors import KvmapError
 from kvmap.tools import block_pattern, json_lines
@@ -206,8 +207,8 @@ class DemoWorker:
         )
         fds: list[int] = []
         for gi, (g, rows) in enumerate(zip(self.geo.groups, self.rows, strict=True)):
-            rows.share_memory_()  # type: ignore[no-untyped-call]
-            fd, size = rows.untyped_storage()._share_fd_cpu_()
+            # Into a memfd sealed against shrinking, as the daemon requires.
+            fd, size, _ = export_tensor(rows)
             fds.append(fd)
             alloc_id = f"kv-group{gi}"
             req.allocations.add(

@@ -14,13 +14,17 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from kvmap.tools.peers import SESSION_ENV, peer_channel, read_secret, session_peer_secret
+
 START_TIMEOUT_S = 60.0
+PEER_SECRET_FLAG = "--peer-secret-file"
 
 # Every process started here, in order, so that a caller that failed halfway
 # (a test assertion, an interrupted demo) can still reap what it started.
@@ -58,6 +62,7 @@ def local_env(tmp: Path) -> dict[str, str]:
     env["UCX_NET_DEVICES"] = "lo"
     env["TMPDIR"] = str(tmp)
     env["PYTHONUNBUFFERED"] = "1"
+    env[SESSION_ENV] = str(session_peer_secret())
     return env
 
 
@@ -70,6 +75,9 @@ class DaemonProc:
     agent: str
     workdir: Path
     log_path: Path
+    # The peer secret it was started with ("" for none): what its TCP
+    # callers of Peer and RegionMaps present.
+    secret: str = ""
 
     @property
     def unix_target(self) -> str:
@@ -79,8 +87,12 @@ class DaemonProc:
     def tcp_target(self) -> str:
         return f"127.0.0.1:{self.tcp_port}"
 
-    def channel(self, tcp: bool = False) -> grpc.Channel:
-        return grpc.insecure_channel(self.tcp_target if tcp else self.unix_target)
+    def channel(self, tcp: bool = False, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+        """A channel to the Unix socket, or to the TCP port presenting the
+        daemon's peer secret as its peers do."""
+        if tcp:
+            return peer_channel(self.tcp_target, self.secret, options)
+        return grpc.insecure_channel(self.unix_target, options=list(options))
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -108,10 +120,25 @@ class DaemonProc:
             self.kill()
 
 
+def _with_peer_secret(extra: Sequence[str]) -> tuple[list[str], str]:
+    """The flags, with this process's shared peer secret unless they name
+    one (``--peer-secret-file ""``: none, the default configuration), and
+    the secret the daemon will hold."""
+    args = list(extra)
+    if PEER_SECRET_FLAG in args:
+        path = args[args.index(PEER_SECRET_FLAG) + 1]
+        return args, read_secret(path) if path else ""
+    path = str(session_peer_secret())
+    return [*args, PEER_SECRET_FLAG, path], read_secret(path)
+
+
 def start_daemon(
     workdir: Path, *extra: str, name: str = "kvmapd", listen: str = "127.0.0.1:0"
 ) -> DaemonProc:
+    """Start ``kvmapd serve`` in ``workdir``; it shares this process's peer
+    secret with the other daemons started here unless ``extra`` names one."""
     workdir.mkdir(parents=True, exist_ok=True)
+    flags, secret = _with_peer_secret(extra)
     sock = workdir / f"{name}.sock"
     ready = workdir / f"{name}.ready"
     log_path = workdir / f"{name}.log"
@@ -130,7 +157,7 @@ def start_daemon(
         str(ready),
         "--log-format",
         "json",
-        *extra,
+        *flags,
     ]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
@@ -154,6 +181,7 @@ def start_daemon(
         agent=info["agent"],
         workdir=workdir,
         log_path=log_path,
+        secret=secret,
     )
 
 

@@ -50,7 +50,7 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from kvmap.client.fd_handoff import send_fds
+from kvmap.client.fd_handoff import sealed_memfd, send_fds
 from kvmap.tools.demo_worker import INDEXER_TOKEN_BYTES, MLA_TOKEN_BYTES
 from kvmap.tools.launch import DaemonProc, start_daemon
 from kvmap.v1 import (
@@ -138,8 +138,7 @@ class Worker:
         self.rows: list[npt.NDArray[np.uint8]] = []
         for g, (_, layers, page) in enumerate(self.pages):
             size = blocks * layers * page
-            fd = os.memfd_create(f"{engine_id}-g{g}")
-            os.ftruncate(fd, size)
+            fd = sealed_memfd(f"{engine_id}-g{g}", size)
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
             self.fds.append(fd)
             self._maps.append(mm)

@@ -28,6 +28,7 @@ from typing import Any
 
 import grpc
 
+from kvmap.client.fd_handoff import credential_metadata
 from kvmap.tools.launch import DaemonProc, WorkerProc, start_daemon, start_worker
 from kvmap.v1 import registry_pb2, registry_pb2_grpc, types_pb2
 
@@ -65,8 +66,10 @@ class Prefill:
         self.kv_file.write_bytes(bytes(range(256)) * (BLOCKS * LAYERS * PAGE // 256))
         self.daemon = self._start("127.0.0.1:0")
         with self.daemon.channel() as ch:
+            # The registering uid's credentials: a path registration needs them,
+            # and the worker's Attach and grants are honoured from that uid only.
             registry_pb2_grpc.RegistryStub(ch).RegisterWorker(
-                _registration(self.kv_file), timeout=10
+                _registration(self.kv_file), timeout=10, metadata=self._me()
             )
         self._attach()
 
@@ -75,20 +78,29 @@ class Prefill:
         worker whose stream ends is released (and its grants with it)."""
         channel = self.daemon.channel()
         stream: Any = registry_pb2_grpc.RegistryStub(channel).Attach(
-            registry_pb2.AttachRequest(worker=PREFILL)
+            registry_pb2.AttachRequest(worker=PREFILL), metadata=self._me()
         )
         next(stream)  # the attached event: granting may start
         threading.Thread(target=_drain, args=(stream,), daemon=True).start()
         self._channel = channel
 
+    def _me(self) -> tuple[tuple[str, str]]:
+        """A fresh credential token of this process (a restarted daemon forgot the last)."""
+        return credential_metadata(self.daemon.socket)
+
     def _start(self, listen: str) -> DaemonProc:
         state = str(self.root / "state")
-        return start_daemon(self.root / "p", "--state-dir", state, name="prefill", listen=listen)
+        # The KV file is a path registration: its directory must be an allowed prefix.
+        return start_daemon(
+            self.root / "p", "--state-dir", state, "--shm-path-prefix", str(self.root),
+            name="prefill", listen=listen,
+        )  # fmt: skip
 
     def grants(self, prefix: str, count: int) -> list[tuple[str, str]]:
         """(request id, capability) for ``count`` pulls of block 5."""
         with self.daemon.channel() as ch:
             registry = registry_pb2_grpc.RegistryStub(ch)
+            me = self._me()
             out = []
             for i in range(count):
                 rid = f"{prefix}-{i}"
@@ -97,7 +109,7 @@ class Prefill:
                         worker=PREFILL, request_id=rid,
                         groups=[types_pb2.BlockGrant(transfer_group=0, block_ids=[5])],
                     ),
-                    timeout=10,
+                    timeout=10, metadata=me,
                 )  # fmt: skip
                 out.append((rid, grant.capability))
         return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from kvmap.client.client import KvmapClient
+from kvmap.client.connector.logids import ids
 from kvmap.core.errors import KvmapError
 from kvmap.v1 import types_pb2
 
@@ -21,4 +22,8 @@ def revoke(client: KvmapClient, worker: types_pb2.WorkerId, request_id: str) -> 
     try:
         client.revoke_transfer(worker, request_id)
     except KvmapError as err:
-        log.warning("request %s: revoking its transfer grant failed: %s", request_id, err.message)
+        log.warning(
+            "%s: revoking its transfer grant failed: %s",
+            ids(request_id, worker=worker),
+            err.message,
+        )

@@ -13,6 +13,7 @@ from typing import Any
 from kvmap.client.client import KvmapClient
 from kvmap.client.connector.blocks import BlockIds
 from kvmap.client.connector.grants import MAX_GRANT_TTL_MS, revoke
+from kvmap.client.connector.logids import ids
 from kvmap.client.connector.metadata import ConnectorMeta, RecvTask
 from kvmap.client.connector.options import ConnectorOptions, host_port
 from kvmap.client.connector.params import (
@@ -89,7 +90,7 @@ class SchedulerCore:
         try:
             RemoteSource.parse(params)
         except ValueError as err:
-            log.warning("request %s: not loading remote KV: %s", request_id, err)
+            log.warning("%s: not loading remote KV: %s", ids(request_id), err)
             return 0, False
         count = self.loaded_tokens(num_prompt_tokens) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
@@ -152,7 +153,7 @@ class SchedulerCore:
             try:
                 source = RemoteSource.parse(params)
             except ValueError as err:  # num_new_matched_tokens said 0 already
-                log.warning("request %s: not loading remote KV: %s", request_id, err)
+                log.warning("%s: not loading remote KV: %s", ids(request_id), err)
             else:
                 local = self._local_blocks(local_block_ids, source)
                 self._meta.recv.append(RecvTask(request_id, source, local))
@@ -213,7 +214,7 @@ class SchedulerCore:
             return False, None
         if not finished_normally or not self.options.peer_address:
             if finished_normally:
-                log.error("request %s: no peer_address configured; not offering KV", request_id)
+                log.error("%s: no peer_address configured; not offering KV", ids(request_id))
             self._meta.not_processed.add(request_id)
             return False, None
         # Only the blocks a transfer needs are offered (and granted).
@@ -269,7 +270,7 @@ class SchedulerCore:
         whether every grant is open (a kvmapd that predates open grants
         makes each a one-use grant: decode engines of this TP size only)."""
         if self.client is None:
-            log.error("request %s: no kvmapd to grant the transfer; not offering KV", request_id)
+            log.error("%s: no kvmapd to grant the transfer; not offering KV", ids(request_id))
             return "", False
         blocks = {g: ids for g, ids in enumerate(groups) if ids}
         # A lease longer than kvmapd's longest grant: the grant ends first,
@@ -302,8 +303,8 @@ class SchedulerCore:
                 open_grants &= grant.open_uses
         except KvmapError as err:
             log.error(
-                "request %s: kvmapd did not grant the transfer (%s); not offering its KV",
-                request_id,
+                "%s: kvmapd did not grant the transfer (%s); not offering its KV",
+                ids(request_id),
                 err.message,
             )
             for worker in granted:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from kvmap.client.client import KvmapClient, TransferResult
 from kvmap.client.connector.blocks import BlockIds, pair_blocks
 from kvmap.client.connector.grants import revoke
+from kvmap.client.connector.logids import ids
 from kvmap.client.connector.metadata import ConnectorMeta, RecvTask
 from kvmap.client.connector.options import ConnectorOptions
 from kvmap.client.connector.params import RemoteSource
@@ -209,7 +210,7 @@ class WorkerCore:
         try:
             specs = self.release_specs(task, pulling=pulling)
         except ValueError as err:
-            log.info("request %s: not releasing remote KV: %s", task.request_id, err)
+            log.info("%s: not releasing remote KV: %s", _task_ids(task), err)
             return
         for spec in specs:
             self._pool.submit(self._release, spec)
@@ -225,10 +226,7 @@ class WorkerCore:
             self.released += 1
         except KvmapError as err:
             log.info(
-                "request %s: releasing prefill rank %d's grant failed: %s",
-                spec.request_id,
-                spec.remote_worker.tp_rank,
-                err.message,
+                "%s: releasing the prefill rank's grant failed: %s", _spec_ids(spec), err.message
             )
 
     def _submit(self, task: RecvTask, now: float) -> None:
@@ -236,7 +234,7 @@ class WorkerCore:
         try:
             specs = self.specs_for(task)
         except ValueError as err:
-            log.warning("request %s: cannot load remote KV: %s", task.request_id, err)
+            log.warning("%s: cannot load remote KV: %s", _task_ids(task), err)
             self._loading[task.request_id] = _Load(task, None, None, now, deadline, str(err))
             return
         # Prefill ranks no decode rank reads: their blocks are freed now.
@@ -263,6 +261,7 @@ class WorkerCore:
             completion_seconds=sum(r.completion_seconds for r in results),
             remote_generation=results[-1].remote_generation,
             handshaked=any(r.handshaked for r in results),
+            transfer_id=",".join(r.transfer_id for r in results),
         )
 
     def _pull(self, spec: transfers_pb2.TransferSpec, deadline: float) -> TransferResult:
@@ -289,8 +288,8 @@ class WorkerCore:
                 if pause is None:
                     raise
                 log.info(
-                    "request %s: pull broke as kvmapd restarted (%s); again in %.2fs",
-                    spec.request_id,
+                    "%s: pull broke as kvmapd restarted (%s); again in %.2fs",
+                    _spec_ids(spec),
                     err.message,
                     pause,
                 )
@@ -377,8 +376,8 @@ class WorkerCore:
             if now < deadline:
                 continue
             log.warning(
-                "request %s: no pull within the %ss lease; freeing its blocks",
-                request_id,
+                "%s: no pull within the %ss lease; freeing its blocks",
+                ids(request_id),
                 self.options.lease_seconds,
             )
             del self._send_deadline[request_id]
@@ -403,6 +402,7 @@ class WorkerCore:
                 return _describe(exc), 0
             result = load.future.result()
             self.stats.record_transfer(result)
+            log.debug("%s: loaded %d bytes", _load_ids(load, result.transfer_id), result.bytes)
             return "", result.bytes
         if now >= load.deadline:
             load.future.cancel()
@@ -418,9 +418,8 @@ class WorkerCore:
         local, remote = load.task.local_block_ids, load.task.source.block_ids
         if error:
             log.warning(
-                "request %s: loading its KV from %s failed (%s); reported as a load failure",
-                load.task.request_id,
-                load.task.source.target,
+                "%s: loading its KV failed (%s); reported as a load failure",
+                _load_ids(load),
                 error,
             )
             if len(local) == 1:
@@ -455,6 +454,28 @@ class WorkerCore:
         if self.session is not None:
             self.session.stop(deregister=True, timeout_s=self.options.call_timeout_s)
         self.client.close()
+
+
+def _task_ids(task: RecvTask) -> str:
+    return ids(task.source.request_id, local_request_id=task.request_id, peer=task.source.target)
+
+
+def _spec_ids(spec: transfers_pb2.TransferSpec) -> str:
+    return ids(spec.request_id, peer=spec.remote_target, worker=spec.remote_worker)
+
+
+def _load_ids(load: _Load, transfer_id: str = "") -> str:
+    """A load's ids: the daemons' request id, this engine's, the prefill
+    daemon and (of the first rank pulled from) worker, the transfer id
+    once the daemon answered."""
+    task = load.task
+    return ids(
+        task.source.request_id,
+        local_request_id=task.request_id,
+        transfer_id=transfer_id,
+        peer=task.source.target,
+        worker=load.spec.remote_worker if load.spec is not None else None,
+    )
 
 
 def _describe(exc: BaseException) -> str:

@@ -12,6 +12,7 @@ import grpc.experimental
 
 from kvmap.client import fd_handoff
 from kvmap.client.errors import from_rpc_error
+from kvmap.core.errors import KvmapError, PermissionDenied
 from kvmap.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -61,6 +62,11 @@ _OPTIONS: list[tuple[str, Any]] = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 250),
 ]
+
+# A credential token is fetched again after this long (the daemon keeps one
+# 120 s), and its fetch may take this long.
+CREDENTIAL_REFRESH_S = 60.0
+CREDENTIAL_TIMEOUT_S = 5.0
 
 # How long a unary call waits for the channel to reconnect to a daemon that
 # is listening again (several reconnect periods, well under a call's deadline).
@@ -136,6 +142,11 @@ class GrpcTransport:
         self._transfers = transfers_pb2_grpc.TransfersStub(self._channel)
         self._maps = region_maps_pb2_grpc.RegionMapsStub(self._channel)
         self._admin = admin_pb2_grpc.AdminStub(self._channel)
+        # This process's credential token (fd_handoff.send_credentials) and
+        # when it was fetched: Registry calls carry it, so that the daemon
+        # honours them only from the uid that registered the worker.
+        self._credential = ""
+        self._credential_at = 0.0
 
     def send_fds(self, fds: Sequence[int], timeout: float) -> str:
         return fd_handoff.send_fds(self.fd_socket_path, fds, timeout)
@@ -143,25 +154,51 @@ class GrpcTransport:
     def register_worker(
         self, req: registry_pb2.RegisterWorkerRequest, timeout: float
     ) -> registry_pb2.RegisterWorkerResponse:
-        return self._unary(self._registry.RegisterWorker, req, timeout)
+        return self._as_caller(self._registry.RegisterWorker, req, timeout)
 
     def deregister_worker(
         self, req: registry_pb2.DeregisterWorkerRequest, timeout: float
     ) -> registry_pb2.DeregisterWorkerResponse:
-        return self._unary(self._registry.DeregisterWorker, req, timeout)
+        return self._as_caller(self._registry.DeregisterWorker, req, timeout)
 
     def attach(self, req: registry_pb2.AttachRequest) -> _GrpcAttachStream:
-        return _GrpcAttachStream(self._registry.Attach(req))
+        # A fresh token: (re)attaching follows a daemon restart, which forgot the old one.
+        metadata = self._credentials(fresh=True)
+        return _GrpcAttachStream(self._registry.Attach(req, metadata=metadata))
 
     def grant_transfer(
         self, req: registry_pb2.GrantTransferRequest, timeout: float
     ) -> registry_pb2.GrantTransferResponse:
-        return self._unary(self._registry.GrantTransfer, req, timeout)
+        return self._as_caller(self._registry.GrantTransfer, req, timeout)
 
     def revoke_transfer(
         self, req: registry_pb2.RevokeTransferRequest, timeout: float
     ) -> registry_pb2.RevokeTransferResponse:
-        return self._unary(self._registry.RevokeTransfer, req, timeout)
+        return self._as_caller(self._registry.RevokeTransfer, req, timeout)
+
+    def _credentials(self, fresh: bool = False) -> tuple[tuple[str, str], ...]:
+        """The metadata that says which uid calls: a credential token, kept
+        for CREDENTIAL_REFRESH_S (the daemon keeps it 120 s). None when the
+        daemon cannot give one (not up yet, or older): the call goes without,
+        and a daemon that needs it answers PERMISSION_DENIED."""
+        now = time.monotonic()
+        if fresh or not self._credential or now - self._credential_at > CREDENTIAL_REFRESH_S:
+            try:
+                self._credential = fd_handoff.send_credentials(
+                    self.fd_socket_path, CREDENTIAL_TIMEOUT_S
+                )
+                self._credential_at = now
+            except KvmapError:
+                self._credential = ""
+        return ((fd_handoff.PEER_TOKEN_METADATA, self._credential),) if self._credential else ()
+
+    def _as_caller(self, call: Callable[..., R], req: Any, timeout: float) -> R:
+        """A Registry call with this process's credentials; once more with a
+        fresh token when refused (a restarted daemon forgot the old one)."""
+        try:
+            return self._unary(call, req, timeout, metadata=self._credentials())
+        except PermissionDenied:
+            return self._unary(call, req, timeout, metadata=self._credentials(fresh=True))
 
     def pull(
         self, spec: transfers_pb2.TransferSpec, timeout: float
@@ -195,7 +232,7 @@ class GrpcTransport:
     def get_stats(self, timeout: float) -> admin_pb2.GetStatsResponse:
         return self._unary(self._admin.GetStats, admin_pb2.GetStatsRequest(), timeout)
 
-    def _unary(self, call: Callable[..., R], req: Any, timeout: float) -> R:
+    def _unary(self, call: Callable[..., R], req: Any, timeout: float, **kw: Any) -> R:
         """``call(req)``, typed errors. A daemon back after a restart (or an
         upgrade) can find this channel still waiting out its reconnect
         backoff, which fails calls at once with the old connect error: when
@@ -205,7 +242,7 @@ class GrpcTransport:
         them) must not block on a missing sidecar."""
         started = time.monotonic()
         try:
-            return call(req, timeout=timeout)
+            return call(req, timeout=timeout, **kw)
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.UNAVAILABLE or not daemon_listening(self.socket_path):
                 raise from_rpc_error(err) from None
@@ -214,7 +251,7 @@ class GrpcTransport:
         if left <= 0:
             raise from_rpc_error(first) from None
         try:
-            return call(req, timeout=left, wait_for_ready=True)
+            return call(req, timeout=left, wait_for_ready=True, **kw)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 

@@ -4,7 +4,9 @@ gRPC cannot carry file descriptors, so next to the gRPC socket the daemon
 listens on a second Unix socket (``<grpc socket>.fds``, mode 0660). A worker
 sends a batch of fds in one ``sendmsg`` (SCM_RIGHTS) and gets a token back;
 ``RegisterWorker`` then names each fd as ``ShmFdHandle{token, index}`` and the
-registrar ``claim``s it.
+registrar ``claim``s it. A message of no fds gets a *credential token*: the
+sender's SO_PEERCRED under a secret, which Registry calls present (metadata
+``kvmap-peer-token``) to say which uid is calling (gRPC cannot tell).
 
 Wire protocol (SOCK_SEQPACKET, so each message arrives whole):
 
@@ -16,8 +18,9 @@ registration that fails half-way can be retried with the same token. The
 batch's own fds are closed by ``discard`` (call it once a registration has
 succeeded) or when the token expires (default 120 s), so a worker that never
 registers leaks nothing. The number of fds per batch and of pending tokens
-are bounded. The sender's SO_PEERCRED (pid, uid, gid) is logged and kept with
-the batch.
+are bounded, and so are the pending tokens and fds of each sending uid (so
+one socket-group member cannot crowd out the others). The sender's
+SO_PEERCRED (pid, uid, gid) is logged and kept with the batch.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import errno
 import os
 import secrets
 import socket
 import stat
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -49,10 +54,25 @@ PROTOCOL = b"kvmap-fds/1"
 SCM_MAX_FD = 253  # the kernel's limit of fds in one SCM_RIGHTS message
 DEFAULT_TOKEN_TTL_S = 120.0
 DEFAULT_MAX_FDS_PER_BATCH = SCM_MAX_FD
-DEFAULT_MAX_PENDING_TOKENS = 64
+# Tokens are cheap (the fds are what is bounded tightly); a batch of no fds
+# is a credential token, which each client process keeps one or two of.
+DEFAULT_MAX_PENDING_TOKENS = 256
+# Per sending uid (SO_PEERCRED), so that one socket-group member cannot fill
+# the daemon's fd table or take every token: half the tokens, and fds for a
+# TP-8 pod registering every layer's storage at once.
+DEFAULT_MAX_PENDING_TOKENS_PER_UID = DEFAULT_MAX_PENDING_TOKENS // 2
+DEFAULT_MAX_PENDING_FDS_PER_UID = 2048
 DEFAULT_MAX_CONNECTIONS = 16
 DEFAULT_IO_TIMEOUT_S = 5.0
 _HEADER_MAX = 64
+# accept() failures that say the process or system is short of something
+# (descriptors above all): the listener waits and accepts again, from
+# ACCEPT_PAUSE_S doubling up to ACCEPT_PAUSE_MAX_S, rather than end.
+_ACCEPT_SHORTAGES = frozenset(
+    {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO}
+)
+ACCEPT_PAUSE_S = 0.05
+ACCEPT_PAUSE_MAX_S = 1.0
 _UCRED = struct.Struct("3i")
 
 
@@ -87,6 +107,8 @@ class FdHandoffServer:
         token_ttl_s: float = DEFAULT_TOKEN_TTL_S,
         max_fds_per_batch: int = DEFAULT_MAX_FDS_PER_BATCH,
         max_pending_tokens: int = DEFAULT_MAX_PENDING_TOKENS,
+        max_pending_tokens_per_uid: int = DEFAULT_MAX_PENDING_TOKENS_PER_UID,
+        max_pending_fds_per_uid: int = DEFAULT_MAX_PENDING_FDS_PER_UID,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         io_timeout_s: float = DEFAULT_IO_TIMEOUT_S,
     ) -> None:
@@ -96,6 +118,8 @@ class FdHandoffServer:
         self.token_ttl_s = token_ttl_s
         self.max_fds_per_batch = max_fds_per_batch
         self.max_pending_tokens = max_pending_tokens
+        self.max_pending_tokens_per_uid = max_pending_tokens_per_uid
+        self.max_pending_fds_per_uid = max_pending_fds_per_uid
         self.max_connections = max_connections
         self.io_timeout_s = io_timeout_s
         self._batches: dict[str, FdBatch] = {}
@@ -103,6 +127,9 @@ class FdHandoffServer:
         self._tasks: set[asyncio.Task[None]] = set()
         self._accepting: asyncio.Task[None] | None = None
         self._reaper: asyncio.Task[None] | None = None
+        # Told (with the error) if the accept loop ever ends other than by
+        # close(): the daemon then reports itself not serving.
+        self.on_listener_dead: Callable[[BaseException], None] | None = None
 
     # -- lifecycle -------------------------------------------------------
 
@@ -122,6 +149,7 @@ class FdHandoffServer:
         self._sock = sock
         loop = asyncio.get_running_loop()
         self._accepting = loop.create_task(self._accept_loop(sock), name="fd-handoff-accept")
+        self._accepting.add_done_callback(self._accept_loop_ended)
         self._reaper = loop.create_task(self._reap_loop(), name="fd-handoff-reaper")
         log.info("fd_handoff_listening", path=self.path, token_ttl_s=self.token_ttl_s)
 
@@ -203,14 +231,35 @@ class FdHandoffServer:
 
     async def _accept_loop(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
+        pause = ACCEPT_PAUSE_S
         while True:
-            conn, _ = await loop.sock_accept(sock)
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except OSError as e:
+                if e.errno not in _ACCEPT_SHORTAGES:
+                    raise
+                # Out of descriptors (EMFILE): the connection waits in the
+                # backlog until some are closed; retrying at once would spin.
+                log.warning("fd_handoff_accept_failed", error=e.strerror, retry_in_s=pause)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, ACCEPT_PAUSE_MAX_S)
+                continue
+            pause = ACCEPT_PAUSE_S
             if len(self._tasks) >= self.max_connections:
                 conn.close()  # the sender sees the connection end: Unavailable
                 continue
             task = loop.create_task(self._serve(conn))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    def _accept_loop_ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return  # close()
+        err = task.exception() or RuntimeError("the accept loop returned")
+        log.error("fd_handoff_listener_dead", error=str(err) or type(err).__name__)
+        self._accepting = None  # reported here; close() has nothing to await
+        if self.on_listener_dead is not None:
+            self.on_listener_dead(err)
 
     async def _reap_loop(self) -> None:
         while True:
@@ -273,16 +322,13 @@ class FdHandoffServer:
                 "INVALID_ARGUMENT",
                 f"batch of {max(n, len(fds))} fds exceeds the limit of {self.max_fds_per_batch}",
             ), None
-        if n == 0 or n != len(fds):
+        if n != len(fds):
             return _err("INVALID_ARGUMENT", f"header announces {n} fds, received {len(fds)}"), None
         self.expire()
-        if len(self._batches) >= self.max_pending_tokens:
-            return _err(
-                "RESOURCE_EXHAUSTED",
-                f"{len(self._batches)} fd batches already pending (limit"
-                f" {self.max_pending_tokens}); register or retry later",
-            ), None
         peer = _peer_cred(conn)
+        full = self._over_limits(peer.uid, n)
+        if full:
+            return _err("RESOURCE_EXHAUSTED", f"{full}; register or retry later"), None
         token = secrets.token_hex(16)
         self._batches[token] = FdBatch(token, list(fds), peer, time.monotonic() + self.token_ttl_s)
         log.info(
@@ -290,9 +336,29 @@ class FdHandoffServer:
         )
         return b"OK " + token.encode(), token
 
+    def _over_limits(self, uid: int, n: int) -> str:
+        """Which pending limit a batch of ``n`` fds from ``uid`` would break ("" if none)."""
+        if len(self._batches) >= self.max_pending_tokens:
+            return (
+                f"{len(self._batches)} fd batches already pending (limit {self.max_pending_tokens})"
+            )
+        mine = [b for b in self._batches.values() if b.peer.uid == uid]
+        if len(mine) >= self.max_pending_tokens_per_uid:
+            return (
+                f"uid {uid} has {len(mine)} fd batches pending (limit"
+                f" {self.max_pending_tokens_per_uid} per uid)"
+            )
+        fds = sum(len(b.fds) for b in mine)
+        if fds + n > self.max_pending_fds_per_uid:
+            return (
+                f"uid {uid} has {fds} fds pending and sends {n} (limit"
+                f" {self.max_pending_fds_per_uid} per uid)"
+            )
+        return ""
+
 
 def _err(status: str, message: str) -> bytes:
-    log.info("fd_batch_rejected", status=status, reason=message)
+    log.warning("fd_batch_rejected", status=status, reason=message)
     return f"ERR {status} {message}".encode()
 
 

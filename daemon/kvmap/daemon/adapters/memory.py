@@ -2,9 +2,10 @@
 
 A CPU worker shares its KV cache as a shared-memory object: either a file
 descriptor passed over the fd hand-off socket (``fd_handoff``; preferred, it
-leaves nothing behind when the worker crashes) or a path (for example under
-``/dev/shm``). The daemon maps it ``MAP_SHARED`` read/write so that NIXL reads
-and writes land in the worker's own pages, and registers the mapping.
+leaves nothing behind when the worker crashes), which must be a memfd sealed
+against shrinking, or a path (for example under ``/dev/shm``). The daemon maps
+it ``MAP_SHARED`` read/write so that NIXL reads and writes land in the
+worker's own pages, and registers the mapping.
 
 ``MappedMemory.address`` is the virtual address of byte 0 of the allocation
 (``offset`` bytes into the object); ``mmap`` needs a page-aligned file offset,
@@ -19,14 +20,17 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import fcntl
 import mmap
 import os
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 
-from kvmap.core.errors import InvalidArgument
+from kvmap.core.config import DEFAULT_SHM_PATH_PREFIXES
+from kvmap.core.errors import InvalidArgument, PermissionDenied
 
 _PAGE = mmap.ALLOCATIONGRANULARITY
 
@@ -110,6 +114,7 @@ def import_shm_fd(
     *,
     field: str = "",
     on_close: Callable[[], None] | None = None,
+    require_seal: bool = True,
 ) -> MappedMemory:
     """Map ``size`` bytes at ``offset`` of the shared-memory object behind ``fd``.
 
@@ -117,7 +122,8 @@ def import_shm_fd(
     it), and on failure it is closed here, so a caller that got it from
     ``FdHandoffServer.claim`` never has to. ``field`` prefixes error
     messages, e.g. ``allocations[0].shm_fd``; ``on_close`` runs when the
-    mapping is closed.
+    mapping is closed. ``require_seal=False`` only for a path's file the
+    daemon re-opened itself (a restore), which no seal can protect.
     """
     try:
         _check_range(offset, size, field)
@@ -126,6 +132,8 @@ def import_shm_fd(
         except OSError as e:
             raise InvalidArgument(field, f"not an open file descriptor ({e.strerror})") from e
         _check_object(st, offset, size, field)
+        if require_seal:
+            _check_sealed(fd, field)
         return _map(fd, offset, size, f"fd {fd}", field, on_close=on_close)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -140,25 +148,86 @@ def import_shm_path(
     *,
     field: str = "",
     on_close: Callable[[], None] | None = None,
+    prefixes: Sequence[str] = DEFAULT_SHM_PATH_PREFIXES,
+    owner: Owner | None = None,
 ) -> MappedMemory:
-    """Open ``path`` read/write and map ``size`` bytes at ``offset`` of it."""
+    """Open ``path`` read/write and map ``size`` bytes at ``offset`` of it.
+    ``path`` must lie under one of ``prefixes`` and is opened one component
+    at a time without following any link below the prefix; with ``owner``,
+    the file must be the caller's (PERMISSION_DENIED otherwise)."""
     _check_range(offset, size, field)
-    if not os.path.isabs(path):
-        raise InvalidArgument(field, f"path {path[:256]!r} is not absolute")
+    fd = _open_under(path, prefixes, field)
     try:
-        # O_NOFOLLOW: a worker must name the object itself, not a link to
-        # some other file the daemon can write.
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError as e:
-        raise InvalidArgument(field, f"cannot open {path[:256]!r}: {e.strerror}") from e
-    except ValueError as e:  # an embedded NUL byte
-        raise InvalidArgument(field, f"path {path[:256]!r} is not a valid path: {e}") from e
-    try:
-        _check_object(os.fstat(fd), offset, size, field)
+        st = os.fstat(fd)
+        if owner is not None:
+            owner.check(st.st_uid, f"{field}: {path[:256]!r}")
+        _check_object(st, offset, size, field)
         return _map(fd, offset, size, path, field, on_close=on_close)
     except BaseException:
         os.close(fd)
         raise
+
+
+class Owner:
+    """Whose file a path registration may name: the calling uid's (None: the
+    caller sent no credentials, so no file is its)."""
+
+    def __init__(self, caller_uid: int | None) -> None:
+        self.caller_uid = caller_uid
+
+    def check(self, file_uid: int, what: str) -> None:
+        if self.caller_uid is None:
+            raise PermissionDenied(
+                f"{what}: a path registration needs the caller's credentials"
+                " (metadata kvmap-peer-token, from the fd hand-off socket)"
+            )
+        if file_uid != self.caller_uid:
+            raise PermissionDenied(
+                f"{what} is owned by uid {file_uid}, not by the caller's uid {self.caller_uid}"
+            )
+
+
+def _open_under(path: str, prefixes: Sequence[str], field: str) -> int:
+    """Open ``path`` read/write, refusing anything outside ``prefixes`` and any
+    symbolic link or ``..`` below them: the daemon opens files its caller
+    could not (with kvmapd as root, any file), so a worker may name only
+    shared memory, never a link to some other file."""
+    shown = repr(path[:256])
+    if not os.path.isabs(path):
+        raise InvalidArgument(field, f"path {shown} is not absolute")
+    if "\0" in path:
+        raise InvalidArgument(field, f"path {shown} is not a valid path: embedded NUL byte")
+    if os.path.normpath(path) != path:
+        raise InvalidArgument(field, f"path {shown} is not in normal form (no '..', '.' or '//')")
+    prefix = next((p for p in prefixes if path.startswith(p.rstrip("/") + "/")), None)
+    if prefix is None:
+        allowed = ", ".join(prefixes) or "none: path registrations are disabled"
+        raise InvalidArgument(
+            field, f"path {shown} is not under an allowed shm_path_prefix ({allowed})"
+        )
+    *dirs, name = path[len(prefix.rstrip("/")) + 1 :].split("/")
+    at = -1
+    try:
+        # The prefix itself is the operator's (it may be a link, /dev/shm -> /run/shm).
+        at = os.open(prefix, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        for part in dirs:
+            below = os.open(part, _DIR_NOFOLLOW, dir_fd=at)
+            os.close(at)
+            at = below
+        return os.open(name, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=at)
+    except OSError as e:
+        why = _LINK_ERRORS.get(e.errno or 0, e.strerror)
+        raise InvalidArgument(field, f"cannot open {shown}: {why}") from e
+    finally:
+        if at >= 0:
+            os.close(at)
+
+
+_DIR_NOFOLLOW = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_LINK_ERRORS = {
+    errno.ELOOP: "a symbolic link",
+    errno.ENOTDIR: "a symbolic link or not a directory on the way",
+}
 
 
 def _check_range(offset: int, size: int, field: str) -> None:
@@ -178,6 +247,23 @@ def _check_object(st: os.stat_result, offset: int, size: int, field: str) -> Non
             field,
             f"shared-memory object is {st.st_size} bytes, smaller than offset {offset}"
             f" + size {size} = {offset + size}",
+        )
+
+
+def _check_sealed(fd: int, field: str) -> None:
+    """A file that can shrink under the daemon's mapping would kill it with
+    SIGBUS at the next NIXL read of the lost pages: only objects sealed
+    against shrinking (a memfd with F_SEAL_SHRINK) are mapped from an fd."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:  # EINVAL: a file system without seals
+        seals = 0
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise InvalidArgument(
+            field,
+            "the shared-memory object is not sealed against shrinking: create it with"
+            " memfd_create(MFD_ALLOW_SEALING) and add F_SEAL_SHRINK"
+            " (kvmap.client.fd_handoff.sealed_memfd)",
         )
 
 
@@ -202,24 +288,39 @@ class ShmImporter:
     """Maps workers' shared-memory objects and counts the mappings it made
     that are still open. One per daemon (``DaemonApp``); thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, path_prefixes: Sequence[str] = DEFAULT_SHM_PATH_PREFIXES) -> None:
         self._lock = threading.Lock()
         self._open = 0
+        self.path_prefixes = tuple(path_prefixes)
 
-    def import_fd(self, fd: int, offset: int, size: int, *, field: str = "") -> MappedMemory:
+    def import_fd(
+        self, fd: int, offset: int, size: int, *, field: str = "", require_seal: bool = True
+    ) -> MappedMemory:
         """``import_shm_fd``, counted."""
         self._opened()
         try:
-            return import_shm_fd(fd, offset, size, field=field, on_close=self._closed)
+            return import_shm_fd(
+                fd, offset, size, field=field, on_close=self._closed, require_seal=require_seal
+            )
         except BaseException:
             self._closed()
             raise
 
-    def import_path(self, path: str, offset: int, size: int, *, field: str = "") -> MappedMemory:
+    def import_path(
+        self, path: str, offset: int, size: int, *, field: str = "", owner: Owner | None = None
+    ) -> MappedMemory:
         """``import_shm_path``, counted."""
         self._opened()
         try:
-            return import_shm_path(path, offset, size, field=field, on_close=self._closed)
+            return import_shm_path(
+                path,
+                offset,
+                size,
+                field=field,
+                on_close=self._closed,
+                prefixes=self.path_prefixes,
+                owner=owner,
+            )
         except BaseException:
             self._closed()
             raise

@@ -1,14 +1,26 @@
 """Prometheus metrics of one daemon instance (own registry, so several
-daemons can live in one process, as the benchmark does)."""
+daemons can live in one process, as the benchmark does).
+
+Conventions (docs/operate.md, "Metrics"): an outcome is always a gRPC status
+code name (``OK``, ``PERMISSION_DENIED``, ...), in a ``code`` label on
+transfer series and ``grpc_code`` on RPC series, which also carry
+``grpc_service`` and ``grpc_method``; no ``_created`` series are exported."""
 
 from __future__ import annotations
 
+import platform
+from importlib import metadata
 from typing import TypeVar
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.metrics import MetricWrapperBase
 
 from kvmap.core.config import parse_host_port
+
+# A ``_created`` series per counter and histogram child doubles what is
+# scraped and stored, and no dashboard, alert or rate() needs it.
+prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped upstream
 
 # Peers that get their own label value; the rest share "other", so a daemon
 # that pulls from many prefill pods keeps a bounded number of series.
@@ -41,18 +53,24 @@ class Metrics:
             "kvmap_registered_bytes", "Bytes registered with NIXL", registry=r
         )
         self.rpcs = Counter(
-            "kvmap_rpcs", "RPCs by method and status", ["method", "code"], registry=r
-        )
+            "kvmap_rpcs", "RPCs served, by gRPC service, method and status code",
+            ["grpc_service", "grpc_method", "grpc_code"], registry=r,
+        )  # fmt: skip
         self.rpc_seconds = Histogram(
-            "kvmap_rpc_seconds", "RPC latency", ["method"], buckets=_LATENCY_BUCKETS, registry=r
-        )
+            "kvmap_rpc_seconds", "RPC latency, by gRPC service and method",
+            ["grpc_service", "grpc_method"], buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self.transfers = Counter(
-            "kvmap_transfers", "Transfers by direction and outcome", ["direction", "outcome"],
+            "kvmap_transfers", "Transfers this daemon made, by direction and status code",
+            ["direction", "code"], registry=r,
+        )  # fmt: skip
+        self.transfers_in_flight = Gauge(
+            "kvmap_transfers_in_flight", "Pulls, pushes and releases this daemon is making now",
             registry=r,
         )  # fmt: skip
         # Attempts of a transfer retried after its peer or this daemon met a
         # restart: during an upgrade this rises while kvmap_transfers stays
-        # "done" (a failure there means the retries ran out of deadline).
+        # OK (a failure there means the retries ran out of deadline).
         self.transfer_retries = Counter(
             "kvmap_transfer_retries", "Transfer attempts retried, by the error that ended them",
             ["direction", "code"], registry=r,
@@ -70,11 +88,32 @@ class Metrics:
             registry=r,
         )  # fmt: skip
         self.remote_agents = Gauge("kvmap_remote_agents", "Loaded remote agents", registry=r)
+        self._add_operator_metrics(r)
         self._add_peer_metrics(r)
         self._peers: dict[str, str] = {}
         # Labelled series once looked up (``labelled``): as many as the
         # registry holds, whose label values are bounded (peer_label).
         self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], MetricWrapperBase] = {}
+
+    def _add_operator_metrics(self, r: CollectorRegistry) -> None:
+        """What the alert rules compare against (deploy/k8s/components/alerts)."""
+        self.registered_bytes_limit = Gauge(
+            "kvmap_registered_bytes_limit",
+            "Most bytes this daemon registers with NIXL (max_registered_bytes)", registry=r,
+        )  # fmt: skip
+        self.generations = Counter(
+            "kvmap_generations", "Region map generations issued (registrations and replans)",
+            registry=r,
+        )  # fmt: skip
+        self.ready = Gauge(
+            "kvmap_ready", "1 while the daemon accepts transfers (its readiness health "
+            "service, kvmap.v1.Peer, is SERVING), else 0", registry=r,
+        )  # fmt: skip
+        build = Gauge(
+            "kvmap_build_info", "Always 1: the running build, in its labels",
+            ["version", "python_version"], registry=r,
+        )  # fmt: skip
+        build.labels(_version(), platform.python_version()).set(1)
 
     def _add_peer_metrics(self, r: CollectorRegistry) -> None:
         """Per-peer transfer series (bounded labels, ``peer_label``) and leases."""
@@ -95,6 +134,18 @@ class Metrics:
         self._descriptors_per_transfer = Histogram(
             "kvmap_transfer_descriptors_per_transfer", "Descriptors posted per transfer",
             ["direction"], buckets=_DESCRIPTOR_BUCKETS, registry=r,
+        )  # fmt: skip
+        # Owner side: transfers served to each peer (the authenticated caller's
+        # address, bounded as above), by how each ended.
+        self._served = Counter(
+            "kvmap_served_transfers", "Transfers peers announced to this daemon (the owner), by "
+            "peer and status code: OK when its notification came, DEADLINE_EXCEEDED when its "
+            "lease ran out, CANCELLED when the peer ended it, a refusal's code",
+            ["peer", "code"], registry=r,
+        )  # fmt: skip
+        self._served_bytes = Counter(
+            "kvmap_served_bytes", "Bytes of this daemon's workers that peers completed "
+            "transfers of, by peer", ["peer"], registry=r,
         )  # fmt: skip
         # Owner side: transfers peers announced and have not finished.
         self.leases = Gauge("kvmap_leases", "Outstanding transfer leases", registry=r)
@@ -134,6 +185,21 @@ class Metrics:
         self.labelled(self._peer_bytes, direction, self.peer_label(target)).inc(nbytes)
         self.labelled(self._descriptors_per_transfer, direction).observe(descriptors)
 
+    def served(self, peer: str, code: str, nbytes: int = 0) -> None:
+        """Owner side: one transfer announced by ``peer`` ended (or was
+        refused) with ``code``; ``nbytes`` moved when it completed."""
+        label = self.peer_label(peer)
+        self.labelled(self._served, label, code).inc()
+        if nbytes:
+            self.labelled(self._served_bytes, label).inc(nbytes)
+
     def serve(self, listen: str) -> None:
         host, port = parse_host_port(listen, "metrics_listen")
         start_http_server(port, addr=host, registry=self.registry)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("kvmap")
+    except metadata.PackageNotFoundError:  # run from a source tree
+        return "unknown"

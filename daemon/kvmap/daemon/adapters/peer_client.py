@@ -43,6 +43,7 @@ from kvmap.core.geometry import RegionMapModel, WorkerKey
 from kvmap.core.peer_policy import (
     LOOPBACK,
     OUTBOUND_DENIED,
+    PEER_SECRET_METADATA,
     IPAddress,
     PeerPolicy,
     is_host_name,
@@ -51,6 +52,7 @@ from kvmap.core.transfer_requests import Announcement, ReleaseNotice
 from kvmap.core.transfer_wire import announcement_to_proto, release_notice_to_proto
 from kvmap.daemon.adapters.config_files import read_pem
 from kvmap.daemon.adapters.grpc_codes import error_code, reason_of
+from kvmap.daemon.adapters.peer_secret import peer_secret
 from kvmap.v1 import peer_pb2, peer_pb2_grpc
 
 log = structlog.get_logger("kvmapd.peers")
@@ -68,6 +70,18 @@ _PASSED_THROUGH: Mapping[ErrorCode, Callable[[str], KvmapError]] = types.Mapping
         ErrorCode.PERMISSION_DENIED: PermissionDenied,
     }
 )
+
+
+def unreachable(target: str) -> Unavailable:
+    """The one answer for a target this daemon cannot reach, whatever lies
+    behind it: a closed port, a silent one, a filtered address or a server
+    that does not speak gRPC (or TLS) all read alike, in code, message and
+    time, so that a pull is no port scanner (docs/security.md)."""
+    return Unavailable(f"remote daemon {target}: {UNREACHABLE}")
+
+
+# Its message: the same for every way of being unreachable.
+UNREACHABLE = "no connection within the connect timeout"
 
 
 def _peer_error(target: str, err: aio.AioRpcError) -> KvmapError:
@@ -134,7 +148,9 @@ class PeerClient:
         credentials: grpc.ChannelCredentials | None = None,
         policy: PeerPolicy = DEFAULT_POLICY,
         tls_identity: TlsIdentity | None = None,
+        *,
         call_timeout_s: float | None = None,
+        secret: bytes | None = None,
     ) -> None:
         # Connecting (name look-up, the TLS identity check) is bounded by the
         # connect timeout: a dead or silent target fails fast and the
@@ -153,6 +169,14 @@ class PeerClient:
         # costs microseconds on every transfer.
         self._channels: dict[str, tuple[aio.Channel, peer_pb2_grpc.PeerAsyncStub]] = {}
         self._closing: set[asyncio.Task[None]] = set()
+        # Targets of open channels that were waited on for the connect
+        # timeout and have not connected since (see _connected).
+        self._unreached: set[str] = set()
+        # Sent with every call: without mutual TLS, owners answer only
+        # callers that present the peers' shared secret.
+        self._metadata: tuple[tuple[str, str], ...] = (
+            ((PEER_SECRET_METADATA, secret.decode("ascii")),) if secret else ()
+        )
 
     @classmethod
     def for_config(cls, config: DaemonConfig) -> PeerClient:
@@ -167,6 +191,7 @@ class PeerClient:
             config.peer_policy,
             tls,
             call_timeout_s=config.transfer_timeout_s,
+            secret=peer_secret(config),
         )
 
     async def _stub(self, target: str) -> peer_pb2_grpc.PeerAsyncStub:
@@ -188,6 +213,7 @@ class PeerClient:
             # Targets come from requests: keep a bounded set of channels.
             oldest = next(iter(self._channels))
             stale, _ = self._channels.pop(oldest)
+            self._unreached.discard(oldest)
             task = asyncio.get_running_loop().create_task(stale.close(grace=None))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
@@ -201,6 +227,7 @@ class PeerClient:
 
     def _add(self, target: str, channel: aio.Channel) -> None:
         self._channels[target] = (channel, peer_pb2_grpc.PeerStub(channel))
+        self._unreached.discard(target)
 
     async def _checked(self, target: str) -> Dial:
         """Resolve and check ``target``; PermissionDenied (one message) unless allowed."""
@@ -244,20 +271,29 @@ class PeerClient:
         self, target: str, dial: Dial, denied: PermissionDenied
     ) -> None:
         assert self._tls_identity is not None
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
             sans = await asyncio.wait_for(_server_sans(self._tls_identity, dial), self._timeout)
         except (OSError, ssl.SSLError, TimeoutError) as err:
-            raise Unavailable(f"remote daemon {target}: TLS handshake failed: {err}") from None
+            # The operator learns why; the caller, only that it is unreachable,
+            # after the connect timeout however soon this failed (a refused
+            # connection fails at once, a silent port only at the timeout).
+            log.warning("peer_tls_check_failed", target=target[:256], error=str(err))
+            await asyncio.sleep(max(0.0, started + self._timeout - loop.time()))
+            raise unreachable(target) from None
         if not self._policy.accepts_identities(sans):
             raise denied
 
     async def handshake(self, target: str, worker: WorkerKey) -> PeerHandshake:
         req = peer_pb2.GetAgentMetadataRequest(worker=convert.worker_id_to_proto(worker))
+        stub = await self._stub(target)
+        await self._connected(target)
         try:
             # Shared by every pull waiting on it; each is bounded by its own
             # deadline, and the call is cancelled once all of them gave up.
-            resp = await (await self._stub(target)).GetAgentMetadata(
-                req, timeout=self._call_timeout, wait_for_ready=False
+            resp = await stub.GetAgentMetadata(
+                req, timeout=self._call_timeout, wait_for_ready=False, metadata=self._metadata
             )
         except aio.AioRpcError as err:
             raise _peer_error(target, err) from None
@@ -267,6 +303,28 @@ class PeerClient:
             raise FailedPrecondition(
                 f"remote daemon {target} sent a bad region map: {err}"
             ) from None
+
+    async def _connected(self, target: str) -> None:
+        """Return once ``target``'s channel is connected, else raise
+        ``unreachable``. A closed port would answer UNAVAILABLE at once and a
+        silent one only time out, so both wait the connect timeout, the one
+        way a silent port is told, while the channel keeps dialling (a peer
+        that comes back within it is met). Once a target has been waited on,
+        later calls fail at once until its channel connects (each asks it to
+        dial again): alike for both, and a pull's retries then end
+        UNAVAILABLE by its deadline rather than in another wait."""
+        channel = self._channels[target][0]
+        if channel.get_state(try_to_connect=True) is grpc.ChannelConnectivity.READY:
+            self._unreached.discard(target)
+            return
+        if target in self._unreached:
+            raise unreachable(target)
+        try:
+            await asyncio.wait_for(channel.channel_ready(), self._timeout)
+        except TimeoutError:
+            if self._channels.get(target, (None,))[0] is channel:  # not evicted meanwhile
+                self._unreached.add(target)
+            raise unreachable(target) from None
 
     async def begin(self, target: str, announcement: Announcement, timeout_s: float) -> str:
         """Peer.BeginTransfer, bounded by ``timeout_s``: the transfer's time."""
@@ -281,7 +339,9 @@ class PeerClient:
         self, target: str, req: peer_pb2.BeginTransferRequest, timeout_s: float
     ) -> str:
         try:
-            resp = await (await self._stub(target)).BeginTransfer(req, timeout=timeout_s)
+            resp = await (await self._stub(target)).BeginTransfer(
+                req, timeout=timeout_s, metadata=self._metadata
+            )
         except aio.AioRpcError as err:
             # Only what a new handshake cures is retried as stale; anything
             # else (an expired capability, say) reaches the caller as it is.
@@ -295,13 +355,16 @@ class PeerClient:
         # that is no longer allowed is not dialled again to say so).
         with contextlib.suppress(aio.AioRpcError, KvmapError):
             await (await self._stub(target)).EndTransfer(
-                peer_pb2.EndTransferRequest(transfer_token=token), timeout=self._timeout
+                peer_pb2.EndTransferRequest(transfer_token=token),
+                timeout=self._timeout,
+                metadata=self._metadata,
             )
 
     async def close(self) -> None:
         for channel, _ in self._channels.values():
             await channel.close(grace=None)
         self._channels.clear()
+        self._unreached.clear()
 
 
 def peer_credentials(config: DaemonConfig) -> grpc.ChannelCredentials | None:

@@ -5,8 +5,18 @@ Everything of ``kvmap.v1`` on TCP is guarded: ``Peer`` hands out the NIXL
 agent metadata (with it, a NIXL agent can READ every registered byte) and
 ``RegionMaps`` reveals the addresses of registered memory. Health and
 reflection stay open for probes. A refused caller gets PERMISSION_DENIED with
-one message, before its request is even parsed, so it learns nothing about
+one message, before its request is even read, so it learns nothing about
 the daemon's workers.
+
+An address is not an authorization by itself: everything on the host (and
+every container of a pod) shares loopback. Without mutual TLS a caller
+must present the shared peer secret (``peer_secret_file``) in the
+``kvmap-peer-secret`` metadata *and* call from a ``peer_accept`` address; a
+daemon with neither a secret nor mutual TLS refuses every TCP caller.
+
+``peer_identity`` names the authenticated caller for the owner's side: its
+address, and its certificate identities under mutual TLS. Claims, leases and
+their quotas are keyed by it, not by the agent name a caller declares.
 
 Installed inside ``ErrorsAndContext`` (listed after it), so a refusal is
 logged and counted like any other rejected RPC.
@@ -22,8 +32,15 @@ import structlog
 from grpc import aio
 
 from kvmap.core.errors import PermissionDenied
-from kvmap.core.peer_policy import INBOUND_DENIED, PeerPolicy, grpc_peer_address
-from kvmap.daemon.api.handlers import Ctx, WrappedHandlers, is_kvmap_method, wrap_handler
+from kvmap.core.peer_policy import (
+    INBOUND_DENIED,
+    PEER_SECRET_METADATA,
+    PeerPolicy,
+    grpc_peer_address,
+    secret_matches,
+)
+from kvmap.daemon.api.handlers import Ctx, WrappedHandlers, is_kvmap_method, read_after
+from kvmap.daemon.api.limits import tcp_request_limit
 
 log = structlog.get_logger("kvmapd.authorization")
 
@@ -49,12 +66,34 @@ def certificate_identities(context: Ctx) -> list[str]:
     return [v.decode("utf-8", "replace") for key in SAN_KEYS for v in auth.get(key, ())]
 
 
-class PeerAuthorization(_Interceptor):
-    """With mutual TLS, by certificate identity; otherwise by source address."""
+def presented_secret(context: Ctx) -> str | bytes | None:
+    """The peer secret the caller sent (None when it sent none)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == PEER_SECRET_METADATA:
+            return value
+    return None
 
-    def __init__(self, policy: PeerPolicy, mutual_tls: bool) -> None:
+
+def peer_identity(context: Ctx) -> str:
+    """Who an authorized TCP caller is, as the owner's side keys claims and
+    quotas: its IP address (a daemon reconnects from other ports) and, under
+    mutual TLS, its certificate identities (pods of one service account
+    share a SPIFFE ID, so the address still tells them apart)."""
+    address = grpc_peer_address(context.peer())
+    sans = sorted(certificate_identities(context))
+    # The IPv4-mapped form of an IPv4 client is the same peer.
+    ip = "" if address is None else str(getattr(address, "ipv4_mapped", None) or address)
+    return " ".join([ip or context.peer(), *sans])
+
+
+class PeerAuthorization(_Interceptor):
+    """With mutual TLS, by certificate identity; otherwise by the shared peer
+    secret and the source address; with neither, no one."""
+
+    def __init__(self, policy: PeerPolicy, mutual_tls: bool, secret: bytes | None = None) -> None:
         self._policy = policy
         self._mutual_tls = mutual_tls
+        self._secret = secret
         self._wrapped = WrappedHandlers(self._wrap)
         # Without mutual TLS the answer depends on the peer's address alone
         # (the policy never changes): each peer string (address and port,
@@ -64,6 +103,10 @@ class PeerAuthorization(_Interceptor):
     def authorized(self, context: Ctx) -> bool:
         if self._mutual_tls:
             return self._policy.accepts_identities(certificate_identities(context))
+        # Checked on every call (metadata is per call); an address alone is
+        # what any neighbour on loopback has.
+        if self._secret is None or not secret_matches(presented_secret(context), self._secret):
+            return False
         peer = context.peer()
         known = self._by_address.get(peer)
         if known is None:
@@ -95,16 +138,18 @@ class PeerAuthorization(_Interceptor):
         return handler if wrapped is None else wrapped  # _wrap never answers None
 
     def _wrap(self, method: str, handler: Handler) -> Handler:
-        # The request is parsed only once the caller is authorized: a stranger's
-        # bytes are never decoded (and it sees no INVALID_ARGUMENT either).
-        wrapped = wrap_handler(handler, self._guard)
+        # The request is read only once the caller is authorized: a stranger's
+        # bytes are neither buffered whole nor decoded (and it sees no
+        # INVALID_ARGUMENT either); an authorized one's are bounded per method.
+        wrapped = read_after(handler, self._guard, tcp_request_limit(method))
         if wrapped is not None:
             return wrapped
         # No streaming-request RPC is served on TCP: one added later must not
-        # slip through unguarded, so it is refused until it is guarded here.
-        return grpc.unary_unary_rpc_method_handler(self._refuse)
+        # slip through unguarded, so it is refused until it is guarded here
+        # (without reading what it was sent).
+        return grpc.stream_unary_rpc_method_handler(self._refuse)
 
-    async def _refuse(self, request: Any, context: Ctx) -> Any:
+    async def _refuse(self, requests: Any, context: Ctx) -> Any:
         raise PermissionDenied(INBOUND_DENIED)
 
 

@@ -7,6 +7,13 @@ interceptor's scope, for two reasons: bytes that are no valid message get
 INVALID_ARGUMENT through the one error-to-status place (grpcio's own parse
 failure would answer UNKNOWN before any handler runs), and an unauthorized
 caller's bytes are never decoded at all.
+
+``read_after`` goes further for the TCP listener: it serves a unary-request
+method as a streaming-request one, so that the check runs before gRPC has
+read a single byte of the request (an aio unary handler is handed its
+request whole, already buffered: a refused stranger's 16 MiB body cost
+16 MiB of memory first). Each method's request is then bounded by its own
+size limit.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc import aio
 
-from kvmap.core.errors import InvalidArgument
+from kvmap.core.errors import InvalidArgument, ResourceExhausted
 
 Ctx = aio.ServicerContext[Any, Any]
 if TYPE_CHECKING:
@@ -70,9 +77,13 @@ class WrappedHandlers:
 
 
 def wrap_handler(handler: Handler, around: Around) -> Handler | None:
-    """``handler`` with ``around`` entered for each call, or None for a
-    streaming-request handler (none is served: the caller decides what a new
-    one gets, rather than letting it through unwrapped)."""
+    """``handler`` with ``around`` entered for each call. A streaming-request
+    handler is wrapped only where it reads its requests itself (``read_after``
+    made it: no request deserializer); for any other one the answer is None,
+    and the caller decides what it gets rather than letting it through
+    unwrapped (no such method is served)."""
+    if handler.request_streaming:
+        return _wrap_reader(handler, around) if handler.request_deserializer is None else None
     parse = parser(handler.request_deserializer)
     # grpc's stubs type the behaviours as synchronous; aio servers' are async.
     unary: Callable[..., Any] | None = handler.unary_unary
@@ -97,3 +108,73 @@ def wrap_handler(handler: Handler, around: Around) -> Handler | None:
             call_stream, response_serializer=handler.response_serializer
         )
     return None
+
+
+def _wrap_reader(handler: Handler, around: Around) -> Handler | None:
+    """A ``read_after`` handler with ``around`` entered for each call, before
+    the request is read (the stream of requests passes through untouched)."""
+    unary: Callable[..., Any] | None = handler.stream_unary
+    stream: Callable[..., Any] | None = handler.stream_stream
+    if unary is not None:
+
+        async def call_unary(requests: AsyncIterator[bytes], context: Ctx) -> Any:
+            async with around(context):
+                return await unary(requests, context)
+
+        return grpc.stream_unary_rpc_method_handler(
+            call_unary, response_serializer=handler.response_serializer
+        )
+    if stream is not None:
+
+        async def call_stream(requests: AsyncIterator[bytes], context: Ctx) -> AsyncIterator[Any]:
+            async with around(context):
+                async for item in stream(requests, context):
+                    yield item
+
+        return grpc.stream_stream_rpc_method_handler(
+            call_stream, response_serializer=handler.response_serializer
+        )
+    return None
+
+
+def read_after(handler: Handler, around: Around, limit: int) -> Handler | None:
+    """A unary-request ``handler`` served as a streaming-request one: for each
+    call ``around`` is entered first, and only then is the one request read
+    (refused at over ``limit`` bytes) and parsed. Until it is read, gRPC
+    holds no more of it than the stream's flow-control window. None for a
+    streaming-request handler."""
+    if handler.request_streaming:
+        return None
+    parse = parser(handler.request_deserializer)
+
+    async def request(context: Ctx) -> Any:
+        raw = await context.read()
+        if not isinstance(raw, bytes):  # grpc.aio.EOF: the caller sent none
+            raise InvalidArgument("", "the call carries no request message")
+        if len(raw) > limit:
+            raise ResourceExhausted(
+                f"request of {len(raw)} bytes; this method takes at most {limit} bytes here"
+            )
+        return parse(raw)
+
+    unary: Callable[..., Any] | None = handler.unary_unary
+    stream: Callable[..., Any] | None = handler.unary_stream
+    if unary is not None:
+
+        async def call_unary(requests: AsyncIterator[bytes], context: Ctx) -> Any:
+            async with around(context):
+                return await unary(await request(context), context)
+
+        return grpc.stream_unary_rpc_method_handler(
+            call_unary, response_serializer=handler.response_serializer
+        )
+    assert stream is not None  # a unary-request handler is one of the two
+
+    async def call_stream(requests: AsyncIterator[bytes], context: Ctx) -> AsyncIterator[Any]:
+        async with around(context):
+            async for item in stream(await request(context), context):
+                yield item
+
+    return grpc.stream_stream_rpc_method_handler(
+        call_stream, response_serializer=handler.response_serializer
+    )

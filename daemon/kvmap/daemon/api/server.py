@@ -8,6 +8,7 @@ import contextlib
 import gc
 import json
 import os
+import resource
 import signal
 import uuid
 from pathlib import Path
@@ -17,14 +18,16 @@ import grpc
 import structlog
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from kvmap.core.config import MAX_MESSAGE_BYTES, DaemonConfig
 from kvmap.daemon.adapters.config_files import read_pem
 from kvmap.daemon.adapters.metrics import Metrics
-from kvmap.daemon.adapters.socket_lock import SocketLock
+from kvmap.daemon.adapters.peer_secret import peer_secret
+from kvmap.daemon.adapters.socket_lock import PathLock, SocketLock, StateDirLock
 from kvmap.daemon.api.authorization import PeerAuthorization
+from kvmap.daemon.api.health import ObservedHealth
+from kvmap.daemon.api.limits import tcp_server_options
 from kvmap.daemon.api.rpc import ErrorsAndContext
 from kvmap.daemon.api.services import (
     add_tcp_services,
@@ -54,22 +57,45 @@ class Daemon:
         # First: the state store and the stale-socket clean-up are this
         # socket's owner's; a second daemon is refused before it touches
         # either (SocketInUse names the path and the PID holding it).
-        Path(config.socket_path).parent.mkdir(parents=True, exist_ok=True, mode=0o770)
-        self._lock = SocketLock(config.socket_path)
-        self._lock.acquire()
+        # The socket's directory is made (0770) or checked safe first; the
+        # state directory is locked too (StateDirInUse), so two daemons never
+        # share one store.
+        self._locks: list[PathLock] = [SocketLock(config.socket_path)]
+        if config.state_dir:
+            self._locks.append(StateDirLock(config.state_dir))
         self.instance = uuid.uuid4().hex[:12]
         self.metrics = metrics or Metrics()
-        self.app = DaemonApp(config, self.metrics, self.instance, adapters)
-        self.health = HealthServicer()
+        try:
+            for lock in self._locks:
+                lock.acquire()
+            self.app = DaemonApp(config, self.metrics, self.instance, adapters)
+        except BaseException:
+            self._release_locks()  # a daemon in this process may try again
+            raise
+        self.health = ObservedHealth(self.metrics.ready, READINESS_SERVICE)
         self._unix: aio.Server | None = None
         self._tcp: aio.Server | None = None
         self.tcp_port = 0
+        self._marking: set[asyncio.Task[None]] = set()
 
-    def _new_server(self, listener: str, *inner: aio.ServerInterceptor[Any, Any]) -> aio.Server:
+    def _release_locks(self) -> None:
+        for lock in self._locks:
+            lock.release()
+
+    def _new_server(
+        self,
+        listener: str,
+        *inner: aio.ServerInterceptor[Any, Any],
+        options: list[tuple[str, Any]] | None = None,
+    ) -> aio.Server:
         return aio.server(
             # The first is outermost: statuses, logs and metrics cover the rest.
-            interceptors=[ErrorsAndContext(self.metrics, listener), *inner],
-            options=[
+            interceptors=[
+                ErrorsAndContext(self.metrics, listener, self.app.activity.failed),
+                *inner,
+            ],
+            options=options
+            or [
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
@@ -83,6 +109,9 @@ class Daemon:
             # A socket file left by a killed daemon would make bind fail.
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()
+        # A listener that stops accepting (the fd hand-off's, short of fds
+        # for good) would leave health SERVING while registrations hang.
+        self.app.fds.on_listener_dead = self._listener_dead
         await self.app.start()
 
         self._unix = self._new_server("unix")
@@ -92,8 +121,14 @@ class Daemon:
         self._unix.add_insecure_port(f"unix:{sock}")
 
         # Only authorized peers reach Peer and RegionMaps on TCP (docs/security.md).
+        secret = peer_secret(cfg)
+        if secret is None and not cfg.mutual_tls:
+            log.warning("peer_service_closed", reason="no peer_secret_file and no mutual TLS")
+        # Strangers reach this port: every limit of api.limits applies.
         self._tcp = self._new_server(
-            "tcp", PeerAuthorization(cfg.peer_policy, mutual_tls=cfg.mutual_tls)
+            "tcp",
+            PeerAuthorization(cfg.peer_policy, mutual_tls=cfg.mutual_tls, secret=secret),
+            options=tcp_server_options(),
         )
         add_tcp_services(self._tcp, self.app)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._tcp)
@@ -128,6 +163,17 @@ class Daemon:
             agent=self.app.agent_name,
         )
 
+    def _listener_dead(self, err: BaseException) -> None:
+        """A listener died (already logged at error): liveness and readiness
+        turn NOT_SERVING, so that the daemon is restarted."""
+        task = asyncio.get_running_loop().create_task(self._not_serving())
+        self._marking.add(task)
+        task.add_done_callback(self._marking.discard)
+
+    async def _not_serving(self) -> None:
+        for name in ("", READINESS_SERVICE, "kvmap.v1.RegionMaps"):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
     async def stop(self) -> None:
         """Drain: stop accepting transfers, let in-flight ones finish (bounded
         by drain_seconds), then release every registration and exit."""
@@ -142,7 +188,7 @@ class Daemon:
         for path in (self.config.socket_path, self.config.fd_socket_path):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-        self._lock.release()
+        self._release_locks()
         log.info("kvmapd_stopped", instance=self.instance)
 
 
@@ -174,14 +220,32 @@ def freeze_startup_heap() -> int:
     return gc.get_freeze_count()
 
 
+def raise_fd_limit() -> dict[str, Any]:
+    """Raise the soft RLIMIT_NOFILE to the hard limit (often 1,024 against
+    a hard limit of 1M): connections, pending fds and NIXL all take
+    descriptors, and running out makes accepts fail. Returns what happened,
+    for the log once the daemon is up (a start-up error stays one line)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # An unlimited hard limit cannot be the soft one (the kernel's nr_open is).
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (OSError, ValueError) as err:
+            return {"before": soft, "soft": soft, "hard": hard, "error": str(err)}
+    return {"before": soft, "soft": target, "hard": hard}
+
+
 async def serve(config: DaemonConfig, ready_file: str | None = None) -> int:
     # Sockets are born owner/group-only (no window before the chmod below);
     # "other" never gets access to anything the daemon creates.
     os.umask(0o007)
+    fd_limit = raise_fd_limit()
     daemon = Daemon(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     await daemon.start()
+    (log.warning if "error" in fd_limit else log.info)("fd_limit", **fd_limit)
     # After start: creating the NIXL/UCX agent may install handlers of its own.
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

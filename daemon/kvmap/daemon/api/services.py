@@ -8,25 +8,33 @@ once sent)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
+import structlog
 from grpc import aio
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from kvmap.core import convert
 from kvmap.core import planner as planners
-from kvmap.core.errors import SHUTTING_DOWN, Unavailable
+from kvmap.core.errors import SHUTTING_DOWN, KvmapError, Unavailable
 from kvmap.core.features import DAEMON_FEATURES
 from kvmap.core.geometry import WorkerKey
+from kvmap.core.transfer_requests import TransferRequest, UseRelease
 from kvmap.core.transfer_wire import (
+    MAX_REQUEST_ID,
+    MAX_TRANSFER_ID,
     announcement_from_proto,
     release_from_request,
     release_notice_from_proto,
     report_to_proto,
     transfer_from_spec,
 )
+from kvmap.daemon.api.admin_status import status, worker_summary
+from kvmap.daemon.api.authorization import peer_identity
+from kvmap.daemon.api.local_callers import local_caller
 from kvmap.daemon.engine.app import DaemonApp
+from kvmap.daemon.engine.transfers import new_transfer_id
 from kvmap.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -48,6 +56,22 @@ def worker_key(msg: types_pb2.WorkerId, field: str = "worker") -> WorkerKey:
     return convert.requested_worker(msg, field)
 
 
+# Longest peer agent name a log line carries (a hostile caller's is cut).
+_MAX_LOGGED_AGENT = 256
+
+
+def _bind_transfer_ids(request: peer_pb2.BeginTransferRequest, peer: str) -> None:
+    """The owner's log lines of one BeginTransfer (its rejection included)
+    carry the ids the caller's daemon logs the transfer under."""
+    structlog.contextvars.bind_contextvars(
+        request_id=request.request_id[:MAX_REQUEST_ID],
+        transfer_id=request.transfer_id[:MAX_TRANSFER_ID],
+        peer=peer,
+        peer_agent=request.peer_agent[:_MAX_LOGGED_AGENT],
+        worker=str(convert.worker_key_from_proto(request.worker))[:_MAX_LOGGED_AGENT],
+    )
+
+
 class RegistryService(registry_pb2_grpc.RegistryServicer):
     def __init__(self, app: DaemonApp) -> None:
         self.app = app
@@ -57,7 +81,8 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
     ) -> registry_pb2.RegisterWorkerResponse:
         if self.app.draining:
             raise Unavailable(SHUTTING_DOWN)
-        record = await self.app.lifecycle.register(request, self.app.planner)
+        caller = local_caller(context, self.app.fds)
+        record = await self.app.lifecycle.register(request, self.app.planner, caller)
         return registry_pb2.RegisterWorkerResponse(
             region_map=convert.region_map_to_proto(record.model), features=DAEMON_FEATURES
         )
@@ -65,7 +90,9 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
     async def DeregisterWorker(
         self, request: registry_pb2.DeregisterWorkerRequest, context: Ctx
     ) -> registry_pb2.DeregisterWorkerResponse:
-        record = await self.app.lifecycle.deregister(worker_key(request.worker))
+        key = worker_key(request.worker)
+        self.app.lifecycle.check_caller(key, local_caller(context, self.app.fds))
+        record = await self.app.lifecycle.deregister(key)
         return registry_pb2.DeregisterWorkerResponse(generation=record.generation)
 
     async def Attach(
@@ -73,6 +100,8 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
     ) -> AsyncIterator[registry_pb2.AttachResponse]:
         key = worker_key(request.worker)
         record = self.app.table.get(key)
+        # Only the uid that registered it hears its events (and keeps it alive).
+        self.app.lifecycle.check_caller(key, local_caller(context, self.app.fds))
         queue = self.app.table.subscribe(key)
         store = self.app.store
         try:
@@ -105,8 +134,10 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
     async def GrantTransfer(
         self, request: registry_pb2.GrantTransferRequest, context: Ctx
     ) -> registry_pb2.GrantTransferResponse:
+        key = worker_key(request.worker)
+        self.app.lifecycle.check_caller(key, local_caller(context, self.app.fds))
         capability, grant = self.app.owner.grant(
-            worker_key(request.worker),
+            key,
             request_id=request.request_id,
             groups=[(g.transfer_group, g.block_ids) for g in request.groups],
             ttl_ms=request.ttl_ms,
@@ -123,7 +154,9 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
     async def RevokeTransfer(
         self, request: registry_pb2.RevokeTransferRequest, context: Ctx
     ) -> registry_pb2.RevokeTransferResponse:
-        self.app.owner.revoke(worker_key(request.worker), request.request_id)
+        key = worker_key(request.worker)
+        self.app.lifecycle.check_caller(key, local_caller(context, self.app.fds))
+        self.app.owner.revoke(key, request.request_id)
         return registry_pb2.RevokeTransferResponse()
 
 
@@ -138,18 +171,7 @@ class RegionMapsService(region_maps_pb2_grpc.RegionMapsServicer):
             daemon_instance=self.app.instance,
             planner=convert.planner_info_to_proto(self.app.planner.info),
         )
-        for record in self.app.table.records():
-            m = record.model
-            resp.workers.add(
-                worker=convert.worker_id_to_proto(record.key),
-                generation=m.generation,
-                planner=convert.planner_info_to_proto(m.planner),
-                region_count=len(m.regions),
-                view_count=m.view_count,
-                descriptor_count=m.descriptor_count,
-                baseline_descriptor_count=m.baseline_descriptor_count,
-                registered_bytes=record.memory.size_bytes,
-            )
+        resp.workers.extend(worker_summary(r) for r in self.app.table.records())
         return resp
 
     async def GetRegionMap(
@@ -193,6 +215,11 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         self, request: admin_pb2.GetStatsRequest, context: Ctx
     ) -> admin_pb2.GetStatsResponse:
         return self.app.stats()
+
+    async def GetStatus(
+        self, request: admin_pb2.GetStatusRequest, context: Ctx
+    ) -> admin_pb2.GetStatusResponse:
+        return status(self.app)
 
 
 def add_unix_services(server: aio.Server, app: DaemonApp) -> None:
@@ -242,16 +269,24 @@ class PeerService(peer_pb2_grpc.PeerServicer):
     async def BeginTransfer(
         self, request: peer_pb2.BeginTransferRequest, context: Ctx
     ) -> peer_pb2.BeginTransferResponse:
-        if request.release:
-            self.app.owner.release(release_notice_from_proto(request))
-            return peer_pb2.BeginTransferResponse()
-        lease = self.app.owner.begin(announcement_from_proto(request))
+        # Claims, leases and their quotas belong to who the connection says
+        # the caller is, not to the agent name it declares.
+        peer = peer_identity(context)
+        _bind_transfer_ids(request, peer)
+        try:
+            if request.release:
+                self.app.owner.release(release_notice_from_proto(request), peer=peer)
+                return peer_pb2.BeginTransferResponse()
+            lease = self.app.owner.begin(announcement_from_proto(request), peer=peer)
+        except KvmapError as err:
+            self.app.metrics.served(peer, err.code.name)  # a refusal, per peer
+            raise
         return peer_pb2.BeginTransferResponse(transfer_token=lease.token)
 
     async def EndTransfer(
         self, request: peer_pb2.EndTransferRequest, context: Ctx
     ) -> peer_pb2.EndTransferResponse:
-        self.app.owner.end(request.transfer_token)
+        self.app.owner.end(request.transfer_token, peer=peer_identity(context))
         return peer_pb2.EndTransferResponse()
 
 
@@ -265,8 +300,8 @@ class TransfersService(transfers_pb2_grpc.TransfersServicer):
         if self.app.draining:
             raise Unavailable(SHUTTING_DOWN)
         req = transfer_from_spec(request.spec, self.app.config.transfer_timeout_s)
-        async for report in self.app.engine.run(req, write=False):
-            yield transfers_pb2.PullResponse(status=report_to_proto(report))
+        async for state in self._tracked(req, "pull"):
+            yield transfers_pb2.PullResponse(status=state)
 
     async def Push(
         self, request: transfers_pb2.PushRequest, context: Ctx
@@ -274,8 +309,8 @@ class TransfersService(transfers_pb2_grpc.TransfersServicer):
         if self.app.draining:
             raise Unavailable(SHUTTING_DOWN)
         req = transfer_from_spec(request.spec, self.app.config.transfer_timeout_s)
-        async for report in self.app.engine.run(req, write=True):
-            yield transfers_pb2.PushResponse(status=report_to_proto(report))
+        async for state in self._tracked(req, "push"):
+            yield transfers_pb2.PushResponse(status=state)
 
     async def Release(
         self, request: transfers_pb2.ReleaseRequest, context: Ctx
@@ -285,6 +320,27 @@ class TransfersService(transfers_pb2_grpc.TransfersServicer):
         if self.app.draining:
             raise Unavailable(SHUTTING_DOWN)
         use = release_from_request(request, self.app.config.transfer_timeout_s)
-        async for _ in self.app.engine.run(use, write=False):
+        async for _ in self._tracked(use, "release"):
             pass
         return transfers_pb2.ReleaseResponse()
+
+    async def _tracked(
+        self, req: TransferRequest | UseRelease, kind: Literal["pull", "push", "release"]
+    ) -> AsyncIterator[transfers_pb2.TransferStatus]:
+        """The engine's reports of one transfer, which the live view
+        (Admin.GetStatus) lists as in flight until it ends, either way.
+        The RPC's log lines (and a failure among the recent errors) carry the
+        transfer's request id (the one the worker's logs know it by) and its
+        transfer id, which each report tells the caller too."""
+        structlog.contextvars.bind_contextvars(request_id=req.request_id)
+        transfer_id = new_transfer_id()
+        entry = self.app.activity.begin(req, kind)
+        try:
+            reports = self.app.engine.run(req, write=kind == "push", transfer_id=transfer_id)
+            async for report in reports:
+                entry.phase = report.phase.name
+                state = report_to_proto(report)
+                state.transfer_id = transfer_id
+                yield state
+        finally:
+            self.app.activity.end(entry)

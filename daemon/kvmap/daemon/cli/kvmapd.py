@@ -4,90 +4,80 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import sys
 from collections.abc import Sequence
+from importlib import metadata
+from typing import NoReturn, cast
 
-from kvmap.daemon.adapters.config_files import load_config
-from kvmap.daemon.adapters.logs import configure_logging
-from kvmap.daemon.adapters.socket_lock import SocketInUse
+from kvmap.core.config import DaemonConfig, effective, exposure_warning
+from kvmap.daemon.adapters.config_files import explain, load_config, show_value
+from kvmap.daemon.adapters.logs import configure_logging, log
+from kvmap.daemon.adapters.nixl_loader import nixl_module
+from kvmap.daemon.adapters.preflight import (
+    check_files,
+    check_ports,
+    check_socket_paths,
+    check_state_dir,
+)
+from kvmap.daemon.adapters.socket_lock import StartRefused
 from kvmap.daemon.cli import plan_cmd
+from kvmap.daemon.cli.config_flags import add_config_flags
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("serve", help="run the daemon")
-    p.add_argument("--config", help="TOML file; keys are the long flag names with underscores")
-    p.add_argument("--socket", help="gRPC Unix socket for the local workers")
-    p.add_argument(
-        "--listen", help="TCP HOST:PORT for peers and operators (default 127.0.0.1:50051)"
-    )
-    p.add_argument("--planner", help="region planner: coalesce (default) or baseline")
-    p.add_argument("--state-dir", dest="state_dir", help="directory of the state database")
-    p.add_argument("--log-format", dest="log_format", choices=["json", "console"])
-    p.add_argument("--metrics-listen", dest="metrics_listen", help="HOST:PORT for /metrics")
-    p.add_argument(
-        "--fd-socket", dest="fd_socket", help="fd hand-off socket (default <socket>.fds)"
-    )
-    p.add_argument("--drain-seconds", dest="drain_seconds", type=float)
+    p = sub.add_parser("serve", help="run the daemon", allow_abbrev=False)
+    _add_config_source(p)
     p.add_argument("--ready-file", dest="ready_file", help="write a JSON line here once serving")
-    _add_security_flags(p)
-    _add_limit_flags(p)
 
 
-def _add_security_flags(p: argparse.ArgumentParser) -> None:
-    """TLS and who may talk to this daemon (docs/security.md)."""
-    p.add_argument("--tls-cert", dest="tls_cert", help="PEM certificate for the TCP listener")
-    p.add_argument("--tls-key", dest="tls_key", help="PEM private key for the TCP listener")
-    p.add_argument(
-        "--tls-client-ca",
-        dest="tls_client_ca",
-        help="require client certificates signed by this CA",
+def _add_check_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "check-config",
+        help="validate the configuration (file and flags as serve takes them), print the "
+        "effective one and exit: 0 when serve would take it, 2 naming the mistake",
+        allow_abbrev=False,
     )
-    p.add_argument(
-        "--peer-ca", dest="peer_ca", help="CA of peer daemons (default: --tls-client-ca)"
-    )
-    p.add_argument(
-        "--peer-allow",
-        dest="peer_allow",
-        action="append",
-        metavar="CIDR_OR_HOST",
-        help="a network or host name this daemon may dial (repeatable; default loopback only)",
-    )
-    p.add_argument(
-        "--peer-accept",
-        dest="peer_accept",
-        action="append",
-        metavar="CIDR",
-        help="a network whose TCP clients may call Peer and RegionMaps without client "
-        "certificates (repeatable; default loopback only)",
-    )
-    p.add_argument(
-        "--peer-identity",
-        dest="peer_identities",
-        action="append",
-        metavar="SAN",
-        help="a peer certificate identity (DNS name or spiffe:// URI) allowed under mutual "
-        "TLS, both directions (repeatable; required with --tls-client-ca)",
-    )
+    _add_config_source(p)
 
 
-def _add_limit_flags(p: argparse.ArgumentParser) -> None:
-    """Caps on what workers may register."""
+def _add_config_source(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--max-workers", dest="max_workers", type=int, help="workers this daemon serves (64)"
+        "--config",
+        help="TOML file; its keys are the long flag names with underscores, a flag "
+        "overrides its key (default: none)",
     )
-    p.add_argument(
-        "--max-registered-bytes",
-        dest="max_registered_bytes",
-        type=int,
-        help="bytes of worker memory this daemon maps and registers (2 TiB)",
-    )
-    p.add_argument(
-        "--attach-grace-s",
-        dest="attach_grace_s",
-        type=float,
-        help="release a registration whose worker has not attached by then (600)",
-    )
+    add_config_flags(p)
+
+
+def _load(args: argparse.Namespace) -> DaemonConfig | None:
+    """The configuration, or None after printing the one line that says
+    what is wrong with it (key, source, value)."""
+    notes: list[str] = []
+    try:
+        config = load_config(args.config, vars(args), notes)
+    except ValueError as err:
+        print(f"kvmapd: {err}", file=sys.stderr)
+        return None
+    try:
+        check_files(config)
+    except ValueError as err:
+        print(f"kvmapd: {explain(err, config.config_file, config.flag_keys)}", file=sys.stderr)
+        return None
+    for note in notes:
+        print(f"kvmapd: {note}", file=sys.stderr)
+    return config
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    config = _load(args)
+    if config is None:
+        return 2
+    print(f"# kvmapd {version()}: configuration OK (secrets hidden)")
+    for key, value in effective(config).items():
+        print(f"{key} = {show_value(value)}")
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -95,23 +85,41 @@ def _serve(args: argparse.Namespace) -> int:
     from kvmap.daemon.adapters.state_store import StateStoreError  # noqa: PLC0415
     from kvmap.daemon.api import server  # noqa: PLC0415
 
-    try:
-        config = load_config(args.config, vars(args))
-    except (OSError, ValueError) as err:
-        print(f"kvmapd: {err}", file=sys.stderr)
+    config = _load(args)
+    if config is None:
         return 2
-    configure_logging(config.log_format)
+    try:
+        # Before anything is created: a busy port leaves no socket file behind.
+        check_socket_paths(config)
+        check_state_dir(config)
+        check_ports(config)
+    except ValueError as err:
+        print(f"kvmapd: {explain(err, config.config_file, config.flag_keys)}", file=sys.stderr)
+        return 2
+    with contextlib.suppress(ImportError):  # no NIXL: the agent's creation says so
+        # Imported first so that its logger's own plain-text handler, made
+        # at import, is replaced by the daemon's (JSON under --log-format json).
+        nixl_module("_api")
+    configure_logging(config.log_format, config.log_level, capture_native=True)
+    log.info("kvmapd_config", version=version(), **effective(config))
+    if exposure_warning(config):
+        log.warning("peers_refused_by_config", problem=exposure_warning(config))
     try:
         return asyncio.run(server.serve(config, ready_file=args.ready_file))
-    except StateStoreError as err:
-        # An unusable state dir is the operator's to fix: one line naming it,
+    except (StateStoreError, StartRefused) as err:
+        # An unusable state dir, another daemon on this socket or state dir
+        # (left alone), an unsafe runtime path (docs/security.md): the
+        # operator's to fix, one line naming it,
         # not a traceback repeated by every restart of a crash loop.
         print(f"kvmapd: {err}", file=sys.stderr)
         return 2
-    except SocketInUse as err:
-        # Another daemon serves this path; its socket is left alone.
-        print(f"kvmapd: {err}", file=sys.stderr)
-        return 2
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A usage mistake is one line and exit 2, like every other mistake."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 # Harness commands live in kvmap.tools, which the daemon never imports: they
@@ -128,16 +136,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         module = importlib.import_module(HARNESS[args_in[0]][0])
         status: int = module.main(args_in[1:])
         return status
-    parser = argparse.ArgumentParser(prog="kvmapd", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = OneLineParser(prog="kvmapd", description=__doc__, allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    # Subcommands parse as their parent does (one-line errors); typed as the
+    # plain parsers plan_cmd and the harness commands are made with.
+    sub = cast(
+        "argparse._SubParsersAction[argparse.ArgumentParser]",
+        parser.add_subparsers(dest="command", required=True),
+    )
     _add_serve(sub)
+    _add_check_config(sub)
     plan_cmd.add_parser(sub)
     for name, (_, help_text) in HARNESS.items():
         sub.add_parser(name, help=f"{help_text} (kvmapd {name} --help)", add_help=False)
     args = parser.parse_args(args_in)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "check-config":
+        return _check_config(args)
     return plan_cmd.run(args)
+
+
+def version() -> str:
+    """The installed kvmap's version."""
+    try:
+        return metadata.version("kvmap")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "plan",
         help="plan a worker geometry (RegisterWorkerRequest JSON) and print its region map",
         description=__doc__,
+        allow_abbrev=False,
     )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--spec", help="proto3 JSON of a RegisterWorkerRequest")

@@ -6,9 +6,13 @@ CLI (reading a remote daemon) render exactly the same thing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from kvmap.v1 import region_maps_pb2, types_pb2
+
+Row = TypeVar("Row")
 
 # Layer names like "model.layers.61.self_attn.attn" are long; a column of two
 # of them stays readable when each is cut to this many characters.
@@ -56,28 +60,32 @@ def render_region_map(m: types_pb2.RegionMap) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_workers(resp: region_maps_pb2.ListWorkersResponse) -> str:
+def render_workers(resp: region_maps_pb2.ListWorkersResponse, wide: bool = False) -> str:
     lines = [f"daemon {resp.daemon_instance or '-'}  planner {_planner(resp.planner)}"]
     if not resp.workers:
         return "\n".join([*lines, "(no workers registered)"]) + "\n"
-    rows = [
-        [
-            _worker(w.worker),
-            str(w.generation),
-            _planner(w.planner),
-            str(w.region_count),
-            str(w.view_count),
-            f"{w.descriptor_count:,}",
-            f"{w.baseline_descriptor_count:,}",
-            _saving(w.descriptor_count, w.baseline_descriptor_count),
-            _bytes(w.registered_bytes),
-        ]
-        for w in resp.workers
+    return "\n".join([*lines, "", *workers_table(resp.workers, wide)]) + "\n"
+
+
+def workers_table(workers: Sequence[region_maps_pb2.WorkerSummary], wide: bool) -> list[str]:
+    """One line per worker; ``wide`` adds the view and baseline counts."""
+    columns: list[Column[region_maps_pb2.WorkerSummary]] = [
+        Column("worker", lambda w: _worker(w.worker)),
+        Column("gen", lambda w: str(w.generation), numeric=True),
+        Column("planner", lambda w: _planner(w.planner)),
+        Column("regions", lambda w: str(w.region_count), numeric=True),
+        Column("views", lambda w: str(w.view_count), numeric=True, wide=True),
+        Column("descriptors", lambda w: f"{w.descriptor_count:,}", numeric=True),
+        Column("baseline", lambda w: f"{w.baseline_descriptor_count:,}", numeric=True, wide=True),
+        Column("saving", lambda w: _saving(w.descriptor_count, w.baseline_descriptor_count)),
+        Column("registered", lambda w: _bytes(w.registered_bytes), numeric=True),
     ]
-    headers = ["worker", "gen", "planner", "regions", "views", "descriptors", "baseline"]
-    headers += ["saving", "registered"]
-    lines += ["", *_table(headers, rows, numeric={1, 3, 4, 5, 6, 7, 8})]
-    return "\n".join(lines) + "\n"
+    return columns_table(columns, workers, wide)
+
+
+def worker_id(w: types_pb2.WorkerId) -> str:
+    """A worker as ``workers`` prints it (and ``regions`` takes it)."""
+    return _worker(w)
 
 
 def _worker(w: types_pb2.WorkerId) -> str:
@@ -93,6 +101,10 @@ def _saving(descriptors: int, baseline: int) -> str:
     if baseline <= 0:
         return "n/a"
     return f"{100.0 * (baseline - descriptors) / baseline:.1f}%"
+
+
+def bytes_text(n: int) -> str:
+    return _bytes(n)
 
 
 def _bytes(n: int) -> str:
@@ -132,3 +144,21 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: set[i
         return "  ".join(padded).rstrip()
 
     return [line(headers), *(line(row) for row in rows)]
+
+
+@dataclass(frozen=True)
+class Column(Generic[Row]):
+    """A table column: its header, its cell of a row, its alignment, and
+    whether only ``-o wide`` shows it."""
+
+    header: str
+    cell: Callable[[Row], str]
+    numeric: bool = False
+    wide: bool = False
+
+
+def columns_table(columns: Sequence[Column[Row]], rows: Sequence[Row], wide: bool) -> list[str]:
+    shown = [c for c in columns if wide or not c.wide]
+    cells = [[c.cell(row) for c in shown] for row in rows]
+    numeric = {i for i, c in enumerate(shown) if c.numeric}
+    return _table([c.header for c in shown], cells, numeric)

@@ -25,8 +25,8 @@ import structlog
 from kvmap.core import convert
 from kvmap.core import grants as grants_core
 from kvmap.core import planner as planners
-from kvmap.core.config import DaemonConfig
-from kvmap.daemon.adapters.config_files import load_config
+from kvmap.core.config import RELOADABLE_KEYS, DaemonConfig, changed_keys
+from kvmap.daemon.adapters.config_files import reload_config
 from kvmap.daemon.adapters.cuda_ipc import CudaIpcImporter
 from kvmap.daemon.adapters.fd_handoff import FdHandoffServer
 from kvmap.daemon.adapters.memory import ShmImporter
@@ -36,6 +36,7 @@ from kvmap.daemon.adapters.nixl_port import AgentFactory, NixlPort
 from kvmap.daemon.adapters.nixl_thread import NixlThread
 from kvmap.daemon.adapters.peer_client import PeerClient
 from kvmap.daemon.adapters.state_store import StateStore, StateStoreError
+from kvmap.daemon.engine.activity import Activity
 from kvmap.daemon.engine.events import EventOutbox
 from kvmap.daemon.engine.grants import GrantTable
 from kvmap.daemon.engine.leases import LeaseTable
@@ -69,7 +70,7 @@ class Adapters:
         return cls(
             create_agent=NixlAgent.create,
             peers=PeerClient.for_config(config),
-            shm=ShmImporter(),
+            shm=ShmImporter(config.shm_path_prefix),
             cuda=CudaIpcImporter(),
         )
 
@@ -87,7 +88,8 @@ class DaemonApp:
         self.metrics = metrics
         self.instance = instance
         self.agent_name = f"kvmapd-{instance}"
-        self.table = WorkerTable()
+        self.table = WorkerTable(on_generation=metrics.generations.inc)
+        self.metrics.registered_bytes_limit.set(config.max_registered_bytes)
         self.planner = planners.get_planner(config.planner)
         self.draining = False
         self.nixl = NixlThread()
@@ -107,6 +109,8 @@ class DaemonApp:
         for key, generation in self.store.generations().items():
             self.table.seed_generation(key, generation)
         self.counters = admin_pb2.TransferCounters()
+        # The live view's in-flight transfers and recent failures (Admin.GetStatus).
+        self.activity = Activity()
         self._background: set[asyncio.Task[object]] = set()
         self.events = EventOutbox(self.table, self.store, self.grants)
         self.lifecycle = Lifecycle(
@@ -268,7 +272,10 @@ class DaemonApp:
         m.registered_bytes.set(sum(r.memory.size_bytes for r in records))
 
     async def replan(self, planner_name: str) -> list[WorkerRecord]:
-        planner = planners.get_planner(planner_name or self.config.planner)
+        """Re-plan every worker with ``planner_name``; "" means the planner
+        the daemon runs now (not the configured one: a planner chosen by an
+        earlier replan stays until someone names another)."""
+        planner = planners.get_planner(planner_name) if planner_name else self.planner
         records = await self.registrar.replan(planner)
         self.planner = planner
         for record in records:
@@ -279,15 +286,22 @@ class DaemonApp:
         return records
 
     def request_replan(self) -> None:
-        """SIGHUP: re-read the config file's planner and re-plan every worker."""
-        planner = ""
+        """SIGHUP: re-read the config file (the flags given at start still
+        win), apply its planner and re-plan every worker. A file the daemon
+        could not start with is refused in one line and changes nothing;
+        other changed keys are named as needing a restart."""
+        planner = self.planner.info.name
         if self.config.config_file:
             try:
-                planner = load_config(self.config.config_file, {}).planner
-            except (OSError, ValueError) as err:
-                log.error("config_reload_failed", error=str(err))
+                new = reload_config(self.config)
+            except ValueError as err:
+                log.error("config_reload_refused", error=str(err), kept="the running config")
                 return
-            self.config = replace(self.config, planner=planner)
+            restart = [k for k in changed_keys(self.config, new) if k not in RELOADABLE_KEYS]
+            if restart:
+                log.warning("config_change_needs_restart", keys=restart)
+            self.config = replace(self.config, planner=new.planner)
+            planner = new.planner
         self._spawn(self.replan(planner))
 
     def _background_done(self, task: asyncio.Task[object]) -> None:

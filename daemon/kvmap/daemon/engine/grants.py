@@ -56,6 +56,21 @@ class _Entry:
     # The peer agent whose transfers hold the grant now, and how many.
     claimed_by: str = ""
     active: int = 0
+    # The authenticated peer (``api.authorization.peer_identity``) that
+    # agent called from: an agent name is only what a caller declares.
+    claimed_peer: str = ""
+
+    def held_by_other(self, peer: str, agent: str) -> bool:
+        return bool(self.claimed_by) and (self.claimed_peer, self.claimed_by) != (peer, agent)
+
+
+def reader_layout(record: WorkerRecord) -> core.ReaderLayout:
+    """What the granting worker registered about who can read it."""
+    return core.ReaderLayout(
+        tp_size=record.model.tp_size,
+        tp_rank=record.key.tp_rank,
+        kv_heads=record.model.heads.total_kv_heads if record.model.heads else 0,
+    )
 
 
 class GrantTable:
@@ -79,6 +94,11 @@ class GrantTable:
     @property
     def granted_blocks(self) -> int:
         return self._blocks
+
+    def snapshot(self) -> list[tuple[Grant, str, int]]:
+        """Every grant with its claim's holder ("" when none) and active
+        transfers: the operator's live view."""
+        return [(e.grant, e.claimed_by, e.active) for e in self._entries.values()]
 
     def _add(self, grant: Grant) -> None:
         self._entries[grant.digest] = _Entry(grant)
@@ -217,14 +237,17 @@ class GrantTable:
         request_id: str,
         groups: Iterable[tuple[int, BlockIds]],
         peer_agent: str,
+        peer: str,
         replaces: frozenset[str] = frozenset(),
         readers: int = 0,
     ) -> Grant:
         """Every check of a BeginTransfer's capability, changing nothing. A
         claim held by an agent in ``replaces`` (the caller's daemon before a
-        restart) does not stand in the way: the caller takes it over
-        (``taken_over``) once everything else has passed. The grant returned
-        has the use count ``readers`` fixes (``claim`` keeps it)."""
+        restart) does not stand in the way when the same authenticated
+        ``peer`` holds it: the caller takes it over (``taken_over``) once
+        everything else has passed. Another peer's claim stands, whatever
+        agent names the caller declares. The grant returned has the use
+        count ``readers`` fixes (``claim`` keeps it)."""
         grant = core.check_binding(
             self.find(capability),
             worker=record.key,
@@ -233,13 +256,13 @@ class GrantTable:
             groups=groups,
         )
         entry = self._entries[grant.digest]
-        taken = entry.claimed_by in replaces
+        taken = entry.claimed_by in replaces and entry.claimed_peer == peer
         # A taken-over claim's transfers died with their agent: they will
         # never complete, so they count against no use.
         active = 0 if taken else entry.active
-        if entry.claimed_by not in ("", peer_agent) and not taken:
+        if entry.held_by_other(peer, peer_agent) and not taken:
             raise PermissionDenied(core.DENIED)
-        grant = core.declare_readers(grant, readers)
+        grant = core.declare_readers(grant, readers, reader_layout(record))
         if active + grant.uses >= grant.max_uses:
             raise PermissionDenied(core.DENIED)
         if grant.expired(self._clock()):
@@ -251,10 +274,23 @@ class GrantTable:
         entry = self._entries.get(digest)
         return entry.claimed_by if entry is not None else ""
 
-    def claim(self, grant: Grant, peer_agent: str) -> None:
-        """A lease now holds the grant for ``peer_agent`` (after ``admit``)."""
+    def holder(self, digest: bytes) -> tuple[str, str]:
+        """The (authenticated peer, agent) whose transfers hold the grant now
+        (empty strings when none)."""
+        entry = self._entries.get(digest)
+        return (entry.claimed_peer, entry.claimed_by) if entry is not None else ("", "")
+
+    def seconds_left(self, grant: Grant) -> float:
+        """How long the grant has until it expires (a lease under it ends
+        no later)."""
+        return max(0.0, (grant.expires_unix_ms - self._clock()) / 1000)
+
+    def claim(self, grant: Grant, peer_agent: str, peer: str) -> None:
+        """A lease now holds the grant for ``peer_agent`` of the
+        authenticated ``peer`` (after ``admit``)."""
         entry = self._entries[grant.digest]
         entry.claimed_by = peer_agent
+        entry.claimed_peer = peer
         entry.active += 1
         if entry.grant.max_uses != grant.max_uses:
             # The first claim fixed an open grant's count: a restart keeps it.
@@ -269,10 +305,12 @@ class GrantTable:
         request_id: str,
         readers: int,
         peer_agent: str,
+        peer: str,
     ) -> Grant:
         """A reader that needs none of the blocks gives up its use
-        (BeginTransfer with ``release``): every check first, as ``admit``;
-        then one use spent (``core.release_use``). Returns the grant after."""
+        (BeginTransfer with ``release``): every check first, as ``admit``
+        (another peer's claim stands); then one use spent
+        (``core.release_use``). Returns the grant after."""
         grant = core.check_owner(
             self.find(capability),
             worker=record.key,
@@ -280,11 +318,11 @@ class GrantTable:
             request_id=request_id,
         )
         entry = self._entries[grant.digest]
-        if entry.claimed_by not in ("", peer_agent):
+        if entry.held_by_other(peer, peer_agent):
             raise PermissionDenied(core.DENIED)
         if grant.expired(self._clock()):
             raise FailedPrecondition(f"capability for request {request_id} expired")
-        after = core.release_use(grant, readers)
+        after = core.release_use(grant, readers, reader_layout(record))
         if entry.active + after.uses > after.max_uses:
             # Every use left is held by a transfer in flight (or spent).
             raise PermissionDenied(core.DENIED)
@@ -300,6 +338,7 @@ class GrantTable:
         entry.active = max(0, entry.active - 1)
         if entry.active == 0:
             entry.claimed_by = ""
+            entry.claimed_peer = ""
 
     def complete(self, digest: bytes, persist: bool = True) -> Grant | None:
         """A transfer under the grant completed: one use is spent. Returns

@@ -15,8 +15,10 @@ from kvmap.daemon.engine.workers import WorkerRecord
 
 # Notification payload a puller sends to the owner's agent when it is done.
 NOTIF_PREFIX = b"kvmap1:done:"
-# Concurrent announced transfers per peer agent (a stated limit: a peer cannot
-# pin unbounded registrations).
+# Concurrent announced transfers per authenticated peer (a stated limit: a
+# peer cannot pin unbounded registrations). Counted by who the connection
+# says the peer is, not by the agent names it declares: invented names would
+# otherwise each bring a quota of their own.
 MAX_LEASES_PER_PEER = 1024
 MAX_LEASES = 8192
 DEFAULT_LEASE_S = 60.0
@@ -40,6 +42,10 @@ class Lease:
     expires_at: float
     # Digest of the capability (engine.grants) the lease holds a claim on.
     grant: GrantDigest = b""
+    # The authenticated peer that announced it (``api.authorization.peer_identity``).
+    peer: str = ""
+    # The caller's id of the transfer (BeginTransferRequest.transfer_id), logged.
+    transfer_id: str = ""
 
 
 def notification(token: str) -> bytes:
@@ -72,15 +78,16 @@ class LeaseTable:
         nbytes: int,
         lease_s: float,
         grant: GrantDigest = b"",
+        peer: str = "",
     ) -> Lease:
         if generation != record.generation:
             raise StaleGeneration(str(record.key), generation, record.generation)
-        if self._per_peer.get(peer_agent, 0) >= MAX_LEASES_PER_PEER:
+        if self._per_peer.get(peer, 0) >= MAX_LEASES_PER_PEER:
             raise ResourceExhausted(
-                f"peer {peer_agent} has {MAX_LEASES_PER_PEER} transfers outstanding (the limit)"
+                f"peer {peer or peer_agent} has {MAX_LEASES_PER_PEER} transfers outstanding "
+                "(the limit)"
             )
         if len(self._leases) >= MAX_LEASES:
-            # Peers name themselves: the per-peer limit alone bounds nothing.
             raise ResourceExhausted(f"{MAX_LEASES} transfers outstanding in all (the limit)")
         lease = Lease(
             token=secrets.token_hex(16),
@@ -92,29 +99,34 @@ class LeaseTable:
             bytes=nbytes,
             expires_at=time.monotonic() + min(max(lease_s, 0.001), MAX_LEASE_S),
             grant=grant,
+            peer=peer,
         )
         record.pin()
         self._leases[lease.token] = lease
-        self._per_peer[peer_agent] = self._per_peer.get(peer_agent, 0) + 1
+        self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
         return lease
 
     def finish(self, token: str) -> Lease | None:
         lease = self._leases.pop(token, None)
         if lease is not None:
             lease.record.unpin()
-            left = self._per_peer[lease.peer_agent] - 1
+            left = self._per_peer[lease.peer] - 1
             if left:
-                self._per_peer[lease.peer_agent] = left
+                self._per_peer[lease.peer] = left
             else:
-                del self._per_peer[lease.peer_agent]
+                del self._per_peer[lease.peer]
         return lease
 
-    def held_by(self, peer_agent: str, grant: GrantDigest) -> list[Lease]:
-        """The leases ``peer_agent`` holds under one grant."""
+    def get(self, token: str) -> Lease | None:
+        return self._leases.get(token)
+
+    def held_by(self, peer_agent: str, grant: GrantDigest, peer: str = "") -> list[Lease]:
+        """The leases ``peer_agent`` of the authenticated ``peer`` holds under
+        one grant."""
         return [
             lease
             for lease in self._leases.values()
-            if lease.peer_agent == peer_agent and lease.grant == grant
+            if lease.peer_agent == peer_agent and lease.grant == grant and lease.peer == peer
         ]
 
     def finish_from(self, token: str, sender: str) -> Lease | None:
@@ -125,6 +137,10 @@ class LeaseTable:
         if lease is None or lease.peer_agent != sender:
             return None
         return self.finish(token)
+
+    def snapshot(self) -> list[Lease]:
+        """Every lease now (the operator's live view; never its tokens)."""
+        return list(self._leases.values())
 
     def holder(self, token: str) -> str | None:
         lease = self._leases.get(token)

@@ -16,9 +16,10 @@ import structlog
 
 from kvmap.core import convert
 from kvmap.core.config import DaemonConfig
-from kvmap.core.errors import KvmapError, NotFound, Unavailable
+from kvmap.core.errors import KvmapError, NotFound, PermissionDenied, Unavailable
 from kvmap.core.geometry import WorkerKey
 from kvmap.core.planner import Planner
+from kvmap.daemon.adapters.fd_handoff import PeerCred
 from kvmap.daemon.adapters.state_store import StateStore, StateStoreError, StoredWorker
 from kvmap.daemon.engine.events import EventOutbox
 from kvmap.daemon.engine.grants import GrantTable
@@ -74,6 +75,31 @@ class Lifecycle:
         self._restored_unattached: set[WorkerKey] = set()
         # Registered workers not attached yet, each with a timer running.
         self._unattached: set[WorkerKey] = set()
+        # The uid that registered each worker with a credential token: only
+        # it may re-register, attach, grant, revoke or deregister the worker.
+        self._owners: dict[WorkerKey, int] = {}
+
+    def check_caller(self, key: WorkerKey, caller: PeerCred | None) -> None:
+        """PERMISSION_DENIED unless ``caller`` may act as worker ``key``: the
+        uid that registered it, or anyone for a worker registered without
+        credentials. A restored worker is adopted by the first uid that
+        attaches it with credentials (its client, re-attaching)."""
+        owner = self._owners.get(key)
+        if owner is None:
+            if caller is not None and key in self._restored_unattached:
+                self._owners[key] = caller.uid
+            return
+        if caller is None or caller.uid != owner:
+            log.warning(
+                "worker_caller_refused",
+                worker=str(key),
+                uid=None if caller is None else caller.uid,
+                pid=None if caller is None else caller.pid,
+            )
+            raise PermissionDenied(
+                f"worker {key} was registered by another uid: only that uid may attach,"
+                " grant, revoke, deregister or replace it (send its kvmap-peer-token)"
+            )
 
     def may_grant_unattached(self, key: WorkerKey) -> bool:
         """A restored worker's client is re-attaching after the restart: a
@@ -147,11 +173,23 @@ class Lifecycle:
         return self._table.get(key)
 
     async def register(
-        self, request: registry_pb2.RegisterWorkerRequest, planner: Planner
+        self,
+        request: registry_pb2.RegisterWorkerRequest,
+        planner: Planner,
+        caller: PeerCred | None = None,
     ) -> WorkerRecord:
         """Registry.RegisterWorker: register (or replace) the worker, then
-        settle what it had before (``registered``)."""
-        record = await self._registrar().register(request, planner)
+        settle what it had before (``registered``). ``caller``: who calls
+        (a live worker is replaced only by its own uid)."""
+        key = convert.requested_worker(request.worker, "worker")
+        if self._table.find(key) is not None:
+            self.check_caller(key, caller)
+        uid = None if caller is None else caller.uid
+        record = await self._registrar().register(request, planner, caller_uid=uid)
+        if uid is None:
+            self._owners.pop(record.key, None)
+        else:
+            self._owners[record.key] = uid
         self.registered(record)
         return record
 
@@ -207,6 +245,7 @@ class Lifecycle:
     async def deregister(self, key: WorkerKey) -> WorkerRecord:
         """Registry.DeregisterWorker: the worker and its grants go."""
         record = await self._registrar().deregister(key)
+        self._owners.pop(key, None)
         self._grants.drop_worker(key)
         self._update_gauges()
         return record
@@ -219,6 +258,7 @@ class Lifecycle:
             await self._registrar().deregister(key, forget_unsaved=True)
         except NotFound:
             return  # deregistered meanwhile
+        self._owners.pop(key, None)
         self._grants.drop_worker(key)
         self._update_gauges()
 

@@ -6,13 +6,20 @@ lease's agent, the peer's EndTransfer, or the lease running out."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import structlog
 
 from kvmap.core.convert import check_requested
-from kvmap.core.errors import SHUTTING_DOWN, FailedPrecondition, HandshakeAgain, Unavailable
+from kvmap.core.errors import (
+    SHUTTING_DOWN,
+    FailedPrecondition,
+    HandshakeAgain,
+    PermissionDenied,
+    Unavailable,
+)
 from kvmap.core.geometry import WorkerKey
-from kvmap.core.grants import Grant
+from kvmap.core.grants import DENIED, Grant
 from kvmap.core.transfer_requests import Announcement, ReleaseNotice
 from kvmap.daemon.adapters.metrics import Metrics
 from kvmap.daemon.engine.events import EventOutbox
@@ -23,6 +30,49 @@ from kvmap.daemon.engine.workers import WorkerTable
 from kvmap.v1 import admin_pb2, registry_pb2
 
 log = structlog.get_logger("kvmapd")
+
+# Agent names remembered with the authenticated peer that first used each
+# (least recently used forgotten first): a daemon has one agent per start,
+# so even a host of many daemons restarting often stays far below.
+MAX_BOUND_AGENTS = 4096
+
+
+def lease_fields(lease: Lease) -> dict[str, Any]:
+    """A lease's transfer as every log line about it names it (the same
+    fields as the caller's daemon logs: docs/operate.md, "Logs")."""
+    return {
+        "request_id": lease.request_id,
+        "transfer_id": lease.transfer_id,
+        "peer": lease.peer,
+        "peer_agent": lease.peer_agent,
+        "worker": str(lease.record.key),
+    }
+
+
+class AgentBindings:
+    """Each peer agent name bound to the authenticated peer that first
+    announced a transfer under it: another peer declaring that name is
+    refused, so a name in a lease, a claim or ``replaces_agents`` always
+    means the peer that holds it."""
+
+    def __init__(self, limit: int = MAX_BOUND_AGENTS) -> None:
+        self._limit = limit
+        self._peers: dict[str, str] = {}
+
+    def check(self, agent: str, peer: str) -> None:
+        """PermissionDenied when another peer holds the name ``agent``."""
+        bound = self._peers.get(agent, peer)
+        if bound != peer:
+            log.warning("agent_name_of_other_peer", agent=agent[:256], peer=peer, holder=bound)
+            raise PermissionDenied(DENIED)
+
+    def bind(self, agent: str, peer: str) -> None:
+        """Bind ``agent`` to ``peer`` (after ``check`` and the call's other
+        checks passed: a refused call binds nothing)."""
+        self._peers.pop(agent, None)
+        self._peers[agent] = peer  # most recently used last
+        if len(self._peers) > self._limit:
+            del self._peers[next(iter(self._peers))]
 
 
 class OwnerSide:
@@ -53,6 +103,7 @@ class OwnerSide:
         self._draining = draining
         # Wakes the progress loop: the peer posts as soon as we answer.
         self._wake = wake
+        self._agents = AgentBindings()
 
     def _refuse_while_draining(self) -> None:
         if self._draining():
@@ -88,13 +139,14 @@ class OwnerSide:
         self._table.get(key)
         self._grants.revoke(key, request_id)
 
-    def begin(self, a: Announcement) -> Lease:
-        """Peer.BeginTransfer (its arguments checked by the wire parse):
-        capability, agent, worker, generation and limits before the lease
-        and the grant's claim."""
+    def begin(self, a: Announcement, *, peer: str) -> Lease:
+        """Peer.BeginTransfer (its arguments checked by the wire parse) from
+        the authenticated ``peer``: capability, agent, worker, generation and
+        limits before the lease and the grant's claim."""
         self._refuse_while_draining()
         # No capability, no answer about workers or agents.
         self._grants.find(a.capability)
+        self._agents.check(a.peer_agent, peer)
         if a.agent_name and a.agent_name != self._agent_name:
             raise HandshakeAgain(
                 f"transfer planned against agent {a.agent_name}; this daemon runs "
@@ -108,9 +160,11 @@ class OwnerSide:
             request_id=a.request_id,
             groups=a.groups,
             peer_agent=a.peer_agent,
+            peer=peer,
             replaces=replaces,
             readers=a.readers,
         )
+        asked_s = (a.lease_ms / 1000) if a.lease_ms else DEFAULT_LEASE_S
         lease = self._leases.begin(
             record,
             generation=a.generation,
@@ -119,20 +173,29 @@ class OwnerSide:
             write=a.write,
             blocks=a.blocks,
             nbytes=a.nbytes,
-            lease_s=(a.lease_ms / 1000) if a.lease_ms else DEFAULT_LEASE_S,
+            # No lease outlives its grant: the blocks it pins are promised
+            # to the request only that long.
+            lease_s=min(asked_s, self._grants.seconds_left(grant)),
             grant=grant.digest,
+            peer=peer,
         )
-        self._take_over(grant.digest, replaces)
-        self._grants.claim(grant, a.peer_agent)
+        lease.transfer_id = a.transfer_id
+        self._agents.bind(a.peer_agent, peer)
+        self._take_over(grant.digest, replaces, peer)
+        self._grants.claim(grant, a.peer_agent, peer)
         self._wake()
+        # Debug: a line per transfer would cost the hot path at info.
+        log.debug("transfer_begun", **lease_fields(lease), blocks=a.blocks, bytes=a.nbytes)
         return lease
 
-    def release(self, n: ReleaseNotice) -> Grant:
-        """A reader that needs none of the blocks gives up its use: every
-        check (capability, worker, request, claim, expiry, declared count)
-        before one use is spent and the worker told; no lease, no pin."""
+    def release(self, n: ReleaseNotice, *, peer: str) -> Grant:
+        """A reader (the authenticated ``peer``) that needs none of the
+        blocks gives up its use: every check (capability, worker, request,
+        claim, expiry, declared count) before one use is spent and the
+        worker told; no lease, no pin."""
         self._refuse_while_draining()
         self._grants.find(n.capability)  # no capability, no answer about workers
+        self._agents.check(n.peer_agent, peer)
         record = self._lifecycle.worker_for_peer(check_requested(n.worker, "worker"))
         used = self._grants.release_use(
             n.capability,
@@ -140,11 +203,17 @@ class OwnerSide:
             request_id=n.request_id,
             readers=n.readers,
             peer_agent=n.peer_agent,
+            peer=peer,
         )
+        self._agents.bind(n.peer_agent, peer)
+        self._metrics.served(peer, "OK")
         log.info(
             "transfer_use_released",
             request_id=n.request_id,
-            peer=n.peer_agent,
+            transfer_id=n.transfer_id,
+            peer=peer,
+            peer_agent=n.peer_agent,
+            worker=str(record.key),
             uses=used.uses,
             max_uses=used.max_uses,
         )
@@ -157,25 +226,33 @@ class OwnerSide:
         self._events.tell_finished(record.key, done, used)
         return used
 
-    def _take_over(self, digest: bytes, replaces: frozenset[str]) -> None:
+    def _take_over(self, digest: bytes, replaces: frozenset[str], caller: str) -> None:
         """End the leases of a replaced agent under this grant (after the new
         lease pinned the worker, so the pin never lapses): each releases its
         claim and unpins once, here, and the dead agent's late EndTransfer or
         notification finds no lease."""
-        holder = self._grants.claimed_by(digest)
-        if holder not in replaces:
-            return
-        for old in self._leases.held_by(holder, digest):
+        peer, holder = self._grants.holder(digest)
+        if holder not in replaces or peer != caller:
+            return  # only a peer's own earlier agents are its to replace
+        for old in self._leases.held_by(holder, digest, peer):
             self._leases.finish(old.token)
             self._grants.release(digest)
-            log.warning("claim_taken_over", request_id=old.request_id, old_agent=holder)
+            log.warning("claim_taken_over", **lease_fields(old))
 
-    def end(self, token: str) -> Lease | None:
+    def end(self, token: str, *, peer: str) -> Lease | None:
         """A peer gave up on a transfer (EndTransfer): the pin goes, and the
-        capability may be tried again."""
+        capability may be tried again. Only the authenticated peer that
+        announced the lease can end it: from any other, a token it learnt
+        is answered as an unknown one and changes nothing."""
+        lease = self._leases.get(token)
+        if lease is not None and lease.peer != peer:
+            log.warning("end_from_other_peer", peer=peer, holder=lease.peer)
+            return None
         lease = self._leases.finish(token)
         if lease is not None:
             self._grants.release(lease.grant)
+            self._metrics.served(lease.peer, "CANCELLED")
+            log.warning("transfer_ended_by_peer", **lease_fields(lease))
         return lease
 
     def expire(self, now: float | None = None) -> list[Lease]:
@@ -185,7 +262,8 @@ class OwnerSide:
         self._metrics.leases_expired.inc(len(gone))
         for lease in gone:
             self._grants.release(lease.grant)
-            log.warning("lease_expired", request_id=lease.request_id, peer=lease.peer_agent)
+            self._metrics.served(lease.peer, "DEADLINE_EXCEEDED")
+            log.warning("lease_expired", **lease_fields(lease))
         self._grants.sweep()
         return gone
 
@@ -205,6 +283,8 @@ class OwnerSide:
         used = self._grants.complete(lease.grant, persist=False)
         self._counters.served_done += 1
         self._counters.served_blocks += lease.blocks
+        self._metrics.served(lease.peer, "OK", lease.bytes)
+        log.debug("transfer_finished", **lease_fields(lease))
         direction = (
             registry_pb2.TRANSFER_DIRECTION_PUSHED_TO
             if lease.write
@@ -220,6 +300,6 @@ class OwnerSide:
         if holder is not None:
             # A live lease's token from an agent that does not hold it: a
             # forged (or misrouted) "done"; the lease and its blocks stay.
-            log.warning("notif_from_other_agent", peer=peer, holder=holder)
+            log.warning("notif_from_other_agent", peer_agent=peer, holder=holder)
         else:
-            log.info("notif_unmatched", peer=peer, message=message[:64])
+            log.info("notif_unmatched", peer_agent=peer, message=message[:64])

@@ -30,7 +30,7 @@ from kvmap.core.geometry import Plan, RegionMapModel, WorkerGeometry, WorkerKey
 from kvmap.core.planner import Planner
 from kvmap.daemon.adapters.cuda_ipc import CudaIpcImporter, CudaMapping, import_allocation
 from kvmap.daemon.adapters.fd_handoff import FdHandoffServer
-from kvmap.daemon.adapters.memory import MappedMemory, ShmImporter
+from kvmap.daemon.adapters.memory import MappedMemory, Owner, ShmImporter
 from kvmap.daemon.adapters.nixl_port import MemoryType, NixlPort, Registration
 from kvmap.daemon.adapters.nixl_thread import NixlRunner
 from kvmap.daemon.adapters.state_store import (
@@ -118,6 +118,7 @@ class Registrar:
         req: registry_pb2.RegisterWorkerRequest,
         preopened: dict[str, int],
         restored_from: dict[str, Reopen],
+        caller_uid: int | None = None,
     ) -> tuple[dict[str, Mapping], dict[str, Reopen]]:
         """Map every allocation, noting how to re-open it after a restart; on
         any failure unmap what was mapped (and close the fds not used)."""
@@ -126,7 +127,7 @@ class Registrar:
         try:
             for i, alloc in enumerate(req.allocations):
                 mapped[alloc.id], reopen[alloc.id] = self._import_one(
-                    alloc, f"allocations[{i}]", preopened, restored_from
+                    alloc, f"allocations[{i}]", preopened, restored_from, caller_uid
                 )
         except BaseException:
             for m in mapped.values():
@@ -142,6 +143,7 @@ class Registrar:
         field: str,
         preopened: dict[str, int],
         restored_from: dict[str, Reopen],
+        caller_uid: int | None,
     ) -> tuple[Mapping, Reopen]:
         which = alloc.WhichOneof("handle")
         if which == "cuda_ipc":
@@ -153,12 +155,17 @@ class Registrar:
         if alloc.id in preopened:  # restored by the daemon itself
             fd = preopened.pop(alloc.id)
             offset = _handle_offset(alloc)
-            mapped = self._shm.import_fd(fd, offset, alloc.size_bytes, field=field)
-            return mapped, restored_from[alloc.id]
+            # A memfd was sealed when first registered (seals stay); a path's
+            # file takes none, and it was checked against the prefixes then.
+            reopen = restored_from[alloc.id]
+            mapped = self._shm.import_fd(
+                fd, offset, alloc.size_bytes, field=field, require_seal=not reopen.path
+            )
+            return mapped, reopen
         if which == "shm_fd":
             return self._import_shm_fd(alloc, f"{field}.shm_fd")
         if which == "shm_path":
-            return self._import_shm_path(alloc, f"{field}.shm_path")
+            return self._import_shm_path(alloc, f"{field}.shm_path", caller_uid)
         raise InvalidArgument(
             f"{field}.handle",
             "registration needs memory: set shm_fd, shm_path or cuda_ipc "
@@ -174,10 +181,14 @@ class Registrar:
         reopen = Reopen(pid=self._fds.peer(handle.token).pid, dev=st.st_dev, ino=st.st_ino)
         return self._shm.import_fd(fd, handle.offset_bytes, alloc.size_bytes, field=field), reopen
 
-    def _import_shm_path(self, alloc: types_pb2.Allocation, field: str) -> tuple[Mapping, Reopen]:
+    def _import_shm_path(
+        self, alloc: types_pb2.Allocation, field: str, caller_uid: int | None
+    ) -> tuple[Mapping, Reopen]:
+        """A file by path: only the caller's own, so a caller maps only what
+        it could map itself (the daemon may open far more)."""
         handle = alloc.shm_path
         mapping = self._shm.import_path(
-            handle.path, handle.offset_bytes, alloc.size_bytes, field=field
+            handle.path, handle.offset_bytes, alloc.size_bytes, field=field, owner=Owner(caller_uid)
         )
         st = os.stat(handle.path)
         return mapping, Reopen(path=handle.path, dev=st.st_dev, ino=st.st_ino)
@@ -255,9 +266,12 @@ class Registrar:
         req: registry_pb2.RegisterWorkerRequest,
         planner: Planner,
         restored: dict[str, tuple[int, Reopen]] | None = None,
+        *,
+        caller_uid: int | None = None,
     ) -> WorkerRecord:
         """Register a worker. ``restored`` maps allocation ids to fds the
-        daemon opened itself (restore after a restart) and their Reopen."""
+        daemon opened itself (restore after a restart) and their Reopen;
+        ``caller_uid`` is who registers (path registrations need it)."""
         preopened = {k: fd for k, (fd, _) in (restored or {}).items()}
         try:
             geometry = convert.parse_and_validate(req)
@@ -274,7 +288,7 @@ class Registrar:
                     os.close(fd)
                 raise
             mapped, reopen = self._import(
-                req, preopened, {k: r for k, (_, r) in (restored or {}).items()}
+                req, preopened, {k: r for k, (_, r) in (restored or {}).items()}, caller_uid
             )
             mem = await self._attach(mapped)
             record = await self._commit(req, geometry, plan, mem, reopen)
@@ -351,17 +365,28 @@ class Registrar:
         log.info("worker_released_kept", worker=str(key), generation=record.generation)
 
     async def replan(self, planner: Planner) -> list[WorkerRecord]:
-        """Re-plan every live worker over its existing registrations."""
+        """Re-plan every live worker over its existing registrations. Each
+        new plan and generation is stored before it is published, so that a
+        restart never hands out a generation again (for another plan); a
+        worker whose row cannot be written keeps its plan (logged)."""
         done: list[WorkerRecord] = []
+        replaced: list[WorkerRecord] = []
         async with self._table.lock:
-            olds = self._table.records()
-            for old in olds:
+            for old in self._table.records():
                 record = await self._make_record(
                     old.geometry, planner.plan(old.geometry), old.memory
                 )
+                try:
+                    self._store.update_plan(old.key, planner.info.name, record.generation)
+                except StateStoreError as err:
+                    log.error("replan_not_stored", worker=str(old.key), error=str(err))
+                    await self._nixl(partial(self._agent.release_dlist, record.local_dlist))
+                    record.memory.refs -= 1
+                    continue
                 self._table.put(record)
                 done.append(record)
-        for old in olds:
+                replaced.append(old)
+        for old in replaced:
             await self.retire(old)
         return done
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -78,6 +79,17 @@ log = structlog.get_logger("kvmapd.transfers")
 MAX_HANDSHAKES_IN_FLIGHT = MAX_CHANNELS // 2
 # BeginTransferRequest.lease_ms is a uint32.
 MAX_LEASE_MS = 2**32 - 1
+
+# Transfer ids: a random prefix per process and a counter, unique across
+# daemons and restarts without a urandom read per transfer.
+_TRANSFER_ID_PREFIX = secrets.token_hex(4)
+_transfer_ids = itertools.count(1)
+
+
+def new_transfer_id() -> str:
+    """An id for one transfer, sent to the owner (BeginTransferRequest.
+    transfer_id) so that both daemons' log lines about it can be joined."""
+    return f"{_TRANSFER_ID_PREFIX}{next(_transfer_ids):08x}"
 
 
 class Peers(Protocol):
@@ -168,6 +180,12 @@ class TransferEngine:
     def remote_agent_count(self) -> int:
         return len(self._caches.agents)
 
+    def peer_handshakes(self) -> list[tuple[str, WorkerKey, PeerHandshake]]:
+        """The remote workers this daemon holds a handshake of now (target,
+        worker, what the peer said): the operator's live view of peers."""
+        cached = self._caches.handshakes
+        return [(k.target, k.worker, hs) for k in cached if (hs := cached.peek(k)) is not None]
+
     def cache_sizes(self) -> dict[str, int]:
         """Entries of each cache (what a rejected request must not change)."""
         return {
@@ -210,43 +228,66 @@ class TransferEngine:
     # Transfers --------------------------------------------------------------
 
     async def run(
-        self, req: TransferRequest | UseRelease, write: bool
+        self, req: TransferRequest | UseRelease, write: bool, transfer_id: str = ""
     ) -> AsyncIterator[TransferReport]:
         """A pull (a push with ``write``), or the release of a use (counted
-        as a pull, as it always was), in reports."""
+        as a pull, as it always was), in reports. Every log line of the
+        calling task from here on (the RPC's rejection too) carries the
+        transfer's ids: the caller's ``transfer_id`` or a new one."""
         direction = "push" if write else "pull"
+        # Bound, not scoped: the RPC's own failure line comes after this
+        # generator ends; the RPC interceptor clears the context.
+        transfer_id = transfer_id or new_transfer_id()
+        structlog.contextvars.bind_contextvars(
+            request_id=req.request_id,
+            transfer_id=transfer_id,
+            peer=req.target,
+            peer_agent="",  # known after the handshake
+            worker=str(req.remote),
+        )
         record = self._table.get(req.local)
         record.pin()
         self.in_flight += 1
+        self._metrics.transfers_in_flight.inc()
         started = time.perf_counter()
         try:
             deadline = self._pacing.now() + req.timeout_s
-            async for item in _within(req.timeout_s, self._retried(req, record, write, deadline)):
+            attempts = self._retried(req, record, write, deadline, transfer_id)
+            async for item in _within(req.timeout_s, attempts):
                 yield item
-            self._metrics.labelled(self._metrics.transfers, direction, "done").inc()
-            self._metrics.transfer_ended(direction, req.target, "OK", time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self._metrics.labelled(self._metrics.transfers, direction, "OK").inc()
+            self._metrics.transfer_ended(direction, req.target, "OK", seconds)
+            # Debug: one line per transfer would cost the hot path at info.
+            log.debug("transfer_done", direction=direction, seconds=round(seconds, 6))
             if write:
                 self._counters.pushes_done += 1
             else:
                 self._counters.pulls_done += 1
         except TimeoutError:
-            self._metrics.labelled(self._metrics.transfers, direction, "deadline").inc()
+            self._metrics.labelled(self._metrics.transfers, direction, "DEADLINE_EXCEEDED").inc()
             self._metrics.transfer_ended(direction, req.target, "DEADLINE_EXCEEDED")
             self._counters.failed += 1
             raise DeadlineExceeded(
                 f"transfer {req.request_id}: no completion in {req.timeout_s}s"
             ) from None
         except BaseException as err:
-            self._metrics.labelled(self._metrics.transfers, direction, type(err).__name__).inc()
+            self._metrics.labelled(self._metrics.transfers, direction, _code_name(err)).inc()
             self._metrics.transfer_ended(direction, req.target, _code_name(err))
             self._counters.failed += 1
             raise
         finally:
             self.in_flight -= 1
+            self._metrics.transfers_in_flight.dec()
             record.unpin()
 
     async def _retried(
-        self, req: TransferRequest | UseRelease, record: WorkerRecord, write: bool, deadline: float
+        self,
+        req: TransferRequest | UseRelease,
+        record: WorkerRecord,
+        write: bool,
+        deadline: float,
+        transfer_id: str,
     ) -> AsyncIterator[TransferReport]:
         """Attempts of one transfer until one succeeds, one fails for good, or
         the time left cannot hold the next pause (then the last error)."""
@@ -254,7 +295,10 @@ class TransferEngine:
         handshaked = False
         for attempt in itertools.count():
             try:
-                async for item in self._run(req, record, write, attempt > 0, handshaked):
+                attempt_reports = self._run(
+                    req, record, write, attempt > 0, handshaked, transfer_id=transfer_id
+                )
+                async for item in attempt_reports:
                     handshaked |= item.phase is Phase.HANDSHAKING
                     yield item
                 return
@@ -269,11 +313,10 @@ class TransferEngine:
                 self._metrics.transfer_retries.labels(
                     "push" if write else "pull", err.code.name
                 ).inc()
-                log.info(
+                # The transfer's ids are in the logging context (``run``).
+                log.warning(
                     "transfer_retry",
-                    request_id=req.request_id,
-                    target=req.target,
-                    worker=str(req.remote),
+                    code=err.code.name,
                     attempt=attempt + 1,
                     pause_s=round(pause, 3),
                     error=str(err),
@@ -287,22 +330,28 @@ class TransferEngine:
         write: bool,
         renew: bool,
         handshaked: bool,
+        *,
+        transfer_id: str,
     ) -> AsyncIterator[TransferReport]:
         """One attempt; ``renew`` asks the owner for a fresh handshake (a
         failed attempt may have met its restart)."""
         if isinstance(req, UseRelease):
-            yield await self._release_use(req)
+            yield await self._release_use(req, transfer_id)
             return
         for attempt in (0, 1):
             hs, fresh = await self._remote(req, refresh=renew or attempt > 0)
             handshaked |= fresh
+            structlog.contextvars.bind_contextvars(peer_agent=hs.agent_name)
             if fresh:
+                log.info("peer_handshake", generation=hs.generation)
                 yield TransferReport(
                     Phase.HANDSHAKING,
                     f"handshake with {req.target}",
                     remote_generation=hs.generation,
                 )
-            begun = await self._begin(req, record, hs, write, retry=attempt == 0)
+            begun = await self._begin(
+                req, record, hs, write, retry=attempt == 0, transfer_id=transfer_id
+            )
             if begun is not None:
                 break
         else:  # pragma: no cover - the loop always breaks or raises
@@ -332,6 +381,7 @@ class TransferEngine:
         write: bool,
         *,
         retry: bool,
+        transfer_id: str,
     ) -> tuple[Prepared, TransferPlan, str] | None:
         """Plan the transfer and announce it to the owner: the lists, the
         plan and the owner's lease token; None when the owner reports a stale
@@ -349,13 +399,13 @@ class TransferEngine:
                 )
             # The whole transfer's time (it is bounded by its deadline anyway).
             token = await self.peers.begin(
-                req.target, self._announcement(req, hs, plan, write), req.timeout_s
+                req.target, self._announcement(req, hs, plan, write, transfer_id), req.timeout_s
             )
         except BaseException as err:
             await self._caches.done_with(prepared)
             if not isinstance(err, StaleGeneration) or not retry:
                 raise
-            log.info("stale_remote_generation", target=req.target, worker=str(req.remote))
+            log.info("stale_remote_generation", generation=hs.generation)
             return None  # re-handshake once, then plan again
         return prepared, plan, token
 
@@ -375,7 +425,7 @@ class TransferEngine:
         remote_mem = side_memory(hs.model, "remote worker")
         return Prepared(None, None, None, local_mem, remote_mem, users=1), plan
 
-    async def _release_use(self, req: UseRelease) -> TransferReport:
+    async def _release_use(self, req: UseRelease, transfer_id: str) -> TransferReport:
         """Tell the owner this caller gives up its use of the grant: no
         handshake, no plan, nothing moved."""
         notice = ReleaseNotice(
@@ -384,12 +434,18 @@ class TransferEngine:
             peer_agent=self._agent_name,
             capability=req.capability,
             readers=req.readers,
+            transfer_id=transfer_id,
         )
         await self.peers.release(req.target, notice, req.timeout_s)
         return TransferReport(Phase.DONE, "released")
 
     def _announcement(
-        self, req: TransferRequest, hs: PeerHandshake, plan: TransferPlan, write: bool
+        self,
+        req: TransferRequest,
+        hs: PeerHandshake,
+        plan: TransferPlan,
+        write: bool,
+        transfer_id: str,
     ) -> Announcement:
         return Announcement(
             request_id=req.request_id,
@@ -408,6 +464,7 @@ class TransferEngine:
             groups=req.remote_blocks,
             replaces_agents=self._replaces_agents,
             readers=req.readers,
+            transfer_id=transfer_id,
         )
 
     async def _carry_out(

@@ -8,6 +8,7 @@ registrations and mappings is the registration shell's job (``registration``).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,8 +78,10 @@ class WorkerRecord:
 
 
 class WorkerTable:
-    def __init__(self) -> None:
+    def __init__(self, on_generation: Callable[[], None] | None = None) -> None:
         self.lock = asyncio.Lock()
+        # Told of each generation issued (the churn metric, kvmap_generations).
+        self._on_generation = on_generation
         self._records: dict[WorkerKey, WorkerRecord] = {}
         # Last generation issued per worker. Kept after deregistration so a
         # re-registered worker never reuses a generation a peer has cached.
@@ -103,6 +106,8 @@ class WorkerTable:
     def next_generation(self, key: WorkerKey) -> int:
         generation = self._generations.get(key, 0) + 1
         self._generations[key] = generation
+        if self._on_generation is not None:
+            self._on_generation()
         return generation
 
     def seed_generation(self, key: WorkerKey, generation: int) -> None:

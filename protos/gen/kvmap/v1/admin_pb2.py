@@ -22,28 +22,49 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from kvmap.v1 import region_maps_pb2 as kvmap_dot_v1_dot_region__maps__pb2
 from kvmap.v1 import types_pb2 as kvmap_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvmap/v1/admin.proto\x12\x08kvmap.v1\x1a\x14kvmap/v1/types.proto\" \n\rReplanRequest\x12\x0f\n\x07planner\x18\x01 \x01(\t\"c\n\x0fReplannedWorker\x12\"\n\x06worker\x18\x01 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x18\n\x10\x64\x65scriptor_count\x18\x03 \x01(\x03\"d\n\x0eReplanResponse\x12&\n\x07planner\x18\x01 \x01(\x0b\x32\x15.kvmap.v1.PlannerInfo\x12*\n\x07workers\x18\x02 \x03(\x0b\x32\x19.kvmap.v1.ReplannedWorker\"\x11\n\x0fGetStatsRequest\"\xab\x01\n\x10TransferCounters\x12\x12\n\npulls_done\x18\x01 \x01(\x03\x12\x13\n\x0bpushes_done\x18\x02 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x03 \x01(\x03\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x13\n\x0b\x64\x65scriptors\x18\x05 \x01(\x03\x12\x0e\n\x06\x62locks\x18\x06 \x01(\x03\x12\x13\n\x0bserved_done\x18\x07 \x01(\x03\x12\x15\n\rserved_blocks\x18\x08 \x01(\x03\"\xa4\x02\n\x10GetStatsResponse\x12-\n\ttransfers\x18\x01 \x01(\x0b\x32\x1a.kvmap.v1.TransferCounters\x12\x0f\n\x07workers\x18\x02 \x01(\r\x12\x15\n\rremote_agents\x18\x03 \x01(\r\x12\x17\n\x0f\x64\x61\x65mon_instance\x18\x04 \x01(\t\x12&\n\x07planner\x18\x05 \x01(\x0b\x32\x15.kvmap.v1.PlannerInfo\x12\x1a\n\x12mapped_allocations\x18\x06 \x01(\r\x12\x14\n\x0cmapped_bytes\x18\x07 \x01(\x03\x12\x1a\n\x12nixl_registrations\x18\x08 \x01(\r\x12\x1a\n\x12\x66\x64_handoff_pending\x18\t \x01(\r\x12\x0e\n\x06leases\x18\n \x01(\r2\x87\x01\n\x05\x41\x64min\x12;\n\x06Replan\x12\x17.kvmap.v1.ReplanRequest\x1a\x18.kvmap.v1.ReplanResponse\x12\x41\n\x08GetStats\x12\x19.kvmap.v1.GetStatsRequest\x1a\x1a.kvmap.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvmap/v1/admin.proto\x12\x08kvmap.v1\x1a\x1akvmap/v1/region_maps.proto\x1a\x14kvmap/v1/types.proto\" \n\rReplanRequest\x12\x0f\n\x07planner\x18\x01 \x01(\t\"c\n\x0fReplannedWorker\x12\"\n\x06worker\x18\x01 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x18\n\x10\x64\x65scriptor_count\x18\x03 \x01(\x03\"d\n\x0eReplanResponse\x12&\n\x07planner\x18\x01 \x01(\x0b\x32\x15.kvmap.v1.PlannerInfo\x12*\n\x07workers\x18\x02 \x03(\x0b\x32\x19.kvmap.v1.ReplannedWorker\"\x11\n\x0fGetStatsRequest\"\xab\x01\n\x10TransferCounters\x12\x12\n\npulls_done\x18\x01 \x01(\x03\x12\x13\n\x0bpushes_done\x18\x02 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x03 \x01(\x03\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x13\n\x0b\x64\x65scriptors\x18\x05 \x01(\x03\x12\x0e\n\x06\x62locks\x18\x06 \x01(\x03\x12\x13\n\x0bserved_done\x18\x07 \x01(\x03\x12\x15\n\rserved_blocks\x18\x08 \x01(\x03\"\xa4\x02\n\x10GetStatsResponse\x12-\n\ttransfers\x18\x01 \x01(\x0b\x32\x1a.kvmap.v1.TransferCounters\x12\x0f\n\x07workers\x18\x02 \x01(\r\x12\x15\n\rremote_agents\x18\x03 \x01(\r\x12\x17\n\x0f\x64\x61\x65mon_instance\x18\x04 \x01(\t\x12&\n\x07planner\x18\x05 \x01(\x0b\x32\x15.kvmap.v1.PlannerInfo\x12\x1a\n\x12mapped_allocations\x18\x06 \x01(\r\x12\x14\n\x0cmapped_bytes\x18\x07 \x01(\x03\x12\x1a\n\x12nixl_registrations\x18\x08 \x01(\r\x12\x1a\n\x12\x66\x64_handoff_pending\x18\t \x01(\r\x12\x0e\n\x06leases\x18\n \x01(\r\"\x12\n\x10GetStatusRequest\"\xd8\x01\n\x10InFlightTransfer\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12(\n\x0clocal_worker\x18\x03 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\x12\x15\n\rremote_target\x18\x04 \x01(\t\x12)\n\rremote_worker\x18\x05 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\x12\x17\n\x0fstarted_unix_ms\x18\x06 \x01(\x03\x12\x0e\n\x06\x61ge_ms\x18\x07 \x01(\x03\x12\r\n\x05phase\x18\x08 \x01(\t\"p\n\nPeerStatus\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x17\n\x0f\x64\x61\x65mon_instance\x18\x03 \x01(\t\x12%\n\x07workers\x18\x04 \x03(\x0b\x32\x14.kvmap.v1.PeerWorker\"D\n\nPeerWorker\x12\"\n\x06worker\x18\x01 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"\x9e\x01\n\x0bLeaseStatus\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x06worker\x18\x02 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\x12\x12\n\npeer_agent\x18\x03 \x01(\t\x12\r\n\x05write\x18\x04 \x01(\x08\x12\x0e\n\x06\x62locks\x18\x05 \x01(\x03\x12\r\n\x05\x62ytes\x18\x06 \x01(\x03\x12\x15\n\rexpires_in_ms\x18\x07 \x01(\x03\"\xc6\x01\n\x0bGrantStatus\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x06worker\x18\x02 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x03\x12\x0c\n\x04uses\x18\x05 \x01(\r\x12\x10\n\x08max_uses\x18\x06 \x01(\r\x12\x17\n\x0f\x65xpires_unix_ms\x18\x07 \x01(\x03\x12\x12\n\nclaimed_by\x18\x08 \x01(\t\x12\x0e\n\x06\x61\x63tive\x18\t \x01(\r\"v\n\x0bRecentError\x12\x12\n\nat_unix_ms\x18\x01 \x01(\x03\x12\x10\n\x08listener\x18\x02 \x01(\t\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\x0c\n\x04\x63ode\x18\x04 \x01(\t\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"\xe6\x04\n\x11GetStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x17\n\x0f\x64\x61\x65mon_instance\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x17\n\x0fstarted_unix_ms\x18\x04 \x01(\x03\x12\x16\n\x0euptime_seconds\x18\x05 \x01(\x01\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x37\n\x06\x63onfig\x18\x07 \x03(\x0b\x32\'.kvmap.v1.GetStatusResponse.ConfigEntry\x12)\n\x05stats\x18\x08 \x01(\x0b\x32\x1a.kvmap.v1.GetStatsResponse\x12(\n\x07workers\x18\t \x03(\x0b\x32\x17.kvmap.v1.WorkerSummary\x12-\n\ttransfers\x18\n \x03(\x0b\x32\x1a.kvmap.v1.InFlightTransfer\x12#\n\x05peers\x18\x0b \x03(\x0b\x32\x14.kvmap.v1.PeerStatus\x12%\n\x06leases\x18\x0c \x03(\x0b\x32\x15.kvmap.v1.LeaseStatus\x12%\n\x06grants\x18\r \x03(\x0b\x32\x15.kvmap.v1.GrantStatus\x12,\n\rrecent_errors\x18\x0e \x03(\x0b\x32\x15.kvmap.v1.RecentError\x12\x17\n\x0ftransfers_total\x18\x0f \x01(\r\x12\x14\n\x0cleases_total\x18\x10 \x01(\r\x12\x14\n\x0cgrants_total\x18\x11 \x01(\r\x1a-\n\x0b\x43onfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xcd\x01\n\x05\x41\x64min\x12;\n\x06Replan\x12\x17.kvmap.v1.ReplanRequest\x1a\x18.kvmap.v1.ReplanResponse\x12\x41\n\x08GetStats\x12\x19.kvmap.v1.GetStatsRequest\x1a\x1a.kvmap.v1.GetStatsResponse\x12\x44\n\tGetStatus\x12\x1a.kvmap.v1.GetStatusRequest\x1a\x1b.kvmap.v1.GetStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmap.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REPLANREQUEST']._serialized_start=56
-  _globals['_REPLANREQUEST']._serialized_end=88
-  _globals['_REPLANNEDWORKER']._serialized_start=90
-  _globals['_REPLANNEDWORKER']._serialized_end=189
-  _globals['_REPLANRESPONSE']._serialized_start=191
-  _globals['_REPLANRESPONSE']._serialized_end=291
-  _globals['_GETSTATSREQUEST']._serialized_start=293
-  _globals['_GETSTATSREQUEST']._serialized_end=310
-  _globals['_TRANSFERCOUNTERS']._serialized_start=313
-  _globals['_TRANSFERCOUNTERS']._serialized_end=484
-  _globals['_GETSTATSRESPONSE']._serialized_start=487
-  _globals['_GETSTATSRESPONSE']._serialized_end=779
-  _globals['_ADMIN']._serialized_start=782
-  _globals['_ADMIN']._serialized_end=917
+  _globals['_GETSTATUSRESPONSE_CONFIGENTRY']._loaded_options = None
+  _globals['_GETSTATUSRESPONSE_CONFIGENTRY']._serialized_options = b'8\001'
+  _globals['_REPLANREQUEST']._serialized_start=84
+  _globals['_REPLANREQUEST']._serialized_end=116
+  _globals['_REPLANNEDWORKER']._serialized_start=118
+  _globals['_REPLANNEDWORKER']._serialized_end=217
+  _globals['_REPLANRESPONSE']._serialized_start=219
+  _globals['_REPLANRESPONSE']._serialized_end=319
+  _globals['_GETSTATSREQUEST']._serialized_start=321
+  _globals['_GETSTATSREQUEST']._serialized_end=338
+  _globals['_TRANSFERCOUNTERS']._serialized_start=341
+  _globals['_TRANSFERCOUNTERS']._serialized_end=512
+  _globals['_GETSTATSRESPONSE']._serialized_start=515
+  _globals['_GETSTATSRESPONSE']._serialized_end=807
+  _globals['_GETSTATUSREQUEST']._serialized_start=809
+  _globals['_GETSTATUSREQUEST']._serialized_end=827
+  _globals['_INFLIGHTTRANSFER']._serialized_start=830
+  _globals['_INFLIGHTTRANSFER']._serialized_end=1046
+  _globals['_PEERSTATUS']._serialized_start=1048
+  _globals['_PEERSTATUS']._serialized_end=1160
+  _globals['_PEERWORKER']._serialized_start=1162
+  _globals['_PEERWORKER']._serialized_end=1230
+  _globals['_LEASESTATUS']._serialized_start=1233
+  _globals['_LEASESTATUS']._serialized_end=1391
+  _globals['_GRANTSTATUS']._serialized_start=1394
+  _globals['_GRANTSTATUS']._serialized_end=1592
+  _globals['_RECENTERROR']._serialized_start=1594
+  _globals['_RECENTERROR']._serialized_end=1712
+  _globals['_GETSTATUSRESPONSE']._serialized_start=1715
+  _globals['_GETSTATUSRESPONSE']._serialized_end=2329
+  _globals['_GETSTATUSRESPONSE_CONFIGENTRY']._serialized_start=2284
+  _globals['_GETSTATUSRESPONSE_CONFIGENTRY']._serialized_end=2329
+  _globals['_ADMIN']._serialized_start=2332
+  _globals['_ADMIN']._serialized_end=2537
 # @@protoc_insertion_point(module_scope)

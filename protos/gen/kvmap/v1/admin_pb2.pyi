@@ -7,6 +7,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from kvmap.v1 import region_maps_pb2 as _region_maps_pb2
 from kvmap.v1 import types_pb2 as _types_pb2
 import builtins as _builtins
 import sys
@@ -193,3 +194,354 @@ class GetStatsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetStatsResponse: _TypeAlias = GetStatsResponse  # noqa: Y015
+
+@_typing.final
+class GetStatusRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetStatusRequest: _TypeAlias = GetStatusRequest  # noqa: Y015
+
+@_typing.final
+class InFlightTransfer(_message.Message):
+    """One of this daemon's own transfers (a local worker's Pull, Push or Release)
+    that has not finished yet.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    LOCAL_WORKER_FIELD_NUMBER: _builtins.int
+    REMOTE_TARGET_FIELD_NUMBER: _builtins.int
+    REMOTE_WORKER_FIELD_NUMBER: _builtins.int
+    STARTED_UNIX_MS_FIELD_NUMBER: _builtins.int
+    AGE_MS_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    kind: _builtins.str
+    """"pull", "push" or "release"."""
+    remote_target: _builtins.str
+    started_unix_ms: _builtins.int
+    age_ms: _builtins.int
+    phase: _builtins.str
+    """The last phase reported to the worker ("" before the first report)."""
+    @_builtins.property
+    def local_worker(self) -> _types_pb2.WorkerId: ...
+    @_builtins.property
+    def remote_worker(self) -> _types_pb2.WorkerId: ...
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        kind: _builtins.str = ...,
+        local_worker: _types_pb2.WorkerId | None = ...,
+        remote_target: _builtins.str = ...,
+        remote_worker: _types_pb2.WorkerId | None = ...,
+        started_unix_ms: _builtins.int = ...,
+        age_ms: _builtins.int = ...,
+        phase: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["local_worker", b"local_worker", "remote_worker", b"remote_worker"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_ms", b"age_ms", "kind", b"kind", "local_worker", b"local_worker", "phase", b"phase", "remote_target", b"remote_target", "remote_worker", b"remote_worker", "request_id", b"request_id", "started_unix_ms", b"started_unix_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InFlightTransfer: _TypeAlias = InFlightTransfer  # noqa: Y015
+
+@_typing.final
+class PeerStatus(_message.Message):
+    """A remote daemon this daemon has handshaked with (it pulled from or pushed
+    to one of its workers).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TARGET_FIELD_NUMBER: _builtins.int
+    AGENT_NAME_FIELD_NUMBER: _builtins.int
+    DAEMON_INSTANCE_FIELD_NUMBER: _builtins.int
+    WORKERS_FIELD_NUMBER: _builtins.int
+    target: _builtins.str
+    agent_name: _builtins.str
+    daemon_instance: _builtins.str
+    @_builtins.property
+    def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___PeerWorker]:
+        """The peer's workers this daemon holds a region map of, with its generation."""
+
+    def __init__(
+        self,
+        *,
+        target: _builtins.str = ...,
+        agent_name: _builtins.str = ...,
+        daemon_instance: _builtins.str = ...,
+        workers: _abc.Iterable[Global___PeerWorker] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "daemon_instance", b"daemon_instance", "target", b"target", "workers", b"workers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerStatus: _TypeAlias = PeerStatus  # noqa: Y015
+
+@_typing.final
+class PeerWorker(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    generation: _builtins.int
+    @_builtins.property
+    def worker(self) -> _types_pb2.WorkerId: ...
+    def __init__(
+        self,
+        *,
+        worker: _types_pb2.WorkerId | None = ...,
+        generation: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["worker", b"worker"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "worker", b"worker"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerWorker: _TypeAlias = PeerWorker  # noqa: Y015
+
+@_typing.final
+class LeaseStatus(_message.Message):
+    """A transfer a remote peer announced against a local worker (the owner's
+    side): the worker's registration stays pinned until it ends.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    WORKER_FIELD_NUMBER: _builtins.int
+    PEER_AGENT_FIELD_NUMBER: _builtins.int
+    WRITE_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    EXPIRES_IN_MS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    peer_agent: _builtins.str
+    write: _builtins.bool
+    blocks: _builtins.int
+    bytes: _builtins.int
+    expires_in_ms: _builtins.int
+    @_builtins.property
+    def worker(self) -> _types_pb2.WorkerId: ...
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        worker: _types_pb2.WorkerId | None = ...,
+        peer_agent: _builtins.str = ...,
+        write: _builtins.bool = ...,
+        blocks: _builtins.int = ...,
+        bytes: _builtins.int = ...,
+        expires_in_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["worker", b"worker"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "bytes", b"bytes", "expires_in_ms", b"expires_in_ms", "peer_agent", b"peer_agent", "request_id", b"request_id", "worker", b"worker", "write", b"write"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaseStatus: _TypeAlias = LeaseStatus  # noqa: Y015
+
+@_typing.final
+class GrantStatus(_message.Message):
+    """A per-request capability a local worker granted (never the capability)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    WORKER_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    USES_FIELD_NUMBER: _builtins.int
+    MAX_USES_FIELD_NUMBER: _builtins.int
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _builtins.int
+    CLAIMED_BY_FIELD_NUMBER: _builtins.int
+    ACTIVE_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    generation: _builtins.int
+    blocks: _builtins.int
+    uses: _builtins.int
+    max_uses: _builtins.int
+    """0 while the grant is open (its first claim fixes the count)."""
+    expires_unix_ms: _builtins.int
+    claimed_by: _builtins.str
+    """The peer agent whose transfers hold the grant now ("" when none)."""
+    active: _builtins.int
+    @_builtins.property
+    def worker(self) -> _types_pb2.WorkerId: ...
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        worker: _types_pb2.WorkerId | None = ...,
+        generation: _builtins.int = ...,
+        blocks: _builtins.int = ...,
+        uses: _builtins.int = ...,
+        max_uses: _builtins.int = ...,
+        expires_unix_ms: _builtins.int = ...,
+        claimed_by: _builtins.str = ...,
+        active: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["worker", b"worker"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active", b"active", "blocks", b"blocks", "claimed_by", b"claimed_by", "expires_unix_ms", b"expires_unix_ms", "generation", b"generation", "max_uses", b"max_uses", "request_id", b"request_id", "uses", b"uses", "worker", b"worker"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GrantStatus: _TypeAlias = GrantStatus  # noqa: Y015
+
+@_typing.final
+class RecentError(_message.Message):
+    """A recent failed RPC, newest last."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AT_UNIX_MS_FIELD_NUMBER: _builtins.int
+    LISTENER_FIELD_NUMBER: _builtins.int
+    METHOD_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    at_unix_ms: _builtins.int
+    listener: _builtins.str
+    """"unix" or "tcp"."""
+    method: _builtins.str
+    code: _builtins.str
+    """gRPC status code name."""
+    message: _builtins.str
+    request_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        at_unix_ms: _builtins.int = ...,
+        listener: _builtins.str = ...,
+        method: _builtins.str = ...,
+        code: _builtins.str = ...,
+        message: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_unix_ms", b"at_unix_ms", "code", b"code", "listener", b"listener", "message", b"message", "method", b"method", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecentError: _TypeAlias = RecentError  # noqa: Y015
+
+@_typing.final
+class GetStatusResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ConfigEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    DAEMON_INSTANCE_FIELD_NUMBER: _builtins.int
+    AGENT_NAME_FIELD_NUMBER: _builtins.int
+    STARTED_UNIX_MS_FIELD_NUMBER: _builtins.int
+    UPTIME_SECONDS_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
+    CONFIG_FIELD_NUMBER: _builtins.int
+    STATS_FIELD_NUMBER: _builtins.int
+    WORKERS_FIELD_NUMBER: _builtins.int
+    TRANSFERS_FIELD_NUMBER: _builtins.int
+    PEERS_FIELD_NUMBER: _builtins.int
+    LEASES_FIELD_NUMBER: _builtins.int
+    GRANTS_FIELD_NUMBER: _builtins.int
+    RECENT_ERRORS_FIELD_NUMBER: _builtins.int
+    TRANSFERS_TOTAL_FIELD_NUMBER: _builtins.int
+    LEASES_TOTAL_FIELD_NUMBER: _builtins.int
+    GRANTS_TOTAL_FIELD_NUMBER: _builtins.int
+    version: _builtins.str
+    daemon_instance: _builtins.str
+    agent_name: _builtins.str
+    started_unix_ms: _builtins.int
+    uptime_seconds: _builtins.float
+    draining: _builtins.bool
+    transfers_total: _builtins.int
+    """Each list above holds at most a fixed number of entries (oldest
+    transfers, soonest-expiring leases and grants first); these count all.
+    """
+    leases_total: _builtins.int
+    grants_total: _builtins.int
+    @_builtins.property
+    def config(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The configuration in force, key by key (the keys of kvmapd.toml), each
+        value as JSON. File paths only: no key or certificate content.
+        """
+
+    @_builtins.property
+    def stats(self) -> Global___GetStatsResponse: ...
+    @_builtins.property
+    def workers(self) -> _containers.RepeatedCompositeFieldContainer[_region_maps_pb2.WorkerSummary]: ...
+    @_builtins.property
+    def transfers(self) -> _containers.RepeatedCompositeFieldContainer[Global___InFlightTransfer]: ...
+    @_builtins.property
+    def peers(self) -> _containers.RepeatedCompositeFieldContainer[Global___PeerStatus]: ...
+    @_builtins.property
+    def leases(self) -> _containers.RepeatedCompositeFieldContainer[Global___LeaseStatus]: ...
+    @_builtins.property
+    def grants(self) -> _containers.RepeatedCompositeFieldContainer[Global___GrantStatus]: ...
+    @_builtins.property
+    def recent_errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___RecentError]: ...
+    def __init__(
+        self,
+        *,
+        version: _builtins.str = ...,
+        daemon_instance: _builtins.str = ...,
+        agent_name: _builtins.str = ...,
+        started_unix_ms: _builtins.int = ...,
+        uptime_seconds: _builtins.float = ...,
+        draining: _builtins.bool = ...,
+        config: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        stats: Global___GetStatsResponse | None = ...,
+        workers: _abc.Iterable[_region_maps_pb2.WorkerSummary] | None = ...,
+        transfers: _abc.Iterable[Global___InFlightTransfer] | None = ...,
+        peers: _abc.Iterable[Global___PeerStatus] | None = ...,
+        leases: _abc.Iterable[Global___LeaseStatus] | None = ...,
+        grants: _abc.Iterable[Global___GrantStatus] | None = ...,
+        recent_errors: _abc.Iterable[Global___RecentError] | None = ...,
+        transfers_total: _builtins.int = ...,
+        leases_total: _builtins.int = ...,
+        grants_total: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "config", b"config", "daemon_instance", b"daemon_instance", "draining", b"draining", "grants", b"grants", "grants_total", b"grants_total", "leases", b"leases", "leases_total", b"leases_total", "peers", b"peers", "recent_errors", b"recent_errors", "started_unix_ms", b"started_unix_ms", "stats", b"stats", "transfers", b"transfers", "transfers_total", b"transfers_total", "uptime_seconds", b"uptime_seconds", "version", b"version", "workers", b"workers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetStatusResponse: _TypeAlias = GetStatusResponse  # noqa: Y015

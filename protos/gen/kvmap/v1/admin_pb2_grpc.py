@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class AdminStub:
-    """Operator actions that change state. Served only on the Unix socket.
+    """Operator actions that change state, and the daemon's live view. Served
+    only on the Unix socket: the view names peers, requests and grants.
     """
 
     def __init__(self, channel):
@@ -45,10 +46,16 @@ class AdminStub:
                 request_serializer=kvmap_dot_v1_dot_admin__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=kvmap_dot_v1_dot_admin__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.GetStatus = channel.unary_unary(
+                '/kvmap.v1.Admin/GetStatus',
+                request_serializer=kvmap_dot_v1_dot_admin__pb2.GetStatusRequest.SerializeToString,
+                response_deserializer=kvmap_dot_v1_dot_admin__pb2.GetStatusResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
-    """Operator actions that change state. Served only on the Unix socket.
+    """Operator actions that change state, and the daemon's live view. Served
+    only on the Unix socket: the view names peers, requests and grants.
     """
 
     def Replan(self, request, context):
@@ -60,6 +67,13 @@ class AdminServicer:
 
     def GetStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStatus(self, request, context):
+        """What the daemon is doing now (kvmapctl status, transfers, peers, grants).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -77,6 +91,11 @@ def add_AdminServicer_to_server(servicer, server):
                     request_deserializer=kvmap_dot_v1_dot_admin__pb2.GetStatsRequest.FromString,
                     response_serializer=kvmap_dot_v1_dot_admin__pb2.GetStatsResponse.SerializeToString,
             ),
+            'GetStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStatus,
+                    request_deserializer=kvmap_dot_v1_dot_admin__pb2.GetStatusRequest.FromString,
+                    response_serializer=kvmap_dot_v1_dot_admin__pb2.GetStatusResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'kvmap.v1.Admin', rpc_method_handlers)
@@ -86,7 +105,8 @@ def add_AdminServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Admin:
-    """Operator actions that change state. Served only on the Unix socket.
+    """Operator actions that change state, and the daemon's live view. Served
+    only on the Unix socket: the view names peers, requests and grants.
     """
 
     @staticmethod
@@ -133,6 +153,33 @@ class Admin:
             '/kvmap.v1.Admin/GetStats',
             kvmap_dot_v1_dot_admin__pb2.GetStatsRequest.SerializeToString,
             kvmap_dot_v1_dot_admin__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmap.v1.Admin/GetStatus',
+            kvmap_dot_v1_dot_admin__pb2.GetStatusRequest.SerializeToString,
+            kvmap_dot_v1_dot_admin__pb2.GetStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

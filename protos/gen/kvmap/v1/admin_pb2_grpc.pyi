@@ -27,7 +27,9 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class AdminStub:
-    """Operator actions that change state. Served only on the Unix socket."""
+    """Operator actions that change state, and the daemon's live view. Served
+    only on the Unix socket: the view names peers, requests and grants.
+    """
 
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
@@ -36,18 +38,26 @@ class AdminStub:
     Replan: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ReplanRequest, _admin_pb2.ReplanResponse]
     """Re-plan every live worker with a planner, bumping generations."""
     GetStats: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetStatsRequest, _admin_pb2.GetStatsResponse]
+    GetStatus: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetStatusRequest, _admin_pb2.GetStatusResponse]
+    """What the daemon is doing now (kvmapctl status, transfers, peers, grants)."""
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
-    """Operator actions that change state. Served only on the Unix socket."""
+    """Operator actions that change state, and the daemon's live view. Served
+    only on the Unix socket: the view names peers, requests and grants.
+    """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Replan: _aio.UnaryUnaryMultiCallable[_admin_pb2.ReplanRequest, _admin_pb2.ReplanResponse]  # type: ignore[assignment]
     """Re-plan every live worker with a planner, bumping generations."""
     GetStats: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetStatsRequest, _admin_pb2.GetStatsResponse]  # type: ignore[assignment]
+    GetStatus: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetStatusRequest, _admin_pb2.GetStatusResponse]  # type: ignore[assignment]
+    """What the daemon is doing now (kvmapctl status, transfers, peers, grants)."""
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
-    """Operator actions that change state. Served only on the Unix socket."""
+    """Operator actions that change state, and the daemon's live view. Served
+    only on the Unix socket: the view names peers, requests and grants.
+    """
 
     @_abc_1.abstractmethod
     def Replan(
@@ -63,5 +73,13 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.GetStatsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.GetStatsResponse, _abc.Awaitable[_admin_pb2.GetStatsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def GetStatus(
+        self,
+        request: _admin_pb2.GetStatusRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.GetStatusResponse, _abc.Awaitable[_admin_pb2.GetStatusResponse]]:
+        """What the daemon is doing now (kvmapctl status, transfers, peers, grants)."""
 
 def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

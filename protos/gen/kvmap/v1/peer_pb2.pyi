@@ -107,6 +107,7 @@ class BeginTransferRequest(_message.Message):
     REPLACES_AGENTS_FIELD_NUMBER: _builtins.int
     READERS_FIELD_NUMBER: _builtins.int
     RELEASE_FIELD_NUMBER: _builtins.int
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     generation: _builtins.int
     agent_name: _builtins.str
@@ -132,6 +133,13 @@ class BeginTransferRequest(_message.Message):
     (TransferFinishedEvent.released), and the answer carries no token.
     `groups` must be empty. With `readers` 0 on an open grant no use was
     taken yet: no one reads the grant, which is used up at once.
+    """
+    transfer_id: _builtins.str
+    """The caller's id of this transfer (or release): one per Transfers call,
+    the same across its retries, created by the caller's daemon. Both
+    daemons log it as transfer_id, so one transfer's lines on either side
+    can be joined. At most 64 characters (longer is cut); empty from
+    callers of a release without it.
     """
     @_builtins.property
     def worker(self) -> _types_pb2.WorkerId: ...
@@ -166,10 +174,11 @@ class BeginTransferRequest(_message.Message):
         replaces_agents: _abc.Iterable[_builtins.str] | None = ...,
         readers: _builtins.int = ...,
         release: _builtins.bool = ...,
+        transfer_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["worker", b"worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "blocks", b"blocks", "bytes", b"bytes", "capability", b"capability", "generation", b"generation", "groups", b"groups", "lease_ms", b"lease_ms", "peer_agent", b"peer_agent", "readers", b"readers", "release", b"release", "replaces_agents", b"replaces_agents", "request_id", b"request_id", "worker", b"worker", "write", b"write"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "blocks", b"blocks", "bytes", b"bytes", "capability", b"capability", "generation", b"generation", "groups", b"groups", "lease_ms", b"lease_ms", "peer_agent", b"peer_agent", "readers", b"readers", "release", b"release", "replaces_agents", b"replaces_agents", "request_id", b"request_id", "transfer_id", b"transfer_id", "worker", b"worker", "write", b"write"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -225,8 +225,13 @@ class TransferStatus(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     STATS_FIELD_NUMBER: _builtins.int
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
     state: Global___TransferState.ValueType
     message: _builtins.str
+    transfer_id: _builtins.str
+    """This daemon's id of the transfer (Peer.BeginTransferRequest.transfer_id):
+    the transfer_id field of both daemons' log lines about it.
+    """
     @_builtins.property
     def stats(self) -> Global___TransferStats: ...
     def __init__(
@@ -235,10 +240,11 @@ class TransferStatus(_message.Message):
         state: Global___TransferState.ValueType = ...,
         message: _builtins.str = ...,
         stats: Global___TransferStats | None = ...,
+        transfer_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "state", b"state", "stats", b"stats"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "state", b"state", "stats", b"stats", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

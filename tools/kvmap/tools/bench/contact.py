@@ -22,6 +22,7 @@ import statistics
 import time
 from typing import Any
 
+from kvmap.client.fd_handoff import sealed_memfd
 from kvmap.core import convert
 from kvmap.core import planner as planners
 from kvmap.core.geometry import WorkerKey
@@ -31,6 +32,7 @@ from kvmap.daemon.adapters import memory
 from kvmap.daemon.adapters.nixl_agent import NixlAgent
 from kvmap.daemon.adapters.peer_client import PeerClient, PeerHandshake
 from kvmap.tools.bench.profiles import get_profile
+from kvmap.tools.peers import read_secret, session_peer_secret
 
 STEPS = ("handshake", "load_agent", "piece_table", "prep_lists")
 
@@ -38,7 +40,9 @@ STEPS = ("handshake", "load_agent", "piece_table", "prep_lists")
 async def _handshakes(
     target: str, remote: WorkerKey, reps: int
 ) -> tuple[list[float], PeerHandshake]:
-    client = PeerClient(connect_timeout_s=30.0)
+    # The peer secret the daemons started by this harness share.
+    secret = read_secret(session_peer_secret()).encode()
+    client = PeerClient(connect_timeout_s=30.0, secret=secret)
     try:
         hs = await client.handshake(target, remote)  # opens the channel
         samples = []
@@ -66,8 +70,7 @@ def first_contact_steps(
         stack.callback(agent.close)
         bases: dict[str, int] = {}
         for alloc in geometry.allocations:
-            fd = os.memfd_create(f"kvmap-bench-contact-{alloc.id}", os.MFD_CLOEXEC)
-            os.ftruncate(fd, alloc.size_bytes)  # sparse: never touched
+            fd = sealed_memfd(f"kvmap-bench-contact-{alloc.id}", alloc.size_bytes)  # sparse
             mapped = memory.import_shm_fd(fd, 0, alloc.size_bytes)
             stack.callback(mapped.close)
             agent.register_dram(mapped.address, mapped.size)

@@ -10,13 +10,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 from kvmap.tools.bench.options import MIB
 from kvmap.tools.bench.results import Rss
 from kvmap.tools.bench.worker import packed_ids
 from kvmap.tools.bench.workload import Request
 from kvmap.tools.launch import DaemonProc, WorkerProc, spawn_worker, start_daemon
+from kvmap.tools.peers import peer_channel, read_secret, session_peer_secret
 from kvmap.v1 import peer_pb2, peer_pb2_grpc, types_pb2
 
 WORKER_TIMEOUT_S = 180.0
@@ -80,10 +79,10 @@ def daemon_rss(pid: int) -> int:
 
 
 def agent_metadata(target: str, engine_id: str) -> peer_pb2.GetAgentMetadataResponse:
-    """What a peer downloads at first contact (the Peer handshake)."""
-    with grpc.insecure_channel(
-        target, options=[("grpc.max_receive_message_length", 64 * MIB)]
-    ) as ch:
+    """What a peer downloads at first contact (the Peer handshake), presenting
+    the peer secret the daemons started here share."""
+    secret = read_secret(session_peer_secret())
+    with peer_channel(target, secret, [("grpc.max_receive_message_length", 64 * MIB)]) as ch:
         stub = peer_pb2_grpc.PeerStub(ch)
         resp: peer_pb2.GetAgentMetadataResponse = stub.GetAgentMetadata(
             peer_pb2.GetAgentMetadataRequest(worker=types_pb2.WorkerId(engine_id=engine_id)),

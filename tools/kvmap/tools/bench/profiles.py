@@ -199,7 +199,7 @@ def _dsv3(divisor: int) -> Layout:
 # Llama-3.1-8B (32 layers, 8 KV heads x head_dim 128, bf16), vLLM's default
 # layer-outermost FlashAttention layout and 16-token blocks: one allocation
 # per layer, K's blocks then V's, 16 x 8 x 128 x 2 B = 32 KiB per page (as
-# docs/examples/llama-mha.json). MHA is split by heads: nothing coalesces.
+# kvmapd plan --example llama-mha). MHA is split by heads: nothing coalesces.
 # Pool size is an assumption: 40 GiB of KV cache = 20,480 blocks of 2 MiB.
 LLAMA_BLOCKS = 20_480
 LLAMA_LAYERS = 32
@@ -257,7 +257,7 @@ def _hybrid(divisor: int) -> Layout:
 
 
 # --- tiny --------------------------------------------------------------------
-# For tests: GLM-shaped (docs/examples/glm-tiny.json) with 4 MLA and 2
+# For tests: GLM-shaped (kvmapd plan --example glm-tiny) with 4 MLA and 2
 # indexer layers, 256 blocks of 16 tokens and a 1,024-token request.
 TINY_BLOCKS = 256
 
@@ -334,7 +334,8 @@ PROFILES: dict[str, Profile] = {
         Profile(
             name="tiny",
             title="tiny GLM-shaped worker (tests)",
-            source="docs/examples/glm-tiny.json shape: 4 MLA + 2 indexer layers, 256 blocks of "
+            source="the glm-tiny example's shape (kvmapd plan --example glm-tiny): 4 MLA + 2 "
+            "indexer layers, 256 blocks of "
             "16 tokens; a 1,024-token request",
             kv_cache_layout="BLHNC",
             block_tokens=16,

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from kvmap.client.fd_handoff import sealed_memfd
 from kvmap.core import convert
 from kvmap.core import planner as planners
 from kvmap.core.geometry import WorkerGeometry
@@ -97,8 +98,7 @@ class RawSide:
         maps: list[memory.MappedMemory] = []
         bases: dict[str, int] = {}
         for alloc in geometry.allocations:
-            fd = os.memfd_create(f"kvmap-raw-{alloc.id}", os.MFD_CLOEXEC)
-            os.ftruncate(fd, alloc.size_bytes)
+            fd = sealed_memfd(f"kvmap-raw-{alloc.id}", alloc.size_bytes)
             mapped = memory.import_shm_fd(fd, 0, alloc.size_bytes)
             maps.append(mapped)
             self.agent.register_dram(mapped.address, mapped.size)

@@ -34,6 +34,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from kvmap.client.client import KvmapClient
 from kvmap.client.errors import status_name
+from kvmap.client.fd_handoff import sealed_memfd
 from kvmap.core.errors import KvmapError, Unavailable
 from kvmap.core.geometry import ViewSpec, WorkerGeometry
 from kvmap.tools import block_pattern, json_lines
@@ -226,9 +227,8 @@ class BenchWorker:
             for alloc in geometry.allocations:
                 # Sparse: ftruncate allocates nothing; pages appear only where
                 # a fill or a pull writes.
-                fd = os.memfd_create(f"kvmap-bench-{alloc.id}", os.MFD_CLOEXEC)
+                fd = sealed_memfd(f"kvmap-bench-{alloc.id}", alloc.size_bytes)
                 fds.append(fd)
-                os.ftruncate(fd, alloc.size_bytes)
                 maps[alloc.id] = mmap.mmap(fd, alloc.size_bytes, flags=mmap.MAP_SHARED)
             region_map, ready_s = self._register(req, fds)
         finally:

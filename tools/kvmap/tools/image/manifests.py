@@ -107,13 +107,22 @@ def _mounts(docs: list[Doc], spec: Doc, container: Doc) -> tuple[Mount, ...]:
     return tuple(out)
 
 
-def _env(container: Doc) -> dict[str, str]:
+def _env(docs: list[Doc], container: Doc) -> dict[str, str]:
+    maps = {d["metadata"]["name"]: d for d in docs if d.get("kind") == "ConfigMap"}
     env = {}
     for e in container.get("env") or []:
+        source = e.get("valueFrom") or {}
         if "value" in e:
             env[e["name"]] = str(e["value"])
+        elif "configMapKeyRef" in source:
+            # The kubelet copies the key's value (the pod network): a missing
+            # one would keep the container from starting, here it stays unset.
+            ref = source["configMapKeyRef"]
+            data = (maps.get(ref["name"]) or {}).get("data") or {}
+            if ref["key"] in data:
+                env[e["name"]] = str(data[ref["key"]])
         else:
-            ref = (e.get("valueFrom") or {}).get("fieldRef") or {}
+            ref = source.get("fieldRef") or {}
             env[e["name"]] = f"fieldRef:{ref.get('fieldPath', '?')}"
     return env
 
@@ -155,7 +164,7 @@ def sidecars(docs: list[Doc]) -> list[Sidecar]:
                 read_only_root=bool(sc.get("readOnlyRootFilesystem")),
                 command=tuple(c["command"]) if "command" in c else None,
                 args=tuple(str(a) for a in c["args"]) if "args" in c else None,
-                env=_env(c),
+                env=_env(docs, c),
                 ports={
                     str(p.get("name") or p["containerPort"]): int(p["containerPort"])
                     for p in c.get("ports") or []
