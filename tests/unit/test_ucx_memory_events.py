@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmap.daemon.adapters.nixl_agent import UCX_MEMORY_EVENTS, disable_ucx_memory_events
+from kvmap.daemon.adapters.nixl_loader import UCX_MEMORY_EVENTS, disable_ucx_memory_events
 from kvmap.tools.launch import local_env
 
 

@@ -64,7 +64,6 @@ NIXL itself is loaded, without torch, by ``nixl_loader``.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -85,7 +84,7 @@ from kvmap.core.errors import (
     Unavailable,
     Unimplemented,
 )
-from kvmap.daemon.adapters.nixl_loader import nixl_module
+from kvmap.daemon.adapters.nixl_loader import disable_ucx_memory_events, nixl_module
 
 # The value types live with the engine's port (which imports no NIXL); they
 # are re-exported here so ``from nixl_agent import XferOp`` keeps working.
@@ -155,22 +154,6 @@ def translate(exc: BaseException, what: str, arg: str = "") -> KvmapError:
     if kind is TransferError:
         return TransferError(message, nixl_status=status)
     return kind(message)
-
-
-UCX_MEMORY_EVENTS = "UCX_MEM_EVENTS"
-
-
-def disable_ucx_memory_events() -> None:
-    """Tell UCX not to hook the process's memory calls, unless the operator
-    set ``UCX_MEM_EVENTS`` already. The hooks (patched mmap, munmap, brk and
-    their kin) feed UCX's registration caches, which let UCX register user
-    buffers on the fly and notice when they are unmapped. kvmapd registers
-    every region once, explicitly, keeps it mapped until it deregisters it,
-    and transfers only registered memory, so it never uses them; installing
-    them costs ~0.4 s of spinning CPU at every start (measured here: the
-    UCX backend's creation took 0.40 s with them and 0.002 s without), on
-    the path of a restart's unreachable gap."""
-    os.environ.setdefault(UCX_MEMORY_EVENTS, "no")
 
 
 class NixlAgent:
