@@ -4,6 +4,7 @@ each other (not timed: nothing here depends on how fast the machine is)."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -11,10 +12,11 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvmap.core import planner as planners
-from kvmap.tools.bench import blockpool, pair, plot, report, results, workload
+from kvmap.tools.bench import blockpool, pair, plot, report, results, series, workload
 from kvmap.tools.bench.options import MIB
 from kvmap.tools.bench.profiles import DEFAULT_PROFILES, PROFILES, get_profile
 
@@ -25,6 +27,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path
     png = out / "bench.png"
     args = ["--profile", "tiny", "--repeats", "2", "--memcpy-mib", "16", "--json", "--quiet"]
     args += ["--concurrency-mib", "16", "--tp8-profile", "tiny"]
+    args += ["--throughput-profile", "tiny", "--throughput-pulls", "3", "--restart-rounds", "1"]
     proc = subprocess.run(
         [sys.executable, "-m", "kvmap.daemon.cli.kvmapd", "bench", *args, "--plot", str(png)],
         capture_output=True,
@@ -179,9 +182,25 @@ def test_concurrency_and_raw_nixl_figures(tiny: tuple[dict[str, Any], Path]) -> 
             # CPU per pull, by place: every place counted (in clock ticks, so
             # a tiny round may count 0, never less).
             cpu = c["cpu_seconds_per_pull"]
-            assert set(cpu) == set(pair.CPU_PLACES) and min(cpu.values()) >= 0, cpu
+            assert set(cpu) == {*pair.CPU_PLACES, "total"} and min(cpu.values()) >= 0, cpu
+            raw_cpu = c["raw_nixl_cpu_seconds_per_pull"]
+            assert set(raw_cpu) == {*series.RAW_CPU_PLACES, "total"}, raw_cpu
+            assert min(raw_cpu.values()) >= 0, raw_cpu
+            for shares in (cpu, raw_cpu):
+                parts = sum(v for k, v in shares.items() if k != "total")
+                assert shares["total"] == pytest.approx(parts)
             for key in ("post_seconds", "pull_seconds", "raw_post_seconds", "raw_pull_seconds"):
                 assert len(lat[key]) == 2 * int(n), (name, n, key)  # 2 rounds of N pulls
+            # Raw NIXL's figures at this level are its own samples'.
+            assert c["raw_nixl_post_p95_seconds"] == pytest.approx(
+                np.percentile(lat["raw_post_seconds"], 95)
+            )
+            assert c["raw_nixl_pull_p50_seconds"] == pytest.approx(
+                np.percentile(lat["raw_pull_seconds"], 50)
+            )
+            assert c["raw_nixl_pull_p95_seconds"] == pytest.approx(
+                np.percentile(lat["raw_pull_seconds"], 95)
+            )
             # A pull waits for its own post: Pull-to-DONE covers it.
             assert all(
                 p >= q for p, q in zip(lat["pull_seconds"], lat["post_seconds"], strict=True)
@@ -300,3 +319,30 @@ def test_concurrent_requests_have_distinct_blocks() -> None:
         assert [len(ids) for ids in first.local] == [
             profile.group_blocks(g) for g in profile.request_groups
         ]
+
+
+@pytest.mark.integration
+def test_throughput_and_restart_figures(tiny: tuple[dict[str, Any], Path]) -> None:
+    """The pod throughput series reports, per core count this machine has (1, then 2), kvmap's
+    and raw NIXL's pulls per second as the medians of their own samples (one per round, ABBA);
+    the restart figures are the medians of theirs, a daemon ready in a positive time and an
+    upgrade whose gap covers the latency it added."""
+    result, _ = tiny
+    throughput = result["throughput"]
+    assert list(throughput) == [str(n) for n in (1, 2) if n <= len(os.sched_getaffinity(0))]
+    for cores, t in throughput.items():
+        assert set(t) == {f.name for f in fields(results.Throughput)}
+        assert t["cores"] == int(cores) and t["ranks"] == 8 and t["pulls_per_rank"] == 3
+        for kind in ("kvmap", "raw_nixl"):
+            assert len(t["samples"][kind]) == 2 and min(t["samples"][kind]) > 0, t
+            assert t[f"{kind}_pulls_per_second"] == statistics.median(t["samples"][kind])
+    restart = result["restart"]
+    assert set(restart) == {f.name for f in fields(results.Restart)}
+    for key in ("ready", "unreachable", "added_pull"):
+        assert restart[f"{key}_seconds"] == statistics.median(restart["samples"][key]), key
+    assert 0 < restart["ready_seconds"] < 60
+    # The slowest pull across the gap waited for the daemon to come back.
+    assert 0 < restart["added_pull_seconds"] <= restart["unreachable_seconds"] + 1.0
+    # The text report shows both.
+    rendered = report.render(results.BenchResult.from_json(result))
+    assert "pod throughput, 8 ranks" in rendered and "restart: kvmapd serve ready" in rendered

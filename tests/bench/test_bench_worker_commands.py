@@ -44,6 +44,14 @@ def test_stage_twice_is_refused_and_release_answers_in_order(worker: BenchWorker
     answers the staged (here: no) pulls and a new stage is accepted."""
     assert handle(worker, {"cmd": "stage_pulls", "pulls": []}) == {"ok": True, "staged": 0}
     assert handle(worker, {"cmd": "stage_pulls", "pulls": []})["code"] == "ALREADY_STAGED"
-    assert handle(worker, {"cmd": "release_pulls"}) == {"ok": True, "pulls": []}
+    released = handle(worker, {"cmd": "release_pulls"})
+    assert released["ok"] and released["pulls"] == [] and released["wall_seconds"] >= 0
     assert handle(worker, {"cmd": "release_pulls"})["code"] == "NOT_STAGED"
-    assert handle(worker, {"cmd": "pull_many", "pulls": []}) == {"ok": True, "pulls": []}
+    assert handle(worker, {"cmd": "pull_many", "pulls": []})["pulls"] == []
+    # Streams stage like pulls, and are refused the same way while staged.
+    assert handle(worker, {"cmd": "stage_streams", "streams": [[], []]}) == {
+        "ok": True,
+        "staged": 0,
+    }
+    assert handle(worker, {"cmd": "stage_pulls", "pulls": []})["code"] == "ALREADY_STAGED"
+    assert handle(worker, {"cmd": "release_pulls"})["pulls"] == []

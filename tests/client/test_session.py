@@ -332,3 +332,18 @@ def test_start_returns_once_the_daemon_answered_the_attach_stream(daemon: Inproc
     assert done.is_set() and session.attached.is_set()
     assert session.daemon_instance == daemon.instance
     session.stop()
+
+
+def test_a_stopping_daemon_ends_attach_streams_at_once(daemon: InprocDaemon) -> None:
+    """A daemon that stops ends every open Attach stream itself, cleanly,
+    once its transfers are drained: the worker's stream simply ends (no
+    CANCELLED or UNAVAILABLE left for the server's grace period to cut), so
+    the stop never waits out that grace for streams that never end, and the
+    worker's session attaches again to the next daemon."""
+    req, fds, _kv = registration()
+    client = daemon.client()
+    client.register(req, fds)
+    stream = iter(client.attach(WORKER))
+    assert next(stream).WhichOneof("event") == "attached"
+    daemon.stop()
+    assert list(stream) == []  # ended by the daemon, with OK

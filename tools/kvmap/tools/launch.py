@@ -57,9 +57,14 @@ atexit.register(kill_started)
 
 def local_env(tmp: Path) -> dict[str, str]:
     """Environment of a child process that must stay on this machine: UCX
-    listens on loopback only and temporary files stay in ``tmp``."""
+    listens on loopback only (and starts without its memory hooks) and
+    temporary files stay in ``tmp``."""
     env = dict(os.environ)
     env["UCX_NET_DEVICES"] = "lo"
+    # What kvmapd sets for itself (adapters/nixl_agent.py): UCX's memory
+    # hooks cost every NIXL agent ~0.4 s of CPU at its start, and neither
+    # the daemons, the bench's raw agents nor vLLM's NixlConnector use them.
+    env.setdefault("UCX_MEM_EVENTS", "no")
     env["TMPDIR"] = str(tmp)
     env["PYTHONUNBUFFERED"] = "1"
     env[SESSION_ENV] = str(session_peer_secret())

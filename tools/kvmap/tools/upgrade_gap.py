@@ -23,6 +23,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -200,11 +201,16 @@ def measure(prefill: Prefill, dw: WorkerProc, how: str, pulls_before: int) -> di
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvmap.tools.upgrade_gap", description=__doc__)
-    p.add_argument("--pulls-before", type=int, default=20, help="pulls timed before each stop")
-    p.add_argument("--out", help="also write the results here (JSON)")
-    args = p.parse_args(argv)
+CASES = ("SIGTERM", "kill -9")
+
+
+def run_cases(
+    cases: tuple[str, ...] = CASES,
+    pulls_before: int = 20,
+    report: Callable[[dict[str, Any]], None] = lambda result: None,
+) -> list[dict[str, Any]]:
+    """Each case (``CASES``) once, on one prefill and one decode daemon
+    started here; each result also goes to ``report`` as it comes."""
     results = []
     with tempfile.TemporaryDirectory(prefix="kvmap-gap-") as tmp:
         root = Path(tmp)
@@ -212,17 +218,28 @@ def main(argv: list[str] | None = None) -> int:
         decode = start_daemon(root / "q", name="decode")
         dw = start_worker(decode, "decode", *GEO, "--indexer-layers", "0")
         try:
-            for how in ("SIGTERM", "kill -9"):
-                result = measure(prefill, dw, how, args.pulls_before)
-                print(json.dumps(result), flush=True)
-                results.append(result)
-        except grpc.RpcError as err:
-            print(json.dumps({"error": str(err)}), flush=True)
-            return 1
+            for how in cases:
+                results.append(measure(prefill, dw, how, pulls_before))
+                report(results[-1])
         finally:
             dw.stop()
             decode.stop()
             prefill.stop()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvmap.tools.upgrade_gap", description=__doc__)
+    p.add_argument("--pulls-before", type=int, default=20, help="pulls timed before each stop")
+    p.add_argument("--out", help="also write the results here (JSON)")
+    args = p.parse_args(argv)
+    try:
+        results = run_cases(
+            pulls_before=args.pulls_before, report=lambda r: print(json.dumps(r), flush=True)
+        )
+    except grpc.RpcError as err:
+        print(json.dumps({"error": str(err)}), flush=True)
+        return 1
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     return 0

@@ -84,7 +84,7 @@ from kvmap.core.errors import (
     Unavailable,
     Unimplemented,
 )
-from kvmap.daemon.adapters.nixl_loader import nixl_module
+from kvmap.daemon.adapters.nixl_loader import disable_ucx_memory_events, nixl_module
 
 # The value types live with the engine's port (which imports no NIXL); they
 # are re-exported here so ``from nixl_agent import XferOp`` keeps working.
@@ -190,6 +190,8 @@ class NixlAgent:
             nixl_api = nixl_module("_api")
         except ImportError as e:
             raise Unavailable(f"NIXL is not installed or cannot load: {e}") from e
+        # Before UCX reads its configuration (at the backend's creation).
+        disable_ucx_memory_events()
         config = nixl_api.nixl_agent_config(
             enable_prog_thread=progress_thread,
             backends=[b.value for b in backends],

@@ -181,6 +181,9 @@ class Daemon:
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         self.app.draining = True
         await self.app.drain(self.config.drain_seconds)
+        # Attach streams never end by themselves: without this, stopping
+        # the servers would wait out the whole grace period for them.
+        self.app.table.end_streams()
         for server in (self._tcp, self._unix):
             if server is not None:
                 await server.stop(grace=1.0)

@@ -119,6 +119,8 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
                 sent.add(event_id)
             while True:
                 event_id, event = await queue.get()
+                if event_id < 0:  # STREAM_END: the daemon is stopping
+                    return
                 if event_id and event_id in sent:
                     continue
                 yield event

@@ -102,13 +102,20 @@ class Peers(Protocol):
     async def close(self) -> None: ...
 
 
+# A pull's attempts against an owner that is restarting: at most 0.25 s
+# apart, so that a pull waiting on an upgraded daemon goes through within a
+# quarter second of its return (an upgrade's gap is ~1 s); a failed attempt
+# against a peer that is down costs a refused connection, not a timeout.
+PULL_RETRY = RetryPolicy(initial_s=0.05, max_s=0.25)
+
+
 @dataclass(frozen=True)
 class Pacing:
     """The backoff between a transfer's attempts: its policy, and the clock,
     sleep and random draws it runs on (an engine test hands in a virtual
     clock whose sleep only moves it, so deadlines are exact and instant)."""
 
-    policy: RetryPolicy = field(default_factory=RetryPolicy)
+    policy: RetryPolicy = field(default_factory=lambda: PULL_RETRY)
     now: Callable[[], float] = time.monotonic
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
     draw: Callable[[], float] = random.random

@@ -20,6 +20,9 @@ from kvmap.v1 import registry_pb2
 # (persisted event id or 0, event)
 EventQueue = asyncio.Queue[tuple[int, registry_pb2.AttachResponse]]
 
+# Queued by ``WorkerTable.end_streams``: the stream that takes it ends.
+STREAM_END: tuple[int, registry_pb2.AttachResponse] = (-1, registry_pb2.AttachResponse())
+
 # Events a slow Attach reader may have queued before the daemon drops the
 # oldest: events are hints (the worker can always re-read state), never a
 # reason to grow without bound.
@@ -139,6 +142,16 @@ class WorkerTable:
         if not subs:
             self._subscribers.pop(key, None)
         return len(subs)
+
+    def end_streams(self) -> None:
+        """Tell every Attach stream to end (``STREAM_END``): the daemon is
+        stopping, and an open stream would hold the server's shutdown for
+        its whole grace period. Workers attach again to the next daemon."""
+        for queues in self._subscribers.values():
+            for queue in queues:
+                if queue.full():
+                    queue.get_nowait()
+                queue.put_nowait(STREAM_END)
 
     def subscriber_count(self, key: WorkerKey) -> int:
         return len(self._subscribers.get(key, ()))

@@ -112,6 +112,24 @@ def _add_new_series_args(p: argparse.ArgumentParser) -> None:
         help="profile of the TP pod's workers on one daemon (default glm53; none: skip)",
     )
     p.add_argument("--tp8-workers", type=int, default=8, help="workers in the pod (default 8)")
+    p.add_argument(
+        "--throughput-profile",
+        default="glm53",
+        choices=[*sorted(PROFILES), "none"],
+        help="profile of the pod throughput series (default glm53; none: skip)",
+    )
+    p.add_argument(
+        "--throughput-ranks", type=int, default=8, help="ranks pulling at once (default 8)"
+    )
+    p.add_argument(
+        "--throughput-pulls", type=int, default=20, help="pulls per rank and round (default 20)"
+    )
+    p.add_argument(
+        "--restart-rounds",
+        type=int,
+        default=3,
+        help="samples of each restart figure (default 3; 0: skip)",
+    )
 
 
 def _levels(text: str) -> tuple[int, ...]:
@@ -149,6 +167,10 @@ def run(args: argparse.Namespace) -> int:
         descriptor_budget=args.descriptor_mib * MIB,
         tp8_profile=None if args.tp8_profile == "none" else args.tp8_profile,
         tp8_workers=args.tp8_workers,
+        throughput_profile=None if args.throughput_profile == "none" else args.throughput_profile,
+        throughput_ranks=args.throughput_ranks,
+        throughput_pulls=args.throughput_pulls,
+        restart_rounds=args.restart_rounds,
         progress=progress,
     )
     try:

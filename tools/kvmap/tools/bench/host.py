@@ -78,3 +78,12 @@ def machine() -> Machine:
         python=platform.python_version(),
         transport="NIXL UCX backend over loopback (UCX_NET_DEVICES=lo)",
     )
+
+
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """utime + stime so far of process ``pid`` (all its threads, those that
+    ended included) or, with ``tid``, of that one thread; from /proc."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    with open(path, encoding="ascii") as f:
+        utime, stime = f.read().rpartition(")")[2].split()[11:13]
+    return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")

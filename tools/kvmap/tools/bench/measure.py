@@ -15,6 +15,7 @@ from kvmap.tools.bench.pair import Pair, agent_metadata, start_daemons
 from kvmap.tools.bench.raw_nixl import RawPair
 from kvmap.tools.bench.results import PlannerResult
 from kvmap.tools.bench.series import (
+    RAW_CPU_PLACES,
     Latency,
     PlannerRun,
     PullSeries,
@@ -196,6 +197,8 @@ def _concurrency(runs: list[PlannerRun], raw: RawPair, pp: ProfilePlan, opts: Op
             for r in rounds:
                 lat.raw_post += r["post_seconds"]
                 lat.raw_pull += r["pull_seconds"]
+                for place, seconds in zip(RAW_CPU_PLACES, r["cpu_seconds"], strict=True):
+                    lat.raw_cpu[place] = lat.raw_cpu.get(place, 0.0) + max(0.0, seconds)
         opts.progress(f"{pp.profile.name}: concurrency {n}: " + ", ".join(
             f"{r.pair.planner} post p95 {pct(r.latency[n].post, 95) * 1e3:.1f} ms, "
             f"pull p95 {pct(r.latency[n].pull, 95) * 1e3:.1f} ms "

@@ -31,4 +31,12 @@ class Options:
     # The TP pod: this profile's full-scale workers on one daemon (None: skip).
     tp8_profile: str | None = "glm53"
     tp8_workers: int = 8
+    # Pod throughput (bench.throughput): this profile (None: skip), ranks
+    # pulling at once, pulls each, rounds per side (ABBA).
+    throughput_profile: str | None = "glm53"
+    throughput_ranks: int = 8
+    throughput_pulls: int = 20
+    throughput_rounds: int = 2
+    # Restart figures (bench.restart): samples of each (0: skip).
+    restart_rounds: int = 3
     progress: Callable[[str], None] = field(default=lambda line: None)

@@ -5,11 +5,11 @@ resident memory, their CPU time, and the agent metadata a peer downloads."""
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from pathlib import Path
 from typing import Any
 
+from kvmap.tools.bench.host import cpu_seconds
 from kvmap.tools.bench.options import MIB
 from kvmap.tools.bench.results import Rss
 from kvmap.tools.bench.worker import packed_ids
@@ -150,6 +150,15 @@ class Pair:
             cpu[k] = cpu.get(k, 0.0) + max(0.0, v - before[k])
         return out
 
+    def pull_streams(self, streams: list[list[tuple[str, Request, str]]]) -> float:
+        """Each stream's pulls ((decode worker, request, prefill worker), as
+        ``pull_many``) one after another on a thread of its own, all streams
+        at once (granted first, outside the timing); the wall time from
+        their release until the last pull was done."""
+        cmds = [[self._pull_cmd(name, req, remote) for name, req, remote in s] for s in streams]
+        call(self.dw, {"cmd": "stage_streams", "streams": cmds})
+        return float(call(self.dw, {"cmd": "release_pulls"})["wall_seconds"])
+
     def _pull_cmd(self, name: str, req: Request, remote: str) -> dict[str, Any]:
         self.pulls += 1
         owner = remote or name
@@ -226,34 +235,31 @@ class Pair:
 
 # Where a concurrency round's CPU time is counted: each daemon's event loop
 # (its main thread) and its other threads (the NIXL thread above all, and
-# grpc's), and the decode bench worker (the stand-in vLLM worker).
+# grpc's), and both bench workers (the stand-in vLLM workers: the decode one
+# calls Pull, the prefill one reads its Attach stream's TransferFinished
+# events).
 CPU_PLACES = (
     "prefill_loop",
     "prefill_threads",
     "decode_loop",
     "decode_threads",
     "decode_worker",
+    "prefill_worker",
 )
-
-
-def _stat_cpu(path: str) -> float:
-    """utime + stime of a /proc stat file, in seconds."""
-    with open(path, encoding="ascii") as f:
-        utime, stime = f.read().rpartition(")")[2].split()[11:13]
-    return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
 
 
 def _process_cpu(pid: int) -> tuple[float, float]:
     """(main thread, other threads) CPU seconds of a process so far. The
     process's own stat counts every thread, those that ended included, so
     a thread ending between two readings takes nothing away."""
-    main = _stat_cpu(f"/proc/{pid}/task/{pid}/stat")
-    return main, _stat_cpu(f"/proc/{pid}/stat") - main
+    main = cpu_seconds(pid, pid)
+    return main, cpu_seconds(pid) - main
 
 
 def cpu_now(pair: Pair) -> dict[str, float]:
     """CPU seconds so far in each of ``CPU_PLACES`` of a planner's pair."""
     p_loop, p_threads = _process_cpu(pair.prefill.proc.pid)
     d_loop, d_threads = _process_cpu(pair.decode.proc.pid)
-    worker = sum(_process_cpu(pair.dw.pid))
-    return dict(zip(CPU_PLACES, (p_loop, p_threads, d_loop, d_threads, worker), strict=True))
+    workers = (cpu_seconds(pair.dw.pid), cpu_seconds(pair.pw.pid))
+    places = (p_loop, p_threads, d_loop, d_threads, *workers)
+    return dict(zip(CPU_PLACES, places, strict=True))

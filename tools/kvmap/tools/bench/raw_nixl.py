@@ -50,8 +50,9 @@ from kvmap.core.transfer_plan import (
 from kvmap.daemon.adapters import memory
 from kvmap.daemon.adapters.nixl_agent import DlistHandle, NixlAgent, Xfer, XferOp, XferState
 from kvmap.daemon.adapters.nixl_loader import nixl_module
-from kvmap.daemon.engine.progress import BUSY_INTERVAL_S
+from kvmap.daemon.engine.progress import BUSY_INTERVAL_S, IDLE_INTERVAL_S
 from kvmap.tools import json_lines
+from kvmap.tools.bench.host import cpu_seconds
 from kvmap.tools.bench.profiles import get_profile
 from kvmap.tools.launch import WorkerProc, _readline, local_env
 
@@ -87,6 +88,11 @@ class RawSide:
     remote_bases: dict[str, dict[str, int]] = field(default_factory=dict)
     prepped: dict[str, Prepped] = field(default_factory=dict)
     stop: threading.Event = field(default_factory=threading.Event)
+    # Set while a round runs (``pace``): the target drives UCX at the busy
+    # pace then and at the idle pace otherwise, as the owner's daemon does
+    # with and without an open lease, so that it takes no CPU from kvmap's
+    # rounds between its own.
+    busy: threading.Event = field(default_factory=threading.Event)
 
     # -- both sides -------------------------------------------------------
 
@@ -127,11 +133,19 @@ class RawSide:
         return {"ok": True, "metadata": base64.b64encode(self.agent.metadata()).decode()}
 
     def progress(self) -> None:
-        """The owner's side: drive UCX as its daemon does under a lease."""
+        """The owner's side: drive UCX as its daemon does, at the busy pace
+        while a round runs (a lease is open) and the idle pace otherwise."""
         while not self.stop.is_set():
             with contextlib.suppress(Exception):
                 self.agent.take_notifs()
-            time.sleep(BUSY_INTERVAL_S)
+            time.sleep(BUSY_INTERVAL_S if self.busy.is_set() else IDLE_INTERVAL_S)
+
+    def pace(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        if cmd["busy"]:
+            self.busy.set()
+        else:
+            self.busy.clear()
+        return {"ok": True}
 
     # -- the initiator ------------------------------------------------------
 
@@ -179,7 +193,17 @@ class RawSide:
         ]
         if part:
             jobs = [(p, _part(plan, part)) for p, plan in jobs]
-        rounds = [self._round(jobs, split, explicit) for _ in range(int(cmd.get("repeats", 1)))]
+        pids = [os.getpid(), *(int(p) for p in cmd.get("cpu_pids", []))]
+        rounds = []
+        for _ in range(int(cmd.get("repeats", 1))):
+            # CPU of the round only (this process and the target's), the
+            # planning above and the command's parsing left out, as the
+            # daemons' CPU is counted around a round of pulls.
+            before = [cpu_seconds(pid) for pid in pids]
+            rounds.append(self._round(jobs, split, explicit))
+            rounds[-1]["cpu_seconds"] = [
+                cpu_seconds(pid) - b for pid, b in zip(pids, before, strict=True)
+            ]
         return {
             "ok": True,
             "rounds": rounds,
@@ -263,7 +287,7 @@ def _index_rows(p: Prepped, side: Side, idx: np.ndarray[Any, Any]) -> np.ndarray
     return np.stack([addr, p.table.len_bytes[piece], np.zeros_like(addr)], axis=1)
 
 
-COMMANDS = ("register", "touch", "metadata", "connect", "prepare", "pull")
+COMMANDS = ("register", "touch", "metadata", "connect", "prepare", "pull", "pace")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -401,9 +425,23 @@ class RawPair:
         )
 
     def pull(self, requests: list[dict[str, Any]], repeats: int, **variant: Any) -> dict[str, Any]:
-        return self._call(
-            self.initiator, {"cmd": "pull", "requests": requests, "repeats": repeats, **variant}
-        )
+        """``repeats`` rounds of ``requests`` (``RawSide.pull``); each
+        round's ``cpu_seconds`` is [initiator, target]. The target is at
+        the busy pace only meanwhile."""
+        self._call(self.target, {"cmd": "pace", "busy": True})
+        try:
+            return self._call(
+                self.initiator,
+                {
+                    "cmd": "pull",
+                    "requests": requests,
+                    "repeats": repeats,
+                    "cpu_pids": [self.target.pid],
+                    **variant,
+                },
+            )
+        finally:
+            self._call(self.target, {"cmd": "pace", "busy": False})
 
 
 if __name__ == "__main__":

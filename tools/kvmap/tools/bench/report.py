@@ -10,7 +10,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvmap.tools.bench.results import BenchResult, PlannerResult, ProfileInfo, Tp8
+from kvmap.tools.bench.results import (
+    BenchResult,
+    PlannerResult,
+    ProfileInfo,
+    Restart,
+    Throughput,
+    Tp8,
+)
 
 
 def _int(v: Any) -> str:
@@ -211,8 +218,32 @@ def render(result: BenchResult) -> str:
         out.append(render_profile(name, results, result.profile_info[name]))
     if result.tp8 is not None:
         out.append(render_tp8(result.tp8))
+    if result.throughput is not None:
+        out.append(render_throughput(result.throughput))
+    if result.restart is not None:
+        out.append(render_restart(result.restart))
     out.append(f"run took {result.seconds:.0f}s")
     return "\n".join(out) + "\n"
+
+
+def render_throughput(by_cores: dict[str, Throughput]) -> str:
+    lines = []
+    for t in by_cores.values():
+        ratio = t.kvmap_pulls_per_second / t.raw_nixl_pulls_per_second
+        lines.append(
+            f"pod throughput, {t.ranks} ranks pulling at once on {t.cores} core(s): kvmap "
+            f"{t.kvmap_pulls_per_second:,.0f} pulls/s, {t.ranks} raw NIXL agent pairs "
+            f"{t.raw_nixl_pulls_per_second:,.0f} pulls/s ({ratio:.2f}x)"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def render_restart(r: Restart) -> str:
+    return (
+        f"restart: kvmapd serve ready in {_ms(r.ready_seconds)} ms; a SIGTERM upgrade of the "
+        f"prefill daemon: unreachable {_ms(r.unreachable_seconds)} ms, pull latency added "
+        f"{_ms(r.added_pull_seconds)} ms\n"
+    )
 
 
 def render_tp8(t: Tp8) -> str:

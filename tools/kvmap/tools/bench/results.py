@@ -138,8 +138,16 @@ class Concurrency:
     pull_p50_seconds: float
     pull_p95_seconds: float
     # CPU time per pull over the level's rounds, by where it was spent
-    # (pair.CPU_PLACES); absent ({}) in results from before it was measured.
+    # (pair.CPU_PLACES) and their "total"; absent ({}) in results from
+    # before it was measured.
     cpu_seconds_per_pull: dict[str, float] = field(default_factory=dict)
+    # Raw NIXL posting the same lists at the same level: its CPU per pull
+    # (series.RAW_CPU_PLACES and "total"), post p95 and pull p50/p95. Zero
+    # or {} in results from before they were kept.
+    raw_nixl_cpu_seconds_per_pull: dict[str, float] = field(default_factory=dict)
+    raw_nixl_post_p95_seconds: float = 0.0
+    raw_nixl_pull_p50_seconds: float = 0.0
+    raw_nixl_pull_p95_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -331,6 +339,38 @@ class Tp8:
 
 
 @dataclass(frozen=True)
+class Throughput:
+    """A TP pod's pulls at saturation on ``cores`` cores (every process
+    pinned to them): ``ranks`` decode ranks, each pulling one scattered
+    request after another from its own prefill rank, through one kvmapd per
+    side, next to one raw NIXL agent pair per rank (NixlConnector's model)
+    posting the same lists. Medians of ``samples`` (pulls per second)."""
+
+    cores: int
+    ranks: int
+    pulls_per_rank: int
+    kvmap_pulls_per_second: float
+    raw_nixl_pulls_per_second: float
+    samples: dict[str, list[float]]
+
+
+@dataclass(frozen=True)
+class Restart:
+    """``ready_seconds``: ``kvmapd serve`` started until it serves (ready
+    file written); ``unreachable_seconds``: a prefill daemon stopped with
+    SIGTERM (an upgrade) and started again on its state and port, from the
+    stop until a decode worker's pull from it succeeds again;
+    ``added_pull_seconds``: the slowest pull across that gap minus the
+    median pull before it (``kvmap.tools.upgrade_gap``). Medians of
+    ``samples``."""
+
+    ready_seconds: float
+    unreachable_seconds: float
+    added_pull_seconds: float
+    samples: dict[str, list[float]]
+
+
+@dataclass(frozen=True)
 class BenchResult:
     """A whole ``kvmapd bench`` run: per profile, per planner (baseline first)."""
 
@@ -345,6 +385,9 @@ class BenchResult:
     # Every core copying its share of the memcpy buffers at once.
     memcpy_all_cores_gbps: float
     tp8: Tp8 | None
+    # Keyed by cores ("1", "2"); None when not measured (--throughput-pulls 0).
+    throughput: dict[str, Throughput] | None = None
+    restart: Restart | None = None
 
     @property
     def verified(self) -> bool:
@@ -361,6 +404,12 @@ class BenchResult:
         }
         out["profile_info"] = {name: asdict(info) for name, info in self.profile_info.items()}
         out["tp8"] = asdict(self.tp8) if self.tp8 is not None else None
+        out["throughput"] = (
+            {cores: asdict(t) for cores, t in self.throughput.items()}
+            if self.throughput is not None
+            else None
+        )
+        out["restart"] = asdict(self.restart) if self.restart is not None else None
         return out
 
     @classmethod
@@ -380,5 +429,11 @@ class BenchResult:
                     name: ProfileInfo.from_json(info) for name, info in d["profile_info"].items()
                 },
                 "tp8": Tp8(**d["tp8"]) if d.get("tp8") is not None else None,
+                "throughput": (
+                    {c: Throughput(**t) for c, t in d["throughput"].items()}
+                    if d.get("throughput") is not None
+                    else None
+                ),
+                "restart": Restart(**d["restart"]) if d.get("restart") is not None else None,
             }
         )

@@ -45,8 +45,10 @@ from kvmap.tools.bench.host import machine, memcpy_all_cores_gbps, memcpy_gbps
 from kvmap.tools.bench.measure import measure_profile
 from kvmap.tools.bench.options import Options
 from kvmap.tools.bench.profiles import get_profile
+from kvmap.tools.bench.restart import measure_restart
 from kvmap.tools.bench.results import SCHEMA, BenchResult, PlannerResult, ProfileInfo
 from kvmap.tools.bench.series import median
+from kvmap.tools.bench.throughput import measure_throughput
 from kvmap.tools.bench.workload import plan_profile
 
 __all__ = ["Options", "default_planners", "run_bench"]
@@ -77,9 +79,9 @@ def run_bench(opts: Options) -> BenchResult:
         pp = plan_profile(profile, opts, memcpy[-1])
         results[profile.name] = add_ratios(measure_profile(pp, opts))
         infos[profile.name] = pp.info
-    tp8 = None
-    if opts.tp8_profile:
-        tp8 = pod.measure_pod(opts)
+    tp8 = pod.measure_pod(opts) if opts.tp8_profile else None
+    throughput = measure_throughput(opts) if opts.throughput_profile else None
+    restart = measure_restart(opts) if opts.restart_rounds > 0 else None
     return BenchResult(
         schema=SCHEMA,
         machine=machine(),
@@ -91,4 +93,6 @@ def run_bench(opts: Options) -> BenchResult:
         seconds=time.perf_counter() - started,
         memcpy_all_cores_gbps=median(all_cores),
         tp8=tp8,
+        throughput=throughput,
+        restart=restart,
     )

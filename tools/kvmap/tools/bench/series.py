@@ -77,6 +77,8 @@ class Latency:
     raw_post: list[float] = field(default_factory=list)
     raw_pull: list[float] = field(default_factory=list)
     cpu: dict[str, float] = field(default_factory=dict)
+    # Raw NIXL's CPU seconds over its rounds (RAW_CPU_PLACES).
+    raw_cpu: dict[str, float] = field(default_factory=dict)
 
     def figures(self) -> Concurrency:
         return Concurrency(
@@ -85,7 +87,11 @@ class Latency:
             post_max_seconds=max(self.post, default=0.0),
             pull_p50_seconds=pct(self.pull, 50),
             pull_p95_seconds=pct(self.pull, 95),
-            cpu_seconds_per_pull={k: v / len(self.pull) for k, v in self.cpu.items() if self.pull},
+            cpu_seconds_per_pull=per_pull(self.cpu, len(self.pull)),
+            raw_nixl_cpu_seconds_per_pull=per_pull(self.raw_cpu, len(self.raw_pull)),
+            raw_nixl_post_p95_seconds=pct(self.raw_post, 95),
+            raw_nixl_pull_p50_seconds=pct(self.raw_pull, 50),
+            raw_nixl_pull_p95_seconds=pct(self.raw_pull, 95),
         )
 
     def samples(self) -> LatencySamples:
@@ -111,6 +117,20 @@ class PlannerRun:
     latency: dict[int, Latency] = field(default_factory=dict)
     raw_bandwidth: list[float] = field(default_factory=list)
     raw_desc_post: list[float] = field(default_factory=list)
+
+
+# Where raw NIXL's CPU time is counted: the process that posts and polls
+# (NixlConnector's decode worker) and the one that owns the memory.
+RAW_CPU_PLACES = ("initiator", "target")
+
+
+def per_pull(cpu: dict[str, float], pulls: int) -> dict[str, float]:
+    """CPU seconds per pull by place, and their ``total``; {} without pulls."""
+    if not pulls:
+        return {}
+    out = {k: v / pulls for k, v in cpu.items()}
+    out["total"] = sum(out.values())
+    return out
 
 
 def pct(values: list[float], q: float) -> float:

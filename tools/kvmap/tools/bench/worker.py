@@ -153,16 +153,20 @@ def timed_pull(client: KvmapClient, spec: transfers_pb2.TransferSpec) -> dict[st
 
 
 class _Staged:
-    """Pulls whose threads wait at a gate, each with its spec built: the
-    gate opens when ``release`` joins it (``parties`` includes the caller)."""
+    """Streams of pulls whose threads wait at a gate, each with its specs
+    built: the gate opens when ``release`` joins it (``parties`` includes
+    the caller); each thread then makes its stream's pulls one after
+    another (a stream of one: a single pull in flight)."""
 
-    def __init__(self, client: KvmapClient, specs: list[transfers_pb2.TransferSpec]) -> None:
+    def __init__(
+        self, client: KvmapClient, streams: list[list[transfers_pb2.TransferSpec]]
+    ) -> None:
         self.client = client
-        self.specs = specs
-        self.gate = threading.Barrier(len(specs) + 1)
-        self.out: list[dict[str, Any]] = [{} for _ in specs]
+        self.streams = streams
+        self.gate = threading.Barrier(len(streams) + 1)
+        self.out: list[list[dict[str, Any]]] = [[] for _ in streams]
         self.threads = [
-            threading.Thread(target=self._one, args=(i,), daemon=True) for i in range(len(specs))
+            threading.Thread(target=self._one, args=(i,), daemon=True) for i in range(len(streams))
         ]
         for t in self.threads:
             t.start()
@@ -171,15 +175,19 @@ class _Staged:
         try:
             self.gate.wait(timeout=STAGED_TIMEOUT_S)
         except threading.BrokenBarrierError:
-            self.out[i] = {"ok": False, "code": "NOT_RELEASED", "message": "gate broken"}
+            self.out[i] = [{"ok": False, "code": "NOT_RELEASED", "message": "gate broken"}]
             return
-        self.out[i] = timed_pull(self.client, self.specs[i])
+        for spec in self.streams[i]:
+            self.out[i].append(timed_pull(self.client, spec))
 
-    def release(self) -> list[dict[str, Any]]:
+    def release(self) -> tuple[list[dict[str, Any]], float]:
+        """Every pull's answer, stream by stream, and the wall time from
+        the gate's opening until the last stream was done."""
         self.gate.wait(timeout=STAGED_TIMEOUT_S)
+        start = time.perf_counter()
         for t in self.threads:
             t.join()
-        return self.out
+        return [o for stream in self.out for o in stream], time.perf_counter() - start
 
 
 class BenchWorker:
@@ -329,22 +337,30 @@ class BenchWorker:
         opens it. Between the two, the harness's own work (parsing a
         command of ~130K block ids, starting 32 threads) is over, so a CPU
         reading taken there counts only the pulls."""
+        return self.stage_streams({"streams": [[c] for c in cmd["pulls"]]})
+
+    def stage_streams(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """``stage_pulls`` for ``streams`` (lists of ``pull`` commands): one
+        thread per stream makes its pulls one after another once released,
+        as a rank that always has its next pull to make (a pod at
+        saturation)."""
         if self._staged is not None:
             return {"ok": False, "code": "ALREADY_STAGED", "message": "release_pulls first"}
-        specs = [self._spec(c) for c in cmd["pulls"]]
-        self._staged = _Staged(self.client, specs)
-        return {"ok": True, "staged": len(specs)}
+        streams = [[self._spec(c) for c in stream] for stream in cmd["streams"]]
+        self._staged = _Staged(self.client, streams)
+        return {"ok": True, "staged": sum(len(stream) for stream in streams)}
 
     def release_pulls(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        """Release the staged pulls together; their answers, in order."""
+        """Release the staged pulls together; their answers, in order, and
+        the wall time until the last one was done."""
         staged, self._staged = self._staged, None
         if staged is None:
             return {"ok": False, "code": "NOT_STAGED", "message": "stage_pulls first"}
-        out = staged.release()
+        out, wall = staged.release()
         failed = [o for o in out if not o.get("ok")]
         if failed:
             return {"ok": False, "code": failed[0].get("code"), "message": str(failed[0])}
-        return {"ok": True, "pulls": out}
+        return {"ok": True, "pulls": out, "wall_seconds": wall}
 
     def _spec(self, cmd: dict[str, Any]) -> transfers_pb2.TransferSpec:
         reg = self.workers[cmd["name"]]
@@ -418,6 +434,7 @@ COMMANDS = (
     "pull_many",
     "stage_pulls",
     "release_pulls",
+    "stage_streams",
     "contact",
     "events",
 )
