@@ -707,10 +707,12 @@ PULL_ERRORS: dict[str, tuple[Change, type[KvmapError], str, bool]] = {
         True,
     ),
     "unreachable remote daemon": (
-        # Retried until the deadline (UNAVAILABLE passes); 3 s keeps it short.
-        _spec_set(remote_target=UNREACHABLE, timeout_ms=3000),
+        # The first try waits out the 3 s connect timeout (closed and silent
+        # ports alike), then it is retried until the deadline; 5 s keeps it
+        # short and leaves that first try its time.
+        _spec_set(remote_target=UNREACHABLE, timeout_ms=5000),
         Unavailable,
-        f"UNAVAILABLE: remote daemon {UNREACHABLE}: UNAVAILABLE: ",
+        f"UNAVAILABLE: remote daemon {UNREACHABLE}: no connection within the connect timeout",
         True,
     ),
     "stale remote generation": (

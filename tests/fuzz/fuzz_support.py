@@ -107,6 +107,7 @@ ALLOWED: dict[str, frozenset[Code]] = {
     "/kvmap.v1.RegionMaps/PlanPreview": frozenset({OK, INVALID, EXHAUSTED}),
     "/kvmap.v1.Admin/Replan": frozenset({OK, INVALID}),
     "/kvmap.v1.Admin/GetStats": frozenset({OK, INVALID}),
+    "/kvmap.v1.Admin/GetStatus": frozenset({OK, INVALID}),
     "/kvmap.v1.Transfers/Pull": frozenset(
         {OK, INVALID, NOT_FOUND, PRECONDITION, EXHAUSTED, UNAVAILABLE, DEADLINE, DENIED}
     ),

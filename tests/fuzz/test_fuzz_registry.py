@@ -750,6 +750,7 @@ def _seed_requests() -> dict[str, bytes]:
         ),
         "/kvmap.v1.Admin/Replan": admin_pb2.ReplanRequest(planner="nonexistent-planner"),
         "/kvmap.v1.Admin/GetStats": admin_pb2.GetStatsRequest(),
+        "/kvmap.v1.Admin/GetStatus": admin_pb2.GetStatusRequest(),
         "/kvmap.v1.Transfers/Pull": transfers_pb2.PullRequest(spec=spec),
         "/kvmap.v1.Transfers/Push": transfers_pb2.PushRequest(spec=spec),
         "/kvmap.v1.Transfers/Release": transfers_pb2.ReleaseRequest(

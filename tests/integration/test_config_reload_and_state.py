@@ -148,7 +148,11 @@ def test_every_line_of_the_daemon_is_json(tmp_path: Path, monkeypatch: pytest.Mo
     rejected = [r for r in records if r["event"] == "rpc_rejected"]
     assert {r["code"] for r in rejected} >= {"PERMISSION_DENIED", failed["code"]}
     assert {r["level"] for r in rejected} == {"warning"}
-    assert records[0]["event"] == "kvmapd_config" and "peer_secret_file" in records[0]
+    # The effective configuration, once serving (before the ready line).
+    config = [r for r in records if r["event"] == "kvmapd_config"]
+    assert len(config) == 1 and "peer_secret_file" in config[0]
+    events = [r["event"] for r in records]
+    assert events.index("kvmapd_config") < events.index("kvmapd_stopped")
     assert records[-1]["event"] == "kvmapd_stopped" or any(
         r["event"] == "kvmapd_stopped" for r in records
     )

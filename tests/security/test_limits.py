@@ -77,7 +77,7 @@ def test_the_limits_are_the_documented_ones() -> None:
         "blocks per view": MAX_BLOCKS,
         "blocks per transfer": MAX_BLOCKS_PER_TRANSFER,
         "messages": MAX_MESSAGE_BYTES,
-        "outstanding transfers per peer": MAX_LEASES_PER_PEER,
+        "outstanding transfers per authenticated peer (not per agent name)": MAX_LEASES_PER_PEER,
     }
     assert {name: readme.get(name) for name in constants} == constants
     architecture = _prose("docs/architecture.md")

@@ -163,12 +163,17 @@ def test_a_corrupt_store_is_moved_aside_and_the_daemon_starts_empty(tmp_path: Pa
 
 
 def _assert_one_line_exit_2(result: subprocess.CompletedProcess[str], path: Path) -> str:
+    """The daemon's one line (under ``--log-format json`` a JSON error record
+    whose ``problem`` is the line), naming ``path``."""
     assert result.returncode == 2, (result.returncode, result.stderr)
     assert "Traceback" not in result.stderr
     lines = result.stderr.splitlines()
     assert len(lines) == 1, result.stderr
-    assert str(path) in lines[0]
-    return lines[0]
+    record = json.loads(lines[0])
+    assert record["level"] == "error" and record["event"] == "kvmapd_start_refused", record
+    line = str(record["problem"])
+    assert str(path) in line
+    return line
 
 
 def test_a_state_dir_under_a_regular_file_is_one_line_and_exit_2(tmp_path: Path) -> None:

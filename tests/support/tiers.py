@@ -9,12 +9,13 @@ Tiers (``-m fast``, ``-m integration``, ``-m vllm``; exactly one per test):
   ``PROCESS_DIRECTORIES`` and every test marked ``integration``;
 - ``fast``: everything else (in-process, the fake NIXL at most).
 
-``serial``: tests that must not share the machine with another test: those
-of tests/vllm (engines that fill both cores, tensor-parallel ones pinned to
-cores 0 and 1) and those of ``SERIAL_FILES`` (they measure time or memory,
-or give a port back and bind it again). ``.ci/check`` runs every other test
-on two xdist workers first (``-m "not serial"``), then these alone
-(``-m serial``).
+``serial``: tests that must not share the machine with the bulk of the
+suite: those of tests/vllm (engines that fill both cores, tensor-parallel
+ones pinned to cores 0 and 1) and those of ``SERIAL_FILES`` (they measure
+time or memory, or give a port back and bind it again). ``.ci/check`` runs
+every other test on three xdist workers first (``-m "not serial"``), then
+the vLLM ones two files at a time (``-m "serial and vllm"``), then the rest
+alone (``-m "serial and not vllm"``).
 """
 
 from __future__ import annotations

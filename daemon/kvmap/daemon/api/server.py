@@ -11,6 +11,7 @@ import os
 import resource
 import signal
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -239,7 +240,14 @@ def raise_fd_limit() -> dict[str, Any]:
     return {"before": soft, "soft": target, "hard": hard}
 
 
-async def serve(config: DaemonConfig, ready_file: str | None = None) -> int:
+async def serve(
+    config: DaemonConfig,
+    ready_file: str | None = None,
+    on_started: Callable[[], None] = lambda: None,
+) -> int:
+    """Run the daemon until SIGTERM or SIGINT; ``on_started`` runs once it
+    serves, before the ready file is written (a failed start never gets
+    there: its one line stays the only one)."""
     # Sockets are born owner/group-only (no window before the chmod below);
     # "other" never gets access to anything the daemon creates.
     os.umask(0o007)
@@ -254,6 +262,7 @@ async def serve(config: DaemonConfig, ready_file: str | None = None) -> int:
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, daemon.app.request_replan)
     freeze_startup_heap()
+    on_started()
     if ready_file:
         write_ready_file(ready_file, daemon)
     await stop.wait()

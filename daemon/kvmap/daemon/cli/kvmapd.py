@@ -101,17 +101,24 @@ def _serve(args: argparse.Namespace) -> int:
         # at import, is replaced by the daemon's (JSON under --log-format json).
         nixl_module("_api")
     configure_logging(config.log_format, config.log_level, capture_native=True)
-    log.info("kvmapd_config", version=version(), **effective(config))
-    if exposure_warning(config):
-        log.warning("peers_refused_by_config", problem=exposure_warning(config))
+
+    def started() -> None:
+        # Once serving: a start refused below stays one line.
+        log.info("kvmapd_config", version=version(), **effective(config))
+        if exposure_warning(config):
+            log.warning("peers_refused_by_config", problem=exposure_warning(config))
+
     try:
-        return asyncio.run(server.serve(config, ready_file=args.ready_file))
+        return asyncio.run(server.serve(config, ready_file=args.ready_file, on_started=started))
     except (StateStoreError, StartRefused) as err:
         # An unusable state dir, another daemon on this socket or state dir
         # (left alone), an unsafe runtime path (docs/security.md): the
         # operator's to fix, one line naming it,
         # not a traceback repeated by every restart of a crash loop.
-        print(f"kvmapd: {err}", file=sys.stderr)
+        if config.log_format == "json":
+            log.error("kvmapd_start_refused", problem=f"kvmapd: {err}")
+        else:
+            print(f"kvmapd: {err}", file=sys.stderr)
         return 2
 
 
