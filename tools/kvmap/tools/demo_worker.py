@@ -402,7 +402,7 @@ def handle(w: DemoWorker, cmd: dict[str, Any]) -> dict[str, Any]:  # noqa: PLR09
 
 def worker_arguments(prog: str) -> argparse.ArgumentParser:
     """The command line every demo worker (CPU or GPU) takes."""
-    p = argparse.ArgumentParser(prog=prog)
+    p = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
     p.add_argument("--socket", required=True)
     p.add_argument("--engine-id", required=True)
     p.add_argument("--tp-rank", type=int, default=0)

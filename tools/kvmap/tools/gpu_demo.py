@@ -369,7 +369,9 @@ def _keep_logs(tmp: Path, dest: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvmap-gpu-demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="kvmap-gpu-demo", description=__doc__.split("\n\n")[0], allow_abbrev=False
+    )
     p.add_argument("--blocks", type=int, default=2048, help="KV blocks per worker")
     p.add_argument("--block-tokens", type=int, default=64)
     p.add_argument("--mla-layers", type=int, default=78)

@@ -110,17 +110,22 @@ def main(argv_: list[str] | None = None) -> int:
         prog="python -m kvmap.tools.image_check",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("facts", help="record an image's facts")
+    p = sub.add_parser("facts", help="record an image's facts", allow_abbrev=False)
     p.add_argument("--inspect", required=True, help="`buildah inspect --type image` output")
     p.add_argument("--rootfs", required=True, help="the image's mounted root filesystem")
     p.add_argument("--out", required=True)
     p.set_defaults(run=_cmd_facts)
-    p = sub.add_parser("check", help="check recorded facts against every kustomization")
+    p = sub.add_parser(
+        "check", help="check recorded facts against every kustomization", allow_abbrev=False
+    )
     p.add_argument("--facts", required=True)
     p.set_defaults(run=_cmd_check)
-    p = sub.add_parser("pod-script", help="bash that runs the sidecar as the kubelet would")
+    p = sub.add_parser(
+        "pod-script", help="bash that runs the sidecar as the kubelet would", allow_abbrev=False
+    )
     p.add_argument("--facts", required=True)
     p.add_argument("--rootfs", required=True)
     p.add_argument("--work", required=True)

@@ -68,7 +68,7 @@ CALL_TIMEOUT_S = 120.0
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m kvmap.tools.load", description=__doc__.split("\n\n")[0]
+        prog="python -m kvmap.tools.load", description=__doc__.split("\n\n")[0], allow_abbrev=False
     )
     p.add_argument("--clients", type=int, default=4, help="concurrent decode workers (N)")
     p.add_argument("--pulls", type=int, default=50, help="pulls per client (M)")

@@ -155,7 +155,7 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--seconds", type=float, default=3.0, help="CPU sampling window")
     parser.add_argument("--iters", type=int, default=200, help="transfers per configuration")
     args = parser.parse_args()

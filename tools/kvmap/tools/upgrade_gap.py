@@ -229,7 +229,9 @@ def run_cases(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvmap.tools.upgrade_gap", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m kvmap.tools.upgrade_gap", description=__doc__, allow_abbrev=False
+    )
     p.add_argument("--pulls-before", type=int, default=20, help="pulls timed before each stop")
     p.add_argument("--out", help="also write the results here (JSON)")
     args = p.parse_args(argv)

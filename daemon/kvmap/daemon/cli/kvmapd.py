@@ -155,7 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_check_config(sub)
     plan_cmd.add_parser(sub)
     for name, (_, help_text) in HARNESS.items():
-        sub.add_parser(name, help=f"{help_text} (kvmapd {name} --help)", add_help=False)
+        sub.add_parser(
+            name, help=f"{help_text} (kvmapd {name} --help)", add_help=False, allow_abbrev=False
+        )
     args = parser.parse_args(args_in)
     if args.command == "serve":
         return _serve(args)

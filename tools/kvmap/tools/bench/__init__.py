@@ -50,6 +50,7 @@ def main(argv: Sequence[str]) -> int:
         prog="kvmapd bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     p.add_argument(
         "--profile",

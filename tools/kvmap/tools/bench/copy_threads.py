@@ -174,7 +174,7 @@ def run(mib: int, threads: list[int], repeats: int) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvmap.tools.bench.copy_threads")
+    p = argparse.ArgumentParser(prog="python -m kvmap.tools.bench.copy_threads", allow_abbrev=False)
     p.add_argument("--mib", type=int, default=256, help="bytes of the one READ (MiB)")
     p.add_argument("--threads", default="1,2", help="copy threads to try, comma-separated")
     p.add_argument("--repeats", type=int, default=5)

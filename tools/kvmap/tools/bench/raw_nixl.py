@@ -291,7 +291,7 @@ COMMANDS = ("register", "touch", "metadata", "connect", "prepare", "pull", "pace
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvmap-bench-raw-nixl")
+    p = argparse.ArgumentParser(prog="kvmap-bench-raw-nixl", allow_abbrev=False)
     p.add_argument("--role", choices=("target", "initiator"), required=True)
     p.add_argument("--num-workers", type=int, default=0, help="UCX backend num_workers")
     args = p.parse_args(argv)

@@ -144,7 +144,7 @@ def _environment(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvmap.tools.bench.variants")
+    p = argparse.ArgumentParser(prog="python -m kvmap.tools.bench.variants", allow_abbrev=False)
     p.add_argument("--profile", default="glm53")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)

@@ -452,7 +452,7 @@ def handle(w: BenchWorker, cmd: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvmap-bench-worker")
+    p = argparse.ArgumentParser(prog="kvmap-bench-worker", allow_abbrev=False)
     p.add_argument("--socket", required=True)
     args = p.parse_args(argv)
     # Answers go to the original stdout; anything else a library writes to

@@ -44,7 +44,9 @@ def _serve_args_problems(args: tuple[str, ...]) -> list[str]:
 
     if not args or args[0] != "serve":
         return [f"the sidecar runs `kvmapd {' '.join(args)}`, not `kvmapd serve`"]
-    parser = argparse.ArgumentParser(prog="kvmapd", exit_on_error=False, add_help=False)
+    parser = argparse.ArgumentParser(
+        prog="kvmapd", exit_on_error=False, add_help=False, allow_abbrev=False
+    )
     cli._add_serve(parser.add_subparsers(dest="command"))
     try:
         _, unknown = parser.parse_known_args(list(args))
