@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from kvmap.client.fd_handoff import fd_socket_path, send_fds
+from kvmap.client.fd_handoff import fd_socket_path, send_credentials, send_fds
 from kvmap.core.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -222,6 +222,34 @@ def test_too_many_pending_tokens(sock_dir: Path) -> None:
 
     try:
         _serve(path, body, max_pending_tokens=2)
+    finally:
+        _close(fds)
+
+
+def test_credential_tokens_never_lock_their_uid_out(sock_dir: Path) -> None:
+    """A uid that keeps fetching credential tokens (a client refetches one
+    whenever a call is refused) gets each one: its oldest credential token
+    is forgotten to make room, never a pending fd batch, and a uid whose
+    share is full of fd batches is still refused."""
+    path = sock_dir / "s.fds"
+    fds = _memfds(1)
+
+    async def body(server: FdHandoffServer) -> None:
+        batch = await _send(path, fds)
+        credentials = [await asyncio.to_thread(send_credentials, str(path), 5.0) for _ in range(5)]
+        assert server.pending_tokens == 3  # the batch and the two newest credential tokens
+        server.peer(batch)  # still pending, with its fd
+        for token in credentials[-2:]:
+            server.peer(token)
+        for token in credentials[:-2]:
+            with pytest.raises(NotFound):
+                server.peer(token)
+        # An fd batch makes no room: the uid's share is full.
+        with pytest.raises(ResourceExhausted, match="fd batches pending"):
+            await _send(path, fds)
+
+    try:
+        _serve(path, body, max_pending_tokens=8, max_pending_tokens_per_uid=3)
     finally:
         _close(fds)
 

@@ -14,6 +14,7 @@ import os
 import secrets
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -26,6 +27,7 @@ from kvmap.core.peer_policy import PEER_SECRET_METADATA
 # secret its parent's daemons hold (``launch.local_env`` sets it).
 SESSION_ENV = "KVMAP_HARNESS_PEER_SECRET_FILE"
 _session: Path | None = None
+_session_lock = threading.Lock()
 
 
 def new_peer_secret(folder: Path, name: str = "peer-secret") -> Path:
@@ -48,11 +50,15 @@ def session_peer_secret() -> Path:
     inherited = os.environ.get(SESSION_ENV)
     if inherited and Path(inherited).exists():
         return Path(inherited)
-    if _session is None or not _session.exists():
-        folder = Path(tempfile.mkdtemp(prefix="kvmap-peers-"))
-        atexit.register(shutil.rmtree, folder, True)
-        _session = new_peer_secret(folder)
-    return _session
+    # Daemons are started from several threads at once (the bench, the load
+    # tool): one of them makes the file, the others wait for it, or they
+    # would each make a secret of their own and refuse each other.
+    with _session_lock:
+        if _session is None or not _session.exists():
+            folder = Path(tempfile.mkdtemp(prefix="kvmap-peers-"))
+            atexit.register(shutil.rmtree, folder, True)
+            _session = new_peer_secret(folder)
+        return _session
 
 
 def read_secret(path: str | Path) -> str:

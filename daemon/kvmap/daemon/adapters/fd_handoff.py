@@ -326,6 +326,8 @@ class FdHandoffServer:
             return _err("INVALID_ARGUMENT", f"header announces {n} fds, received {len(fds)}"), None
         self.expire()
         peer = _peer_cred(conn)
+        if n == 0:
+            self._make_room_for_credential(peer.uid)
         full = self._over_limits(peer.uid, n)
         if full:
             return _err("RESOURCE_EXHAUSTED", f"{full}; register or retry later"), None
@@ -335,6 +337,19 @@ class FdHandoffServer:
             "fd_batch_received", token=token[:8], fds=n, pid=peer.pid, uid=peer.uid, gid=peer.gid
         )
         return b"OK " + token.encode(), token
+
+    def _make_room_for_credential(self, uid: int) -> None:
+        """A credential token (no fds) only says which uid holds it, and a
+        client fetches a fresh one whenever it is refused: rather than
+        refuse a uid its next one once its tokens fill its share, forget
+        that uid's oldest credential tokens until the new one fits. fd
+        batches are never dropped for it: they are refused as before."""
+        while self._over_limits(uid, 0):
+            mine = [b for b in self._batches.values() if b.peer.uid == uid and not b.fds]
+            if not mine:
+                return
+            oldest = min(mine, key=lambda b: b.received_at)
+            del self._batches[oldest.token]
 
     def _over_limits(self, uid: int, n: int) -> str:
         """Which pending limit a batch of ``n`` fds from ``uid`` would break ("" if none)."""
