@@ -8,8 +8,9 @@ same piece table (``build_piece_table``), the same prepared strided lists
 (``plan_transfer``); only the base addresses are this process's own.
 
 The ``target`` process owns the source memory and drives its UCX worker
-every ``BUSY_INTERVAL_S`` (what the owner's daemon does while a transfer's
-lease is open); the ``initiator`` posts READs and polls them at the same
+every ``BUSY_INTERVAL_S`` while a round runs (what the owner's daemon does
+while a transfer's lease is open; ``pace``), every ``IDLE_INTERVAL_S``
+otherwise; the ``initiator`` posts READs and polls them at the busy
 interval. Posting N requests back to back from one thread and then polling
 them all is what one daemon's NIXL thread does with N pulls in flight.
 
