@@ -26,7 +26,9 @@ class ReplanRequest(_message.Message):
 
     PLANNER_FIELD_NUMBER: _builtins.int
     planner: _builtins.str
-    """Planner name; empty re-plans with the configured planner."""
+    """Planner name; empty re-plans with the planner the daemon runs now (not
+    the configured one: a planner chosen by an earlier replan stays).
+    """
     def __init__(
         self,
         *,
