@@ -228,9 +228,9 @@ def test_too_many_pending_tokens(sock_dir: Path) -> None:
 
 def test_credential_tokens_never_lock_their_uid_out(sock_dir: Path) -> None:
     """A uid that keeps fetching credential tokens (a client refetches one
-    whenever a call is refused) gets each one: its oldest credential token
-    is forgotten to make room, never a pending fd batch, and a uid whose
-    share is full of fd batches is still refused."""
+    whenever a call is refused) gets each one, and its next fd batches get
+    in too: its oldest credential tokens are forgotten to make room, never a
+    pending fd batch; a uid whose share is full of fd batches is refused."""
     path = sock_dir / "s.fds"
     fds = _memfds(1)
 
@@ -244,7 +244,14 @@ def test_credential_tokens_never_lock_their_uid_out(sock_dir: Path) -> None:
         for token in credentials[:-2]:
             with pytest.raises(NotFound):
                 server.peer(token)
-        # An fd batch makes no room: the uid's share is full.
+        # A new fd batch takes the place of the oldest credential token left,
+        # and with none left (the share is all fd batches) it is refused.
+        second = await _send(path, fds)
+        third = await _send(path, fds)
+        for token in (batch, second, third):
+            server.peer(token)
+        with pytest.raises(NotFound):
+            server.peer(credentials[-1])
         with pytest.raises(ResourceExhausted, match="fd batches pending"):
             await _send(path, fds)
 

@@ -326,8 +326,7 @@ class FdHandoffServer:
             return _err("INVALID_ARGUMENT", f"header announces {n} fds, received {len(fds)}"), None
         self.expire()
         peer = _peer_cred(conn)
-        if n == 0:
-            self._make_room_for_credential(peer.uid)
+        self._make_room(peer.uid, n)
         full = self._over_limits(peer.uid, n)
         if full:
             return _err("RESOURCE_EXHAUSTED", f"{full}; register or retry later"), None
@@ -338,13 +337,14 @@ class FdHandoffServer:
         )
         return b"OK " + token.encode(), token
 
-    def _make_room_for_credential(self, uid: int) -> None:
+    def _make_room(self, uid: int, n: int) -> None:
         """A credential token (no fds) only says which uid holds it, and a
         client fetches a fresh one whenever it is refused: rather than
-        refuse a uid its next one once its tokens fill its share, forget
-        that uid's oldest credential tokens until the new one fits. fd
-        batches are never dropped for it: they are refused as before."""
-        while self._over_limits(uid, 0):
+        refuse a uid its next token or batch of ``n`` fds once its tokens
+        fill its share, forget that uid's oldest credential tokens until
+        the new one fits. fd batches are never dropped for it: a share full
+        of them is refused as before."""
+        while self._over_limits(uid, n):
             mine = [b for b in self._batches.values() if b.peer.uid == uid and not b.fds]
             if not mine:
                 return
