@@ -27,7 +27,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path
     png = out / "bench.png"
     args = ["--profile", "tiny", "--repeats", "2", "--memcpy-mib", "16", "--json", "--quiet"]
     args += ["--concurrency-mib", "16", "--tp8-profile", "tiny"]
-    args += ["--throughput-profile", "tiny", "--throughput-pulls", "3", "--restart-rounds", "1"]
+    args += ["--throughput-profile", "tiny", "--throughput-ranks", "2", "--throughput-pulls", "3"]
+    args += ["--restart-rounds", "1"]
     proc = subprocess.run(
         [sys.executable, "-m", "kvmap.daemon.cli.kvmapd", "bench", *args, "--plot", str(png)],
         capture_output=True,
@@ -332,7 +333,7 @@ def test_throughput_and_restart_figures(tiny: tuple[dict[str, Any], Path]) -> No
     assert list(throughput) == [str(n) for n in (1, 2) if n <= len(os.sched_getaffinity(0))]
     for cores, t in throughput.items():
         assert set(t) == {f.name for f in fields(results.Throughput)}
-        assert t["cores"] == int(cores) and t["ranks"] == 8 and t["pulls_per_rank"] == 3
+        assert t["cores"] == int(cores) and t["ranks"] == 2 and t["pulls_per_rank"] == 3
         for kind in ("kvmap", "raw_nixl"):
             assert len(t["samples"][kind]) == 2 and min(t["samples"][kind]) > 0, t
             assert t[f"{kind}_pulls_per_second"] == statistics.median(t["samples"][kind])
@@ -345,4 +346,4 @@ def test_throughput_and_restart_figures(tiny: tuple[dict[str, Any], Path]) -> No
     assert 0 < restart["added_pull_seconds"] <= restart["unreachable_seconds"] + 1.0
     # The text report shows both.
     rendered = report.render(results.BenchResult.from_json(result))
-    assert "pod throughput, 8 ranks" in rendered and "restart: kvmapd serve ready" in rendered
+    assert "pod throughput, 2 ranks" in rendered and "restart: kvmapd serve ready" in rendered
