@@ -149,9 +149,7 @@ class WorkerTable:
         its whole grace period. Workers attach again to the next daemon."""
         for queues in self._subscribers.values():
             for queue in queues:
-                if queue.full():
-                    queue.get_nowait()
-                queue.put_nowait(STREAM_END)
+                _offer(queue, STREAM_END)
 
     def subscriber_count(self, key: WorkerKey) -> int:
         return len(self._subscribers.get(key, ()))
@@ -162,6 +160,12 @@ class WorkerTable:
         """Queue an event for every Attach stream of the worker. ``event_id``
         names a persisted event, acknowledged once a stream has sent it."""
         for queue in self._subscribers.get(key, ()):
-            if queue.full():
-                queue.get_nowait()
-            queue.put_nowait((event_id, event))
+            _offer(queue, (event_id, event))
+
+
+def _offer(queue: EventQueue, item: tuple[int, registry_pb2.AttachResponse]) -> None:
+    """Queue ``item``, dropping the oldest queued event when the reader is
+    MAX_QUEUED_EVENTS behind (events are hints: never a reason to grow)."""
+    if queue.full():
+        queue.get_nowait()
+    queue.put_nowait(item)

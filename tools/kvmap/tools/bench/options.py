@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvmap.core import planner as planners
 from kvmap.tools.bench.results import CONCURRENCY
 
 MIB = 1024 * 1024
@@ -40,3 +41,10 @@ class Options:
     # Restart figures (bench.restart): samples of each (0: skip).
     restart_rounds: int = 3
     progress: Callable[[str], None] = field(default=lambda line: None)
+
+    def single_planner(self) -> str:
+        """The planner of the series that run one planner only (the TP pod,
+        the pod throughput): the daemon's default when the run measures it,
+        else the last one asked for."""
+        default = planners.DEFAULT_PLANNER
+        return default if default in self.planners else self.planners[-1]

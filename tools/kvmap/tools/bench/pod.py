@@ -22,18 +22,11 @@ import contextlib
 import tempfile
 from pathlib import Path
 
-from kvmap.core import planner as planners
 from kvmap.tools.bench.options import Options
 from kvmap.tools.bench.pair import Pair, agent_metadata, call, daemon_rss, start_daemons
 from kvmap.tools.bench.profiles import Profile, get_profile
 from kvmap.tools.bench.results import Tp8
 from kvmap.tools.bench.workload import Request
-
-
-def _planner(opts: Options) -> str:
-    """The daemon's default planner when the run measures it."""
-    default = planners.DEFAULT_PLANNER
-    return default if default in opts.planners else opts.planners[-1]
 
 
 def measure_pod(opts: Options) -> Tp8:
@@ -47,7 +40,7 @@ def measure_pod(opts: Options) -> Tp8:
 
 def _measure(opts: Options, profile_name: str, workdir: Path) -> Tp8:
     profile = get_profile(profile_name)
-    planner = _planner(opts)
+    planner = opts.single_planner()
     names = [f"tp{i}" for i in range(opts.tp8_workers)]
     with contextlib.ExitStack() as stack:
         daemons = start_daemons(workdir, [planner])

@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from kvmap.core import planner as planners
 from kvmap.tools.bench.options import Options
 from kvmap.tools.bench.pair import Pair, start_daemons
 from kvmap.tools.bench.profiles import get_profile
@@ -82,14 +81,9 @@ def measure_throughput(opts: Options) -> dict[str, Throughput]:
     return out
 
 
-def _planner(opts: Options) -> str:
-    default = planners.DEFAULT_PLANNER
-    return default if default in opts.planners else opts.planners[-1]
-
-
 def _kvmap_rate(pp: ProfilePlan, request: Request, opts: Options, cores: set[int]) -> float:
     """Pulls per second through one kvmapd per side, every rank pulling."""
-    planner = _planner(opts)
+    planner = opts.single_planner()
     names = [f"r{i}" for i in range(opts.throughput_ranks)]
     # The stack exits first: processes stop before their folder goes.
     with (
@@ -110,7 +104,7 @@ def _kvmap_rate(pp: ProfilePlan, request: Request, opts: Options, cores: set[int
 def _raw_rate(pp: ProfilePlan, request: Request, opts: Options, cores: set[int]) -> float:
     """Pulls per second of one raw NIXL agent pair per rank, every rank
     pulling the lists its kvmap counterpart posts."""
-    planner = _planner(opts)
+    planner = opts.single_planner()
     name = pp.profile.name
     prep = f"{planner}/c"
     with (
