@@ -5,6 +5,7 @@ socket file behind, and does so at once (each case is bounded in time)."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -136,3 +137,18 @@ def test_demo_refuses_zero_blocks_at_once(tmp_path: Path) -> None:
     out = _kvmapd(["demo", "--blocks", "0"], tmp_path)
     line = _one_line(out)
     assert "--blocks" in line and "at least 2" in line
+
+
+def test_a_refused_start_is_one_json_record_under_log_format_json(
+    tmp_path: Path, busy_port: int
+) -> None:
+    """Under --log-format json the one line of a refused start (here a busy --listen port,
+    found before anything is created) is a JSON error record whose problem is the line the
+    console format prints, and nothing is left behind."""
+    sock = tmp_path / "k.sock"
+    base = ["serve", "--socket", str(sock), "--listen", f"127.0.0.1:{busy_port}"]
+    console = _one_line(_kvmapd([*base, "--log-format", "console"], tmp_path)).rstrip("\n")
+    record = json.loads(_one_line(_kvmapd([*base, "--log-format", "json"], tmp_path)))
+    assert record["event"] == "kvmapd_start_refused" and record["level"] == "error", record
+    assert record["problem"] == console and "--listen" in console and "in use" in console
+    assert not sock.exists()

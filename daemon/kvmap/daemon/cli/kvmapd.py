@@ -94,8 +94,8 @@ def _serve(args: argparse.Namespace) -> int:
         check_state_dir(config)
         check_ports(config)
     except ValueError as err:
-        print(f"kvmapd: {explain(err, config.config_file, config.flag_keys)}", file=sys.stderr)
-        return 2
+        configure_logging(config.log_format, config.log_level)  # not capturing yet
+        return _refuse(config, explain(err, config.config_file, config.flag_keys))
     with contextlib.suppress(ImportError):  # no NIXL: the agent's creation says so
         # Imported first so that its logger's own plain-text handler, made
         # at import, is replaced by the daemon's (JSON under --log-format json).
@@ -115,11 +115,19 @@ def _serve(args: argparse.Namespace) -> int:
         # (left alone), an unsafe runtime path (docs/security.md): the
         # operator's to fix, one line naming it,
         # not a traceback repeated by every restart of a crash loop.
-        if config.log_format == "json":
-            log.error("kvmapd_start_refused", problem=f"kvmapd: {err}")
-        else:
-            print(f"kvmapd: {err}", file=sys.stderr)
-        return 2
+        return _refuse(config, str(err))
+
+
+def _refuse(config: DaemonConfig, problem: str) -> int:
+    """A start refused once the configuration is read: its one line, as the
+    configured log format writes lines (a JSON error record under json),
+    and exit status 2."""
+    line = f"kvmapd: {problem}"
+    if config.log_format == "json":
+        log.error("kvmapd_start_refused", problem=line)
+    else:
+        print(line, file=sys.stderr)
+    return 2
 
 
 class OneLineParser(argparse.ArgumentParser):
