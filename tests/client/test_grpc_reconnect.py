@@ -5,6 +5,7 @@ service is a stand-in: the channel, the socket and the client are real)."""
 from __future__ import annotations
 
 import os
+import socket as sockets
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -110,3 +111,24 @@ def test_a_daemon_that_answers_unavailable_is_asked_once_more_only(socket: str) 
     finally:
         transport.close()
         server.stop(None)
+
+
+def test_a_daemon_that_listens_but_does_not_answer_yet_is_unavailable(socket: str) -> None:
+    """A socket that accepts connections but speaks no gRPC yet (a daemon
+    between binding and serving, or too busy to shake hands): the retry waits
+    boundedly for a connection and then reports the daemon UNAVAILABLE, as
+    the first attempt found it, never DEADLINE_EXCEEDED while the caller's
+    own deadline (30 s) is far from spent."""
+    transport = GrpcTransport(socket)
+    listener = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+    try:
+        with pytest.raises(Unavailable):
+            transport.get_stats(30)  # nobody there: the channel now backs off
+        listener.bind(socket)
+        listener.listen(8)  # connections queue in the backlog, never accepted
+        assert daemon_listening(socket)
+        with pytest.raises(Unavailable):
+            transport.get_stats(30)
+    finally:
+        listener.close()
+        transport.close()

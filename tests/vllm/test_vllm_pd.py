@@ -28,6 +28,7 @@ from vllm_harness import (
     load_of,
     prefill_outputs,
     print_timings,
+    served_stats,
     single_engine,
     stats,
 )
@@ -134,7 +135,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
             decode_slots=dslots,
             loads=loads,
             decode_stats=stats(dd),
-            prefill_stats=stats(pd),
+            prefill_stats=served_stats(pd, len(names)),
             timings=timings,
             prefill=prefill_engine,
             decode=decode,

@@ -138,6 +138,19 @@ def stats(d: DaemonProc) -> admin_pb2.GetStatsResponse:
         return resp
 
 
+def served_stats(d: DaemonProc, served: int, timeout: float = 15) -> admin_pb2.GetStatsResponse:
+    """The owner daemon's statistics once it counts ``served`` finished
+    transfers (or after ``timeout``). The puller's daemon finishes a pull
+    when its read completes; the owner counts it when the puller's NIXL
+    notification arrives, a moment later and on another process's clock."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = stats(d)
+        if got.transfers.served_done >= served or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
+
+
 def blocks_of(n_tokens: int) -> int:
     return -(-n_tokens // BLOCK)
 
@@ -336,11 +349,15 @@ def run_pd(
             assert load is not None, (k, rid)
             pd.loads[k] = load
             pd.decode_slots[k] = decode.call({"cmd": "pulled", "remote_request_id": rid})["digests"]
-    if kvmap:
-        # vLLM asks its connector what finished only when it steps.
-        prefill_engine.call({"cmd": "generate", "prompts": [[5, 6, 7]], "max_tokens": 1})
-        pd.prefill_session = prefill_engine.call({"cmd": "session"})
     return pd
+
+
+def prefill_session(prefill_engine: EngineProc) -> dict[str, Any]:
+    """The prefill connector's session after one more step: vLLM asks its
+    connector what finished only when it steps."""
+    prefill_engine.call({"cmd": "generate", "prompts": [[5, 6, 7]], "max_tokens": 1})
+    session: dict[str, Any] = prefill_engine.call({"cmd": "session"})
+    return session
 
 
 def nixl_pd(
@@ -403,7 +420,9 @@ def kvmap_pd(
         prefill_engine, decode = start_pair(tmp, "kvmap", model, [*p_args, *args], [*d_args, *args])
         try:
             kvmap = run_pd(prefill_engine, decode, prompts, max_tokens, kvmap=True)
-            kvmap.prefill_stats, kvmap.decode_stats = stats(pdd), stats(ddd)
+            kvmap.prefill_stats = served_stats(pdd, len(prompts))
+            kvmap.prefill_session = prefill_session(prefill_engine)
+            kvmap.decode_stats = stats(ddd)
         finally:
             decode.stop()
             prefill_engine.stop()

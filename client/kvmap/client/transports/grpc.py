@@ -248,12 +248,24 @@ class GrpcTransport:
                 raise from_rpc_error(err) from None
             first = err
         left = min(timeout - (time.monotonic() - started), RECONNECT_WAIT_S)
-        if left <= 0:
+        if left <= 0 or not self._reconnected(left):
+            # Still no connection: the daemon is unavailable (not slow: the
+            # caller's deadline is not spent), as the first attempt said.
             raise from_rpc_error(first) from None
         try:
-            return call(req, timeout=left, wait_for_ready=True, **kw)
+            return call(req, timeout=timeout - (time.monotonic() - started), **kw)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
+
+    def _reconnected(self, wait_s: float) -> bool:
+        """Whether the unary channel connects within ``wait_s``."""
+        ready = grpc.channel_ready_future(self._channel)
+        try:
+            ready.result(timeout=wait_s)
+        except grpc.FutureTimeoutError:
+            ready.cancel()
+            return False
+        return True
 
     def close(self) -> None:
         self._streams.close()
