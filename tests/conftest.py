@@ -4,6 +4,7 @@ the reaping of the processes a test started."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,9 @@ import tiers
 from kvmap.tools import launch
 
 hypothesis_profiles.load_profile()
+# Stand-in workers are forked from a zygote that imported them once: the
+# suite starts hundreds, each ~2 CPU-s of imports otherwise.
+os.environ.setdefault(launch.ZYGOTE_ENV, "1")
 
 TESTS = Path(__file__).resolve().parent
 

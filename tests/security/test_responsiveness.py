@@ -224,8 +224,9 @@ def _rejected_round(c: Cluster, round_no: int) -> None:
 
 
 ROUNDS, FLOOR_ROUNDS = 13, 5
-# The allocator hands the transient planning memory (hundreds of MiB a round)
-# back in a cycle of about four rounds whose phase drifts: one window's floor
+# The allocator handed the transient planning memory (hundreds of MiB a
+# round, before planning kept cells of meeting groups instead of their
+# pairs) back in a cycle of about four rounds whose phase drifts: one window's floor
 # or peak can miss the cycle's by 150 MiB in an unchanged daemon (seen in CI:
 # floors 534 -> 685 MiB with peaks 1070 -> 1028 MiB). What this test guards
 # against, each refused request's prepared lists kept for good (megabytes per
@@ -252,10 +253,10 @@ def test_rejected_requests_leave_the_daemons_memory_as_it_was(c: Cluster) -> Non
     for r in range(ROUNDS):
         _rejected_round(c, r)
         rss.append(_vm_rss_kib(pid))
-    # Planning a refused request allocates transiently (hundreds of MiB that
-    # the allocator hands back in a cycle of about four rounds), so the
-    # floors of five rounds are compared: what is kept for good raises every
-    # later floor, a transient peak does not.
+    # Planning a refused request allocates transiently (it was hundreds of
+    # MiB a round while planning listed every pair of meeting groups; a few
+    # MiB now), so the floors of five rounds are compared: what is kept for
+    # good raises every later floor, a transient peak does not.
     first, last = rss[1 : 1 + FLOOR_ROUNDS], rss[-FLOOR_ROUNDS:]
     floor_growth, peak_growth = min(last) - min(first), max(last) - max(first)
     print(f"\ndecode daemon RSS per round (KiB): {rss}")

