@@ -271,6 +271,8 @@ def test_prefill_grants_exactly_the_kept_blocks_and_revokes_when_the_lease_runs_
     assert [(g.transfer_group, list(g.block_ids)) for g in grant.groups] == [(0, [3, 17, 4])]
     # Open: the first pull fixes its use count (no decode TP size configured).
     assert (grant.ttl_ms, grant.max_uses, grant.open_uses) == (30_000, 0, True)
+    # Rank 0 is read by every decode: no one may burn its grant by releasing it unread.
+    assert grant.unread_release == registry_pb2.UNREAD_RELEASE_REFUSED
     assert rank_capability(kv[CAPABILITY_KEY], 1, 0) == kv[CAPABILITY_KEY]
     p.clock.now += 29.0
     assert p.worker.poll().finished_sending == set()
@@ -585,3 +587,18 @@ def test_a_refused_pull_is_not_issued_again(pair: tuple[Side, Side]) -> None:
         r = step(d)
         assert r.finished_recving == r.failed_recving == {f"req-d{i}"}
     assert tries == ["req-p1", "req-p2"]
+
+
+def test_a_second_shutdown_does_nothing(pair: tuple[Side, Side]) -> None:
+    """vLLM may shut a worker's connector down twice (an explicit shutdown,
+    then the engine's finalizer): the first deregisters the worker, the
+    second finds its channel to kvmapd closed and does nothing."""
+    p, _ = pair
+    check = InprocTransport(p.daemon)
+    try:
+        assert check.get_stats(5).workers == 1
+        p.worker.shutdown()
+        p.worker.shutdown()
+        assert check.get_stats(5).workers == 0
+    finally:
+        check.close()

@@ -12,7 +12,7 @@ import pytest
 from harness import Cluster, Node, VirtualClock, Worker, cluster, next_event, run, run_spec, spec
 
 from kvmap.core.errors import NotFound, PermissionDenied, Unavailable
-from kvmap.daemon.engine.transfers import PULL_RETRY
+from kvmap.daemon.engine.pacing import PULL_RETRY
 from kvmap.daemon.engine.workers import EventQueue
 from kvmap.v1 import transfers_pb2
 

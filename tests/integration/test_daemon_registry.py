@@ -253,6 +253,7 @@ def test_reregistration_bumps_generation_atomically(daemon: DaemonProc, worker: 
         "DAEMON_FEATURE_OPEN_GRANTS",
         "DAEMON_FEATURE_RELEASE",
         "DAEMON_FEATURE_RELEASE_RPC",
+        "DAEMON_FEATURE_UNREAD_RELEASE",
     ]
     assert seen[0] == old
     torn = [m for m in seen if not (isinstance(m, types_pb2.RegionMap) and m in (old, new))]

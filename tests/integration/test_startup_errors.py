@@ -63,6 +63,8 @@ SERVE_CASES = [
     ("peer_identity", None, ["--peer-identity", "a.example"], ["peer_identit", "tls_cert"]),
     ("peer_secret_file", None, ["--peer-secret-file", "{d}/nope"],
      ["--peer-secret-file", "{d}/nope"]),
+    ("otlp_traces_endpoint", None, ["--otlp-traces-endpoint", "grpc://collector:4317"],
+     ["--otlp-traces-endpoint", "grpc://collector:4317", "HOST:PORT"]),
     ("toml-syntax", "drain_seconds = \n", [], ["{cfg}", "not valid TOML", "line 1"]),
     ("unknown-key", 'planer = "coalesce"\n', [], ["{cfg}", "unknown keys", "planer"]),
     ("abbreviated-flag", None, ["--plan", "coalesce"], ["unrecognized arguments: --plan"]),

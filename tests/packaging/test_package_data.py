@@ -36,8 +36,11 @@ def test_every_package_data_glob_matches_a_file() -> None:
 
 
 def test_every_top_level_package_declares_py_typed() -> None:
-    """kvmap.core, kvmap.daemon, kvmap.client, kvmap.tools and kvmap.v1 ship
-    their py.typed marker, so users' type checkers read their annotations."""
+    """kvmap.core, kvmap.tracing, kvmap.daemon, kvmap.client, kvmap.tools
+    and kvmap.v1 ship their py.typed marker, so users' type checkers read
+    their annotations."""
     package_data = _setuptools()["package-data"]
-    for package in ("kvmap.core", "kvmap.daemon", "kvmap.client", "kvmap.tools", "kvmap.v1"):
+    for package in (
+        "kvmap.core", "kvmap.tracing", "kvmap.daemon", "kvmap.client", "kvmap.tools", "kvmap.v1",
+    ):  # fmt: skip
         assert "py.typed" in package_data.get(package, []), package

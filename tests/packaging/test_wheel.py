@@ -30,7 +30,14 @@ from kvmap.tools.launch import local_env
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("kvmap.core", "kvmap.daemon", "kvmap.client", "kvmap.tools", "kvmap.v1")
+PACKAGES = (
+    "kvmap.core",
+    "kvmap.tracing",
+    "kvmap.daemon",
+    "kvmap.client",
+    "kvmap.tools",
+    "kvmap.v1",
+)
 
 
 def _checkout_files() -> list[str]:

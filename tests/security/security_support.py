@@ -199,10 +199,14 @@ class ShmWorker:
         ttl_ms: int = 0,
         max_uses: int = 0,
         open_uses: bool = False,
+        unread_release: registry_pb2.UnreadRelease.ValueType = (
+            registry_pb2.UNREAD_RELEASE_UNSPECIFIED
+        ),
     ) -> str:
         """The capability for a peer to transfer exactly ``blocks`` (ids per
         transfer group) of this worker for ``request_id`` (``open_uses``: its
-        first claim fixes the count)."""
+        first claim fixes the count; ``unread_release``: the worker's word on
+        a release declaring no readers)."""
         resp = self.live.registry.GrantTransfer(
             registry_pb2.GrantTransferRequest(
                 worker=self.worker_id,
@@ -214,9 +218,11 @@ class ShmWorker:
                 ttl_ms=ttl_ms,
                 max_uses=max_uses,
                 open_uses=open_uses,
+                unread_release=unread_release,
             ),
             timeout=CALL_TIMEOUT_S,
         )
+        assert resp.unread_release == unread_release, "the grant must keep the worker's word"
         return str(resp.capability)
 
     def grantable(self, groups: Sequence[dict[str, Any]]) -> dict[int, list[int]]:

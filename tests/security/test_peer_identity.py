@@ -10,8 +10,8 @@ host shares loopback, and agent names are only what a caller declares.
   two addresses: ``127.0.0.1`` (the decode daemon, and the ``c.p.peer``
   stub) and ``::1`` (the stub ``other``), each presenting the secret.
 - A lease ends no later than its grant; declared readers are checked against
-  the granting worker's TP layout; a readers-0 release needs the layout's
-  (the prefill worker's) word.
+  the granting worker's TP layout; a readers-0 release needs the prefill
+  worker's word (``unread_release``, kept across a restart) and its layout.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 import pytest
 from security_support import (
+    PAGE,
     Cluster,
     Live,
     ShmWorker,
@@ -32,9 +33,10 @@ from security_support import (
     start_cluster,
 )
 
+from kvmap.client.fd_handoff import credential_metadata
 from kvmap.core.peer_policy import INBOUND_DENIED
 from kvmap.daemon.engine.leases import MAX_LEASES_PER_PEER
-from kvmap.tools.launch import start_daemon
+from kvmap.tools.launch import DaemonProc, start_daemon
 from kvmap.tools.peers import new_peer_secret, peer_channel
 from kvmap.v1 import (
     admin_pb2,
@@ -43,11 +45,16 @@ from kvmap.v1 import (
     peer_pb2_grpc,
     region_maps_pb2,
     region_maps_pb2_grpc,
+    registry_pb2,
+    registry_pb2_grpc,
     types_pb2,
 )
 
 Code = grpc.StatusCode
 Call = tuple[Code, str, str]
+UNSPECIFIED = registry_pb2.UNREAD_RELEASE_UNSPECIFIED
+ALLOWED = registry_pb2.UNREAD_RELEASE_ALLOWED
+REFUSED = registry_pb2.UNREAD_RELEASE_REFUSED
 
 
 @pytest.fixture(scope="module")
@@ -329,21 +336,124 @@ def test_a_first_claim_declaring_more_readers_than_the_layout_has_is_refused(
     end(other, token)
 
 
+@pytest.mark.parametrize("word", [UNSPECIFIED, ALLOWED], ids=["unspecified", "allowed"])
 def test_a_decode_cannot_burn_an_open_grant_of_a_rank_every_decode_reads(
-    c: Cluster, ranks: tuple[ShmWorker, ShmWorker], other: peer_pb2_grpc.PeerStub
+    c: Cluster,
+    ranks: tuple[ShmWorker, ShmWorker],
+    other: peer_pb2_grpc.PeerStub,
+    word: registry_pb2.UnreadRelease.ValueType,
 ) -> None:
     """A readers-0 release of an open grant of rank 0 (every decode engine reads it) is
-    FAILED_PRECONDITION and the grant stays usable; of rank 1 of a replicated TP-2 cache (a
-    TP-1 decode reads it not at all) it uses the grant up, as the decode connector does."""
+    FAILED_PRECONDITION and the grant stays usable, even when its worker said ALLOWED (both
+    words must agree); of rank 1 of a replicated TP-2 cache (a TP-1 decode reads it not at
+    all) it uses the grant up, as the decode connector does, when the worker said ALLOWED or
+    nothing (a connector that predates the field: the layout decides, as before)."""
     first, second = ranks
-    cap = first.grant("unread", {0: [1]}, open_uses=True)
-    code, details, _ = release(other, first, cap, agent("burn"), request_id="unread", readers=0)
+    request = f"unread-{word}"
+    cap = first.grant(request, {0: [1]}, open_uses=True, unread_release=word)
+    code, details, _ = release(other, first, cap, agent("burn"), request_id=request, readers=0)
     assert code is Code.FAILED_PRECONDITION and "read by every decode engine" in details, details
-    code, _, token = announce(other, first, cap, agent("reader"), request_id="unread", readers=1)
+    code, _, token = announce(other, first, cap, agent("reader"), request_id=request, readers=1)
     assert code is Code.OK
     end(other, token)
-    cap = second.grant("unread", {0: [1]}, open_uses=True)
+    cap = second.grant(request, {0: [1]}, open_uses=True, unread_release=word)
     name = agent("unread")
-    assert release(other, second, cap, name, request_id="unread", readers=0)[0] is Code.OK
-    code, details, _ = release(other, second, cap, name, request_id="unread", readers=0)
+    assert release(other, second, cap, name, request_id=request, readers=0)[0] is Code.OK
+    code, details, _ = release(other, second, cap, name, request_id=request, readers=0)
     assert code is Code.PERMISSION_DENIED, details  # used up
+
+
+def test_a_grant_its_worker_said_every_decode_reads_cannot_be_burned_unread(
+    c: Cluster, ranks: tuple[ShmWorker, ShmWorker], other: peer_pb2_grpc.PeerStub
+) -> None:
+    """Rank 1 of a replicated TP-2 cache, whose layout lets it go unread, granted with
+    REFUSED (its connector knows every decode reads it): a capability holder's readers-0
+    release is FAILED_PRECONDITION naming the worker's word, spends nothing and takes no
+    lease; the decode daemon's pull then reads the granted block, every byte checked."""
+    second = ranks[1]
+    before = leases(c)
+    cap = second.grant("refused", {0: [2]}, open_uses=True, unread_release=REFUSED)
+    code, details, _ = release(other, second, cap, agent("burn"), request_id="refused", readers=0)
+    assert (code, "its worker said every decode engine reads it" in details) == (
+        Code.FAILED_PRECONDITION, True
+    ), details  # fmt: skip
+    assert leases(c) == before
+    groups = [{"group": 0, "local": [5], "remote": [2]}]
+    spec = c.spec(groups, request_id="refused", remote_engine=second.engine_id, capability=cap)
+    spec.remote_worker.tp_rank = second.tp_rank
+    assert c.transfer(spec, write=False) == (Code.OK, "")
+    expect_transfer(c.dw, second, 0, [5], [2])
+    c.dw.assert_intact("after the pull of a grant that refused an unread release")
+
+
+def test_the_workers_word_on_unread_releases_survives_a_restart(tmp_path: Path) -> None:
+    """Rank 1 of a replicated TP-2 cache (a path registration, restored from the state dir)
+    grants one open grant with REFUSED and one with ALLOWED; after the daemon stops (SIGTERM)
+    and restarts on the same state dir, a readers-0 release of the REFUSED one is still
+    FAILED_PRECONDITION and of the ALLOWED one uses it up."""
+    kv_file = tmp_path / "kv.bin"
+    kv_file.write_bytes(bytes(4 * PAGE))
+    flags = ("--state-dir", str(tmp_path / "state"), "--shm-path-prefix", str(tmp_path))
+    caps = _grant_each_word_then_stop(start_daemon(tmp_path / "p", *flags, name="p"), kv_file)
+    again = start_daemon(tmp_path / "p", *flags, name="p")
+    try:
+        with peer_channel(again.tcp_target, again.secret) as ch:
+            stub = peer_pb2_grpc.PeerStub(ch)
+            for word, want in ((REFUSED, Code.FAILED_PRECONDITION), (ALLOWED, Code.OK)):
+                req = peer_pb2.BeginTransferRequest(
+                    worker=RANK1, peer_agent=agent("late"), capability=caps[word],
+                    release=True, request_id=f"word-{word}", readers=0,
+                )  # fmt: skip
+                code, details, _ = call(stub.BeginTransfer, req)
+                assert code is want, (word, details)
+    finally:
+        assert again.terminate() == 0, again.log()[-4000:]
+
+
+RANK1 = types_pb2.WorkerId(engine_id="restored", tp_rank=1)
+
+
+def _grant_each_word_then_stop(daemon: DaemonProc, kv_file: Path) -> dict[int, str]:
+    """Register ``RANK1`` over ``kv_file``, attach it, grant block 1 open, once with REFUSED
+    and once with ALLOWED, and stop the daemon (SIGTERM) while the worker is still attached
+    (an Attach stream that ends means the worker is gone, and its grants with it): the
+    capability of each."""
+    caps = {}
+    try:
+        with daemon.channel() as ch:
+            registry = registry_pb2_grpc.RegistryStub(ch)
+            me = credential_metadata(daemon.socket)
+            registry.RegisterWorker(_path_registration(kv_file), timeout=10, metadata=me)
+            attach = registry.Attach(registry_pb2.AttachRequest(worker=RANK1), metadata=me)
+            assert next(attach).HasField("attached")
+            for word in (REFUSED, ALLOWED):
+                caps[word] = registry.GrantTransfer(
+                    registry_pb2.GrantTransferRequest(
+                        worker=RANK1, request_id=f"word-{word}", unread_release=word,
+                        open_uses=True,
+                        groups=[types_pb2.BlockGrant(transfer_group=0, block_ids=[1])],
+                    ),
+                    timeout=10, metadata=me,
+                ).capability  # fmt: skip
+            assert daemon.terminate() == 0, daemon.log()[-4000:]
+            attach.cancel()
+    finally:
+        daemon.stop()  # (a no-op once it exited)
+    return caps
+
+
+def _path_registration(kv_file: Path) -> registry_pb2.RegisterWorkerRequest:
+    """Rank 1 of TP 2 with one MLA layer of 4 one-page blocks in ``kv_file``: a path, which
+    a restarted daemon maps again (a memfd would be gone)."""
+    req = registry_pb2.RegisterWorkerRequest(
+        worker=RANK1, kv_cache_layout="BLHNC", block_size_tokens=16, tp_size=2
+    )
+    req.allocations.add(
+        id="kv", size_bytes=4 * PAGE, shm_path=types_pb2.ShmPathHandle(path=str(kv_file))
+    )
+    req.views.add(
+        layer_name="model.layers.0.self_attn.attn", allocation_id="kv", transfer_group=0,
+        cache_kind=types_pb2.CACHE_KIND_MLA, dtype="uint8", block_len_bytes=PAGE,
+        block_stride_bytes=PAGE, num_blocks=4,
+    )  # fmt: skip
+    return req

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -390,3 +391,31 @@ def test_limits_are_resource_exhausted_and_expired_grants_make_room(
         _mint(table, record, groups=[(0, [1, 2, 3, 4, 5])])
     assert "granted block ids in all" in raised.value.message
     assert len(table) == 0 and store.grants() == []
+
+
+def test_the_workers_unread_release_word_survives_a_restart(
+    store: StateStore, tmp_path: Path
+) -> None:
+    """Each grant keeps its worker's unread_release through a restart of its table and store;
+    a value this kvmapd does not know (stored by a newer one) reads back as REFUSED, which
+    never burns a grant unread; ALLOWED on a grant that is not open is INVALID_ARGUMENT and
+    stores nothing."""
+    record = _Record(_model())
+    table = _table(store)
+    for choice in core.UnreadRelease:
+        _mint(table, record, request_id=choice.name, open_uses=True, unread_release=choice)
+    with pytest.raises(InvalidArgument, match="ALLOWED needs open_uses"):
+        _mint(table, record, request_id="fixed", unread_release=core.UnreadRelease.ALLOWED)
+    _, newer = _mint(table, record, request_id="newer", open_uses=True)
+    # A value from a newer kvmapd: not one of this one's UnreadRelease.
+    store.save_grant(replace(newer, unread_release=3))  # type: ignore[arg-type]
+    store.close()
+    again = StateStore(str(tmp_path / "state"))
+    stored = {g.request_id: g.unread_release for g, _, _ in _table(again).snapshot()}
+    assert stored == {
+        "UNSPECIFIED": core.UnreadRelease.UNSPECIFIED,
+        "ALLOWED": core.UnreadRelease.ALLOWED,
+        "REFUSED": core.UnreadRelease.REFUSED,
+        "newer": core.UnreadRelease.REFUSED,
+    }
+    again.close()

@@ -4,11 +4,14 @@ a released use spends; every input in range and out of it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvmap.client.connector.tp_mapping import unread_allowed
 from kvmap.core import grants as core
 from kvmap.core.errors import FailedPrecondition, InvalidArgument
 from kvmap.core.geometry import WorkerKey
@@ -160,3 +163,75 @@ def test_only_a_rank_past_the_first_holding_replicas_may_go_unread() -> None:
         assert not layout.may_go_unread
         with pytest.raises(FailedPrecondition, match="read by every decode engine"):
             core.release_use(grant(0), 0, layout)
+
+
+# The worker's word on an unread release (GrantTransferRequest.unread_release) ------------------
+
+LAYOUTS = st.builds(
+    lambda tp, rank, heads: core.ReaderLayout(tp_size=tp, tp_rank=rank % tp, kv_heads=heads),
+    st.integers(min_value=1, max_value=core.MAX_USES),
+    st.integers(min_value=0, max_value=core.MAX_USES - 1),
+    st.sampled_from([0, 1, 2, 4, 8, 16, 64]),
+)
+
+
+@given(
+    choice=st.sampled_from(core.UnreadRelease),
+    layout=LAYOUTS,
+    max_uses=st.sampled_from([core.OPEN_USES, 1, 2]),
+)
+def test_an_unread_release_needs_the_workers_word_and_its_layout(
+    choice: core.UnreadRelease, layout: core.ReaderLayout, max_uses: int
+) -> None:
+    """A release declaring no readers uses the grant up exactly when the grant is open, its
+    worker did not say REFUSED, and its layout lets the rank go unread: ALLOWED and
+    UNSPECIFIED both leave the last word to the layout. Anything else is FAILED_PRECONDITION;
+    a REFUSED grant's refusal says it is the worker's word."""
+    g = replace(grant(max_uses), unread_release=choice)
+    if g.open and choice is not core.UnreadRelease.REFUSED and layout.may_go_unread:
+        after = core.release_use(g, 0, layout)
+        assert (after.max_uses, after.uses, after.exhausted) == (1, 1, True)
+        assert after.unread_release is choice
+        return
+    why = "declared none" if not g.open else "said every decode" if choice == 2 else "every"
+    with pytest.raises(FailedPrecondition, match=why):
+        core.release_use(g, 0, layout)
+
+
+def test_refused_leaves_a_release_declaring_readers_as_it_was() -> None:
+    """REFUSED is about releases declaring no readers only: a release declaring one reader of
+    an open grant still fixes its count and spends a use."""
+    g = replace(grant(core.OPEN_USES), unread_release=core.UnreadRelease.REFUSED)
+    after = core.release_use(g, 1, UNREAD)
+    assert (after.max_uses, after.uses, after.unread_release) == (1, 1, g.unread_release)
+
+
+@given(value=st.integers(min_value=-(2**31), max_value=2**31 - 1), open_uses=st.booleans())
+def test_a_grant_request_says_a_known_unread_release(value: int, open_uses: bool) -> None:
+    """The wire's unread_release: UNSPECIFIED, ALLOWED and REFUSED are taken, ALLOWED only for
+    an open grant (no other can be released unread); any other value is INVALID_ARGUMENT
+    naming the field (protobuf passes on enum values it does not know)."""
+    if value not in (0, 1, 2) or (value == 1 and not open_uses):
+        with pytest.raises(InvalidArgument, match="unread_release"):
+            core.check_unread_release(value, open_uses)
+    else:
+        assert core.check_unread_release(value, open_uses) == value
+
+
+def test_the_connector_allows_an_unread_release_exactly_where_a_decode_may_read_nothing() -> None:
+    """The prefill connector's word per rank (``tp_mapping.unread_allowed``): for every prefill
+    and decode TP size and head count that split evenly, a rank no decode rank reads is
+    ALLOWED (a legitimate release is never refused), and every ALLOWED rank is one the
+    daemon's layout rule lets go unread too (the two agree). A model mixing MLA with head-split
+    layers (no head count, not replicated) allows none."""
+    for src in range(1, 17):
+        for heads in (0, 1, 2, 4, 8, 3, 6):
+            allowed = unread_allowed(heads, src, replicated=not heads)
+            for rank, ok in enumerate(allowed):
+                layout = core.ReaderLayout(tp_size=src, tp_rank=rank, kv_heads=heads)
+                assert not ok or layout.may_go_unread, (src, heads, rank)
+            for dst in range(1, 17):
+                counts = _readers_or_none(heads, src, dst)
+                for rank in (r for r, n in enumerate(counts or ()) if n == 0):
+                    assert allowed[rank], (src, dst, heads, rank)
+    assert unread_allowed(0, 4, replicated=False) == (False,) * 4

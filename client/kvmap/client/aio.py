@@ -65,9 +65,22 @@ class AsyncKvmapClient:
         blocks: Mapping[int, Sequence[int]],
         ttl_ms: int = 0,
         max_uses: int = 0,
+        *,
+        open_uses: bool = False,
+        unread_release: registry_pb2.UnreadRelease.ValueType = (
+            registry_pb2.UNREAD_RELEASE_UNSPECIFIED
+        ),
     ) -> registry_pb2.GrantTransferResponse:
+        """``KvmapClient.grant_transfer``, off the event loop."""
         return await asyncio.to_thread(
-            self.sync.grant_transfer, worker, request_id, blocks, ttl_ms, max_uses
+            self.sync.grant_transfer,
+            worker,
+            request_id,
+            blocks,
+            ttl_ms,
+            max_uses,
+            open_uses=open_uses,
+            unread_release=unread_release,
         )
 
     async def revoke_transfer(self, worker: types_pb2.WorkerId, request_id: str) -> None:

@@ -88,12 +88,17 @@ class KvmapClient:
         max_uses: int = 0,
         *,
         open_uses: bool = False,
+        unread_release: registry_pb2.UnreadRelease.ValueType = (
+            registry_pb2.UNREAD_RELEASE_UNSPECIFIED
+        ),
     ) -> registry_pb2.GrantTransferResponse:
         """Mint the capability a peer must present to read (or write) exactly
         ``blocks`` (block ids per transfer group) of ``worker`` for
         ``request_id``. ``ttl_ms`` 0 is the daemon's default, ``max_uses`` 0 is 1;
         ``open_uses``: the first transfer that declares its readers fixes the
-        count (``max_uses`` must be 0)."""
+        count (``max_uses`` must be 0); ``unread_release``: whether a release
+        declaring no readers may use an open grant up unread (ALLOWED, where
+        the worker's layout agrees) or never (REFUSED)."""
         req = registry_pb2.GrantTransferRequest(
             worker=worker,
             request_id=request_id,
@@ -104,6 +109,7 @@ class KvmapClient:
             ttl_ms=ttl_ms,
             max_uses=max_uses,
             open_uses=open_uses,
+            unread_release=unread_release,
         )
         return self.transport.grant_transfer(req, self.timeout_s)
 

@@ -379,7 +379,13 @@ class KVMapConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unus
                 blocks.get_unhashed_block_ids_all_groups()
             )
         self._sched().after_alloc(
-            request.request_id, request.kv_transfer_params, local, num_external_tokens
+            request.request_id,
+            request.kv_transfer_params,
+            local,
+            num_external_tokens,
+            # vLLM's trace context of the request (where it traces): the
+            # load's span joins that trace.
+            trace_headers=request.trace_headers,
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -408,6 +414,7 @@ class KVMapConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unus
             in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED),
             block_ids=block_ids,
             num_computed_tokens=int(request.num_computed_tokens),
+            trace_headers=request.trace_headers,
         )
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:

@@ -86,6 +86,10 @@ class DaemonConfig:
     # this daemon presents it to its peers. With neither it nor mutual TLS,
     # every TCP caller is refused (a neighbour shares loopback).
     peer_secret_file: str = ""
+    # OTLP/gRPC endpoint of trace export ("http://collector:4317"); "" is
+    # tracing off. Unset, the standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or
+    # OTEL_EXPORTER_OTLP_ENDPOINT stands in (config_files).
+    otlp_traces_endpoint: str = ""
     # The file this config came from (SIGHUP re-reads it).
     config_file: str = ""
     # The keys given as flags: an error names the flag rather than the file.
@@ -124,6 +128,8 @@ class DaemonConfig:
         parse_host_port(self.listen, "listen")
         if self.metrics_listen:
             parse_host_port(self.metrics_listen, "metrics_listen")
+        if self.otlp_traces_endpoint:
+            _check_endpoint(self.otlp_traces_endpoint)
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key: give both or neither")
         if (self.tls_client_ca or self.peer_ca) and not self.tls_cert:
@@ -176,6 +182,14 @@ def _strings(name: str, values: object) -> tuple[str, ...]:
     if not isinstance(values, list | tuple) or not all(isinstance(v, str) for v in values):
         raise ValueError(f"{name}: expected a list of strings")
     return tuple(values)
+
+
+def _check_endpoint(value: str) -> None:
+    """An OTLP endpoint: HOST:PORT, after an optional http:// or https://."""
+    scheme, sep, rest = value.partition("://")
+    if sep and scheme not in ("http", "https"):
+        raise ConfigError("otlp_traces_endpoint", value, "expected [http://|https://]HOST:PORT")
+    parse_host_port((rest if sep else value).rstrip("/"), "otlp_traces_endpoint")
 
 
 def parse_host_port(value: str, name: str) -> tuple[str, int]:

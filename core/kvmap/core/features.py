@@ -19,4 +19,5 @@ DAEMON_FEATURES: tuple[registry_pb2.DaemonFeature.ValueType, ...] = (
     # for the connectors of the previous release.
     registry_pb2.DAEMON_FEATURE_RELEASE,
     registry_pb2.DAEMON_FEATURE_RELEASE_RPC,
+    registry_pb2.DAEMON_FEATURE_UNREAD_RELEASE,
 )

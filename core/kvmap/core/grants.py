@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from enum import IntEnum
 
 import numpy as np
 import numpy.typing as npt
@@ -59,6 +60,33 @@ MAX_REPLACED_AGENTS = 4
 MAX_AGENT_NAME = 256
 
 
+class UnreadRelease(IntEnum):
+    """The granting worker's word on a release declaring no readers
+    (``release_use`` with readers 0), stored with the grant; the values are
+    ``registry.proto``'s ``UnreadRelease``."""
+
+    # Said nothing (a client that predates the field): the layout decides.
+    UNSPECIFIED = 0
+    # Some decode engine may read this rank not at all (the layout must agree).
+    ALLOWED = 1
+    # Every decode engine reads this rank: never burned unread.
+    REFUSED = 2
+
+
+def check_unread_release(value: int, open_uses: bool) -> UnreadRelease:
+    """A grant request's ``unread_release`` (hostile input: protobuf passes
+    on enum values it does not know). ALLOWED needs an open grant: no other
+    can be released unread, and a worker asking for it has its geometry
+    wrong."""
+    try:
+        choice = UnreadRelease(value)
+    except ValueError:
+        raise InvalidArgument("unread_release", f"{value} is not an UnreadRelease") from None
+    if choice is UnreadRelease.ALLOWED and not open_uses:
+        raise InvalidArgument("unread_release", "ALLOWED needs open_uses")
+    return choice
+
+
 def digest(capability: str) -> bytes:
     """What the table stores and looks grants up by, never the capability."""
     return hashlib.sha256(capability.encode("utf-8", errors="surrogatepass")).digest()
@@ -69,7 +97,8 @@ class Grant:
     """One capability's binding. ``blocks`` holds, per transfer group, the
     granted block ids sorted and distinct; ``uses`` counts completed
     transfers and released uses. ``max_uses`` is ``OPEN_USES`` until the
-    first claim of an open grant fixes it."""
+    first claim of an open grant fixes it. ``unread_release`` is the
+    worker's word on a release declaring no readers."""
 
     digest: bytes
     worker: WorkerKey
@@ -79,6 +108,7 @@ class Grant:
     expires_unix_ms: int
     max_uses: int
     uses: int = 0
+    unread_release: UnreadRelease = UnreadRelease.UNSPECIFIED
 
     @property
     def block_count(self) -> int:
@@ -276,26 +306,38 @@ def release_use(grant: Grant, readers: int, layout: ReaderLayout | None = None) 
     """The grant once a reader gave up its use without a transfer: one use
     spent; with ``readers`` 0 (no one reads the grant) an open grant with
     no use taken is used up at once (``max_uses`` 1, ``uses`` 1). That burns
-    the grant unread, so it needs the prefill worker's own word: its
-    registered layout must allow a rank no decode reads
-    (``ReaderLayout.may_go_unread``); a decode peer's say alone is not
-    enough."""
-    layout = layout or ReaderLayout()
+    the grant unread, so it needs the prefill worker's own word: the grant
+    must not say REFUSED (``Grant.unread_release``), and its registered
+    layout must allow a rank no decode reads (``ReaderLayout.may_go_unread``);
+    a decode peer's say alone is not enough."""
     if readers == 0:
-        if not grant.open:
-            raise FailedPrecondition(
-                f"capability for request {grant.request_id} admits {grant.max_uses} readers; "
-                "the caller declared none"
-            )
-        if not layout.may_go_unread:
-            raise FailedPrecondition(
-                f"capability for request {grant.request_id}: its worker (rank {layout.tp_rank} "
-                f"of tensor-parallel size {layout.tp_size}) is read by every decode engine; "
-                "the caller declared no readers"
-            )
+        check_unread(grant, layout or ReaderLayout())
         return replace(grant, max_uses=1, uses=1)
     fixed = declare_readers(grant, readers, layout)
     return replace(fixed, uses=fixed.uses + 1)
+
+
+def check_unread(grant: Grant, layout: ReaderLayout) -> None:
+    """FailedPrecondition unless ``grant`` may be used up unread: open (no
+    claim fixed its count), not REFUSED by its worker, and of a rank its
+    layout lets go unread. ALLOWED and UNSPECIFIED both leave the last word
+    to the layout: the worker's ALLOWED alone does not make a rank unread."""
+    if not grant.open:
+        raise FailedPrecondition(
+            f"capability for request {grant.request_id} admits {grant.max_uses} readers; "
+            "the caller declared none"
+        )
+    if grant.unread_release is UnreadRelease.REFUSED:
+        raise FailedPrecondition(
+            f"capability for request {grant.request_id}: its worker said every decode engine "
+            "reads it; the caller declared no readers"
+        )
+    if not layout.may_go_unread:
+        raise FailedPrecondition(
+            f"capability for request {grant.request_id}: its worker (rank {layout.tp_rank} "
+            f"of tensor-parallel size {layout.tp_size}) is read by every decode engine; "
+            "the caller declared no readers"
+        )
 
 
 def check_request_id(request_id: str, field: str = "request_id") -> str:

@@ -99,6 +99,9 @@ class Announcement:
     readers: int
     # The caller's id of the transfer, which both daemons log (peer.proto).
     transfer_id: str = ""
+    # The W3C traceparent of the caller's span of the transfer (sent as gRPC
+    # metadata, not in the message): the owner's span of it is its child.
+    traceparent: str = ""
 
 
 @dataclass(frozen=True)
@@ -112,3 +115,4 @@ class ReleaseNotice:
     capability: str
     readers: int
     transfer_id: str = ""  # as an announcement's
+    traceparent: str = ""  # as an announcement's

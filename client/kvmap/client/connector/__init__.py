@@ -14,6 +14,7 @@ is tested against an in-process kvmapd without vLLM.
 - ``pulls``: the decode side's transfer specs (``PullSpecs``)
 - ``worker``: ``WorkerCore`` (registration, pulls, releases, kept blocks)
 - ``stats``: the connector's transfer statistics and Prometheus series
+- ``traces``: the connector's OpenTelemetry spans and how they join vLLM's
 """
 
 from kvmap.client.connector.blocks import NULL_BLOCK_ID, BlockIds, map_token_ranges, pair_blocks

@@ -20,9 +20,11 @@ def ids(
     transfer_id: str = "",
     peer: str = "",
     worker: types_pb2.WorkerId | None = None,
+    trace_id: str = "",
 ) -> str:
-    """``request_id=... [transfer_id=...] [peer=...] [worker=...]``: the ids
-    this line has. ``request_id`` is the id the daemons know the transfer
+    """``request_id=... [transfer_id=...] [peer=...] [worker=...]
+    [trace_id=...]``: the ids this line has (``trace_id``: its trace's, when
+    traced). ``request_id`` is the id the daemons know the transfer
     by (the prefill request's, which the grant names); ``local_request_id``
     this engine's own id of the request, where it differs."""
     words = [f"request_id={request_id}"]
@@ -34,4 +36,6 @@ def ids(
         words.append(f"peer={peer}")
     if worker is not None:
         words.append(f"worker={worker_name(worker)}")
+    if trace_id:
+        words.append(f"trace_id={trace_id}")
     return " ".join(words)

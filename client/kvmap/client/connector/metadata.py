@@ -16,6 +16,10 @@ class RecvTask:
     request_id: str
     source: RemoteSource
     local_block_ids: BlockIds
+    # The parent of the worker's span of the load, and a span it links to
+    # (connector.traces.load_parent).
+    traceparent: str = ""
+    trace_link: str = ""
 
 
 @dataclass
@@ -25,6 +29,8 @@ class ConnectorMeta:
     recv: list[RecvTask] = field(default_factory=list)
     # Prefill requests whose blocks now wait for a pull: lease seconds each.
     send: dict[str, float] = field(default_factory=dict)
+    # Their grant spans' traceparents (tracing on): their frees' parents.
+    send_traces: dict[str, str] = field(default_factory=dict)
     # Prefill requests scheduled this step (a pull may finish before their
     # lease starts); and requests that will not be sent (aborted).
     in_batch: set[str] = field(default_factory=set)

@@ -92,6 +92,9 @@ class ConnectorOptions:
     # Either way a rank's blocks are freed once its grant is used up (or
     # the lease ran out).
     decode_tp_size: int = 0
+    # OTLP/gRPC endpoint of the connector's spans; "" falls back to the
+    # standard OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT (connector.traces).
+    otlp_traces_endpoint: str = ""
 
     @classmethod
     def from_extra_config(
@@ -124,6 +127,11 @@ class ConnectorOptions:
             raise ValueError(
                 f"kv_connector_extra_config.decode_tp_size: must be in [0, {MAX_USES}]"
             )
+        if self.otlp_traces_endpoint:
+            scheme, sep, rest = self.otlp_traces_endpoint.partition("://")
+            if sep and scheme not in ("http", "https"):
+                raise ValueError("kv_connector_extra_config.otlp_traces_endpoint: http or https")
+            host_port((rest if sep else scheme).rstrip("/"), "otlp_traces_endpoint")
         if self.peer_address:
             host_port(self.peer_address, "peer_address")
         elif producer:

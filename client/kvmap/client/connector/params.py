@@ -13,6 +13,7 @@ from typing import Any
 
 from kvmap.client.connector.blocks import BlockIds
 from kvmap.client.connector.options import host_port
+from kvmap.tracing import traceparent_of
 
 # Version of the kv_transfer_params this connector writes and reads.
 PARAMS_VERSION = 1
@@ -33,6 +34,10 @@ OPEN_GRANTS_KEY = "kvmap_open_grants"
 UNREAD_CAPABILITY = "-"
 _CAPABILITY = re.compile(r"[A-Za-z0-9_-]{1,128}(?:\.[A-Za-z0-9_-]{1,128})*")
 MAX_CAPABILITY_CHARS = 8192
+
+# kv_transfer_params key of the prefill grant span's W3C traceparent
+# (connector.traces): the decode side's spans join the grant's trace.
+TRACEPARENT_KEY = "kvmap_traceparent"
 
 # kv_transfer_params mark of a prefill request whose prompt the connector
 # cut short (private: the params a prefill request returns are built anew).
@@ -60,6 +65,8 @@ class RemoteSource:
     readers_tp_size: int = 0
     # The prefill side's grants are open (any decode TP size declares its own).
     open_grants: bool = False
+    # The prefill grant span's traceparent ("" when absent or malformed).
+    traceparent: str = ""
 
     @classmethod
     def parse(cls, params: Mapping[str, Any]) -> RemoteSource:
@@ -92,6 +99,7 @@ class RemoteSource:
             block_size=int(params.get("remote_block_size", 0)),
             readers_tp_size=int(params.get(READERS_TP_KEY, 0)),
             open_grants=params.get(OPEN_GRANTS_KEY) is True,
+            traceparent=traceparent_of(params.get(TRACEPARENT_KEY)),
         )
 
 

@@ -21,14 +21,17 @@ from kvmap.client.connector.params import (
     OPEN_GRANTS_KEY,
     PARAMS_VERSION,
     READERS_TP_KEY,
+    TRACEPARENT_KEY,
     TRUNCATED_KEY,
     UNREAD_CAPABILITY,
     RemoteSource,
 )
-from kvmap.client.connector.tp_mapping import tp_readers
+from kvmap.client.connector.tp_mapping import tp_readers, unread_allowed
+from kvmap.client.connector.traces import connector_tracer, grant_span, load_parent
 from kvmap.client.connector.windows import GroupWindows
 from kvmap.core.errors import KvmapError
-from kvmap.v1 import types_pb2
+from kvmap.tracing import NULL_SPAN, current, use
+from kvmap.v1 import registry_pb2, types_pb2
 
 log = logging.getLogger("kvmap.client.connector")
 
@@ -66,6 +69,17 @@ class SchedulerCore:
         self.readers = tp_readers(kv_heads, tp_size, self.decode_tp_size, replicated=replicated)
         # No decode TP size configured: open grants (readers all 1 here).
         self.open_grants = not options.decode_tp_size
+        # The ranks whose open grant a decode may release unread (declaring
+        # no readers); every other grant says REFUSED, so a capability
+        # holder cannot burn it. A fixed-count grant cannot be released
+        # unread at all.
+        unread = unread_allowed(kv_heads, tp_size, replicated=replicated)
+        self.unread_release = [
+            registry_pb2.UNREAD_RELEASE_ALLOWED
+            if self.open_grants and allowed
+            else registry_pb2.UNREAD_RELEASE_REFUSED
+            for allowed in unread
+        ]
         # Offered with the KV, so a decode engine of another block size can
         # map the two block grids (0: not said).
         self.block_size = block_size
@@ -74,6 +88,7 @@ class SchedulerCore:
         # This pod's kvmapd, which grants the transfers of kept blocks; None
         # on engines that only consume KV (they keep nothing).
         self.client = client
+        self.tracer = connector_tracer(options)
         self._meta = ConnectorMeta()
 
     def num_new_matched_tokens(
@@ -140,8 +155,10 @@ class SchedulerCore:
         params: dict[str, Any] | None,
         local_block_ids: Sequence[Sequence[int]],
         num_external_tokens: int,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> None:
-        """Blocks were allocated for the request (``update_state_after_alloc``)."""
+        """Blocks were allocated for the request (``update_state_after_alloc``);
+        ``trace_headers``: vLLM's trace context of the request, if any."""
         if not params:
             return
         if params.get("do_remote_decode"):
@@ -156,13 +173,19 @@ class SchedulerCore:
                 log.warning("%s: not loading remote KV: %s", ids(request_id), err)
             else:
                 local = self._local_blocks(local_block_ids, source)
-                self._meta.recv.append(RecvTask(request_id, source, local))
+                parent, link = load_parent(source.traceparent, trace_headers)
+                self._meta.recv.append(RecvTask(request_id, source, local, parent, link))
         else:
-            self._release(request_id, params)
+            self._release(request_id, params, trace_headers)
         # One transfer per request, even when vLLM calls this again.
         params["do_remote_prefill"] = False
 
-    def _release(self, request_id: str, params: Mapping[str, Any]) -> None:
+    def _release(
+        self,
+        request_id: str,
+        params: Mapping[str, Any],
+        trace_headers: Mapping[str, str] | None = None,
+    ) -> None:
         """The workers release this decode request's uses of the prefill
         side's grants (it loads none of the blocks), so the prefill side
         frees them now rather than when its lease runs out."""
@@ -171,7 +194,8 @@ class SchedulerCore:
         except ValueError:
             return  # never a pull either: nothing to release
         if source.capability:
-            self._meta.release.append(RecvTask(request_id, source, ()))
+            parent, link = load_parent(source.traceparent, trace_headers)
+            self._meta.release.append(RecvTask(request_id, source, (), parent, link))
 
     def _local_blocks(
         self, local_block_ids: Sequence[Sequence[int]], source: RemoteSource
@@ -200,8 +224,10 @@ class SchedulerCore:
         finished_normally: bool,
         block_ids: Sequence[Sequence[int]],
         num_computed_tokens: int,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> tuple[bool, dict[str, Any] | None]:
-        """(keep the blocks for a pull?, kv_transfer_params for the client)."""
+        """(keep the blocks for a pull?, kv_transfer_params for the client);
+        ``trace_headers``: vLLM's trace context of the request, if any."""
         if not params:
             return False, None
         if params.get("do_remote_prefill"):
@@ -219,7 +245,7 @@ class SchedulerCore:
             return False, None
         # Only the blocks a transfer needs are offered (and granted).
         groups = [list(g) for g in self.windows.clip(block_ids)]
-        capability, open_grants = self._grant(request_id, groups) if any(groups) else ("", False)
+        capability, open_grants, traceparent = self._traced_grant(request_id, groups, trace_headers)
         # Blocks nobody may pull are not kept.
         keep = bool(capability)
         if keep:
@@ -242,15 +268,45 @@ class SchedulerCore:
             "remote_num_tokens": num_computed_tokens,
             "kvmap_params_version": PARAMS_VERSION,
         }
-        if self.decode_tp_size != self.tp_size:
-            offered[READERS_TP_KEY] = self.decode_tp_size
-        if open_grants:
-            offered[OPEN_GRANTS_KEY] = True
-        if self.block_size:
-            offered["remote_block_size"] = self.block_size
-        if capability:
-            offered[CAPABILITY_KEY] = capability
+        offered.update(self._optional_params(capability, open_grants, traceparent))
         return keep, offered
+
+    def _optional_params(
+        self, capability: str, open_grants: bool, traceparent: str
+    ) -> dict[str, Any]:
+        """The kv_transfer_params keys offered only when they say something."""
+        optional: dict[str, Any] = {}
+        if self.decode_tp_size != self.tp_size:
+            optional[READERS_TP_KEY] = self.decode_tp_size
+        if open_grants:
+            optional[OPEN_GRANTS_KEY] = True
+        if self.block_size:
+            optional["remote_block_size"] = self.block_size
+        if capability:
+            optional[CAPABILITY_KEY] = capability
+        if traceparent:  # the grant's span, which the decode side's spans join
+            optional[TRACEPARENT_KEY] = traceparent
+        return optional
+
+    def _traced_grant(
+        self, request_id: str, groups: list[list[int]], trace_headers: Mapping[str, str] | None
+    ) -> tuple[str, bool, str]:
+        """``_grant`` (nothing when there are no blocks) under its span, which
+        the grant calls carry to kvmapd: the capability, whether its grants
+        are open, and the span's traceparent ("" when not traced)."""
+        if not any(groups):
+            return "", False, ""
+        with grant_span(self.tracer, request_id, trace_headers) as span:
+            use(span)
+            try:
+                capability, open_grants = self._grant(request_id, groups)
+            finally:
+                use(NULL_SPAN)
+        traceparent = span.traceparent()
+        if capability and traceparent:
+            # The worker's span of freeing the kept blocks is the grant's child.
+            self._meta.send_traces[request_id] = traceparent
+        return capability, open_grants, traceparent
 
     def _rank_workers(self) -> list[types_pb2.WorkerId]:
         """This engine's workers that hold a request's blocks: one per
@@ -297,11 +353,13 @@ class SchedulerCore:
                     ttl_ms=ttl_ms,
                     max_uses=0 if self.open_grants else self.readers[worker.tp_rank],
                     open_uses=self.open_grants,
+                    unread_release=self.unread_release[worker.tp_rank],
                 )
                 granted.append(worker)
                 capabilities.append(grant.capability)
                 open_grants &= grant.open_uses
         except KvmapError as err:
+            current().fail(err.code.name, err.message)
             log.error(
                 "%s: kvmapd did not grant the transfer (%s); not offering its KV",
                 ids(request_id),

@@ -6,6 +6,7 @@ finished pulls free its blocks. The head arithmetic itself is the core's
 from __future__ import annotations
 
 from kvmap.core.errors import KvmapError
+from kvmap.core.grants import ReaderLayout
 from kvmap.core.reshard import source_ranks
 
 
@@ -43,6 +44,19 @@ def tp_readers(
             f"{src_tp} holds no heads a decode rank of size {dst_tp} reads"
         )
     return tuple(counts)
+
+
+def unread_allowed(kv_heads: int, tp_size: int, *, replicated: bool = False) -> tuple[bool, ...]:
+    """Per prefill rank, whether some decode engine may read it not at all:
+    the worker's word on an open grant (``UNREAD_RELEASE_ALLOWED``, or
+    REFUSED), by the daemon's own rule (``ReaderLayout.may_go_unread``) over
+    what the worker registers: no head count for a replicated (MLA, indexer)
+    cache, the model's KV heads for a head-split one. A model mixing both
+    needs decode engines of its own TP size, which read every rank."""
+    if not (replicated or kv_heads):
+        return (False,) * tp_size
+    heads = 0 if replicated else kv_heads
+    return tuple(ReaderLayout(tp_size, r, heads).may_go_unread for r in range(tp_size))
 
 
 def _replicated_readers(src_tp: int, dst_tp: int) -> tuple[int, ...]:

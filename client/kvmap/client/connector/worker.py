@@ -15,6 +15,8 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import TypeVar
 
 from kvmap.client.client import KvmapClient, TransferResult
 from kvmap.client.connector.blocks import BlockIds, pair_blocks
@@ -26,13 +28,16 @@ from kvmap.client.connector.params import RemoteSource
 from kvmap.client.connector.pulls import PullSpecs, with_timeout
 from kvmap.client.connector.stats import TransferStatsBook
 from kvmap.client.connector.tp_mapping import tp_readers
+from kvmap.client.connector.traces import connector_tracer, freed, load_span
 from kvmap.client.errors import status_name
 from kvmap.client.session import WorkerSession
 from kvmap.core.errors import SHUTTING_DOWN, KvmapError, NotFound, Unavailable
 from kvmap.core.retry import RetryPolicy
+from kvmap.tracing import NULL_SPAN, Span, use
 from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
 
 log = logging.getLogger("kvmap.client.connector")
+T = TypeVar("T")
 
 # A pull that has not ended this long after its own deadline is given up.
 WATCHDOG_GRACE_S = 5.0
@@ -71,6 +76,8 @@ class _Load:
     started: float
     deadline: float
     error: str = ""
+    # Its span (connector.traces.load_span), ended with the load.
+    span: Span = NULL_SPAN
 
 
 def _pulled_remote_blocks(load: _Load) -> BlockIds:
@@ -121,6 +128,9 @@ class WorkerCore:
             kv_heads, tp_size, options.decode_tp_size or tp_size, replicated=replicated
         )[worker.tp_rank]
         self.clock = clock
+        self.tracer = connector_tracer(options)
+        # Kept requests' grant spans (tracing on): their frees' parents.
+        self._send_traces: dict[str, str] = {}
         self.session: WorkerSession | None = None
         self.loads: collections.deque[LoadRecord] = collections.deque(maxlen=history)
         self.leases_expired = 0
@@ -135,6 +145,7 @@ class WorkerCore:
             max_workers=options.max_parallel_pulls, thread_name_prefix="kvmap-pull"
         )
         self._loading: dict[str, _Load] = {}
+        self._shut_down = False
         self._to_process: set[str] = set()
         self._send_deadline: dict[str, float] = {}
         # Pulls finished so far of prefill requests read by several ranks.
@@ -171,9 +182,11 @@ class WorkerCore:
         for task in meta.release:
             self._submit_release(task)
         self._to_process |= meta.in_batch
+        self._send_traces.update(meta.send_traces)
         for request_id in meta.not_processed:
             self._to_process.discard(request_id)
             self._send_pulls.pop(request_id, None)
+            self._send_traces.pop(request_id, None)
         for request_id, lease_s in meta.send.items():
             if not self.send_readers:
                 # No decode rank reads this rank (granted nothing): its
@@ -214,9 +227,10 @@ class WorkerCore:
             log.info("%s: not releasing remote KV: %s", _task_ids(task), err)
             return
         for spec in specs:
-            self._pool.submit(self._release, spec)
+            span = load_span(self.tracer, task, "release")
+            self._pool.submit(_traced, span, partial(self._release, spec, span), end=True)
 
-    def _release(self, spec: transfers_pb2.TransferSpec) -> None:
+    def _release(self, spec: transfers_pb2.TransferSpec, span: Span) -> None:
         timeout_s = spec.timeout_ms / 1000 + 2.0
         try:
             if registry_pb2.DAEMON_FEATURE_RELEASE_RPC in self.daemon_features:
@@ -226,6 +240,7 @@ class WorkerCore:
                 self.client.pull(spec, timeout_s=timeout_s)
             self.released += 1
         except KvmapError as err:
+            span.fail(err.code.name, err.message)
             log.info(
                 "%s: releasing the prefill rank's grant failed: %s", _spec_ids(spec), err.message
             )
@@ -241,11 +256,12 @@ class WorkerCore:
         # Prefill ranks no decode rank reads: their blocks are freed now.
         self._submit_release(task, pulling=True)
         until = now + self.options.transfer_timeout_s
+        span = load_span(self.tracer, task)
         if len(specs) == 1:
-            future = self._pool.submit(self._pull, specs[0], until)
+            future = self._pool.submit(_traced, span, partial(self._pull, specs[0], until))
         else:
-            future = self._pool.submit(self._pull_all, specs, until)
-        self._loading[task.request_id] = _Load(task, specs[0], future, now, deadline)
+            future = self._pool.submit(_traced, span, partial(self._pull_all, specs, until))
+        self._loading[task.request_id] = _Load(task, specs[0], future, now, deadline, span=span)
 
     def _pull_all(
         self, specs: Sequence[transfers_pb2.TransferSpec], deadline: float
@@ -365,6 +381,7 @@ class WorkerCore:
                     continue
                 self._to_process.discard(request_id)
                 self._send_deadline.pop(request_id, None)
+                freed(self.tracer, request_id, self._send_traces.pop(request_id, ""))
                 done.add(request_id)
             else:
                 log.debug("pull of unknown or expired request %s finished", request_id)
@@ -385,6 +402,9 @@ class WorkerCore:
             self._to_process.discard(request_id)
             self._send_pulls.pop(request_id, None)
             revoke(self.client, self.worker, request_id)
+            freed(
+                self.tracer, request_id, self._send_traces.pop(request_id, ""), "DEADLINE_EXCEEDED"
+            )
             self.leases_expired += 1
             self.stats.record_kv_expired_req()
             expired.add(request_id)
@@ -395,19 +415,23 @@ class WorkerCore:
         an ended load is counted in ``stats``."""
         if load.future is None:
             self.stats.record_failed_transfer("INVALID_PARAMS")
+            load.span.fail("INVALID_ARGUMENT", load.error)
             return load.error, 0
         if load.future.done():
             exc = load.future.exception()
             if exc is not None:
                 self.stats.record_failed_transfer(status_name(exc))
+                load.span.fail(status_name(exc), _describe(exc))
                 return _describe(exc), 0
             result = load.future.result()
             self.stats.record_transfer(result)
+            load.span.set(bytes=result.bytes, transfer_id=result.transfer_id)
             log.debug("%s: loaded %d bytes", _load_ids(load, result.transfer_id), result.bytes)
             return "", result.bytes
         if now >= load.deadline:
             load.future.cancel()
             self.stats.record_failed_transfer("DEADLINE_EXCEEDED")
+            load.span.fail("DEADLINE_EXCEEDED", "no answer from kvmapd in time")
             return (
                 f"no answer from kvmapd within {self.options.transfer_timeout_s}s "
                 f"+ {WATCHDOG_GRACE_S}s"
@@ -416,6 +440,7 @@ class WorkerCore:
 
     def _finish_load(self, load: _Load, error: str, nbytes: int, now: float) -> None:
         """Log and keep a record of an ended load; note a failed one's blocks."""
+        load.span.end()
         local, remote = load.task.local_block_ids, load.task.source.block_ids
         if error:
             log.warning(
@@ -451,10 +476,27 @@ class WorkerCore:
         return len(self._to_process)
 
     def shutdown(self) -> None:
+        """Once: vLLM may call it again (the engine's finalizer after an
+        explicit shutdown), when the channel to kvmapd is closed already."""
+        if self._shut_down:
+            return
+        self._shut_down = True
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.session is not None:
             self.session.stop(deregister=True, timeout_s=self.options.call_timeout_s)
         self.client.close()
+
+
+def _traced(span: Span, call: Callable[[], T], *, end: bool = False) -> T:
+    """``call()`` on a pool thread with ``span`` current, so that its calls
+    to kvmapd carry it (``traceparent``); ``end``: the span ends with it."""
+    use(span)
+    try:
+        return call()
+    finally:
+        use(NULL_SPAN)
+        if end:
+            span.end()
 
 
 def _task_ids(task: RecvTask) -> str:
@@ -468,7 +510,7 @@ def _spec_ids(spec: transfers_pb2.TransferSpec) -> str:
 def _load_ids(load: _Load, transfer_id: str = "") -> str:
     """A load's ids: the daemons' request id, this engine's, the prefill
     daemon and (of the first rank pulled from) worker, the transfer id
-    once the daemon answered."""
+    once the daemon answered, the trace id when traced."""
     task = load.task
     return ids(
         task.source.request_id,
@@ -476,6 +518,7 @@ def _load_ids(load: _Load, transfer_id: str = "") -> str:
         transfer_id=transfer_id,
         peer=task.source.target,
         worker=load.spec.remote_worker if load.spec is not None else None,
+        trace_id=load.span.trace_id(),
     )
 
 

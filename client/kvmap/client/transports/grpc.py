@@ -13,6 +13,7 @@ import grpc.experimental
 from kvmap.client import fd_handoff
 from kvmap.client.errors import from_rpc_error
 from kvmap.core.errors import KvmapError, PermissionDenied
+from kvmap.tracing import TRACEPARENT, current
 from kvmap.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -117,6 +118,14 @@ def _spec_call(
     )
 
 
+def _trace_metadata() -> tuple[tuple[str, str], ...]:
+    """The calling thread's current span (``kvmap.tracing.current``) as
+    ``traceparent`` metadata: the daemon's span of the call is its child.
+    Nothing when tracing is off (the null span has no traceparent)."""
+    traceparent = current().traceparent()
+    return ((TRACEPARENT, traceparent),) if traceparent else ()
+
+
 def daemon_listening(socket_path: str) -> bool:
     """Whether something accepts connections on ``socket_path`` now (one
     connect, closed at once: no gRPC, nothing sent)."""
@@ -195,23 +204,25 @@ class GrpcTransport:
     def _as_caller(self, call: Callable[..., R], req: Any, timeout: float) -> R:
         """A Registry call with this process's credentials; once more with a
         fresh token when refused (a restarted daemon forgot the old one)."""
+        traced = _trace_metadata()
         try:
-            return self._unary(call, req, timeout, metadata=self._credentials())
+            return self._unary(call, req, timeout, metadata=(*self._credentials(), *traced))
         except PermissionDenied:
-            return self._unary(call, req, timeout, metadata=self._credentials(fresh=True))
+            metadata = (*self._credentials(fresh=True), *traced)
+            return self._unary(call, req, timeout, metadata=metadata)
 
     def pull(
         self, spec: transfers_pb2.TransferSpec, timeout: float
     ) -> Iterator[transfers_pb2.PullResponse]:
         """Pull{spec}: the spec is serialized once, straight into the
         request's bytes (no PullRequest copy of its block ids)."""
-        return _stream(self._pull_spec(spec, timeout=timeout))
+        return _stream(self._pull_spec(spec, timeout=timeout, metadata=_trace_metadata()))
 
     def push(
         self, spec: transfers_pb2.TransferSpec, timeout: float
     ) -> Iterator[transfers_pb2.PushResponse]:
         """Push{spec}, as ``pull``."""
-        return _stream(self._push_spec(spec, timeout=timeout))
+        return _stream(self._push_spec(spec, timeout=timeout, metadata=_trace_metadata()))
 
     def release(
         self, req: transfers_pb2.ReleaseRequest, timeout: float
@@ -220,7 +231,7 @@ class GrpcTransport:
         did pass on must not be passed on twice (a second one would spend
         another reader's use)."""
         try:
-            return self._transfers.Release(req, timeout=timeout)
+            return self._transfers.Release(req, timeout=timeout, metadata=_trace_metadata())
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 

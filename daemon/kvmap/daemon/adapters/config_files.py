@@ -24,6 +24,7 @@ from kvmap.core.config import (
     field_type,
 )
 from kvmap.core.errors import ConfigError
+from kvmap.tracing import endpoint_from
 
 
 def default_runtime_dir(uid: int | None = None) -> Path:
@@ -50,6 +51,11 @@ def load_config(
     values["flag_keys"] = tuple(KEY_OF_FIELD.get(k, k) for k in flags)
     if not values.get("socket"):
         values["socket"] = str(default_runtime_dir() / "kvmapd.sock")
+    # Configured like any OTel service: the standard variables stand in for
+    # the key, and OTEL_SDK_DISABLED=true turns tracing off.
+    values["otlp_traces_endpoint"] = endpoint_from(
+        values.get("otlp_traces_endpoint") or "", os.environ
+    )
     try:
         check_types(values)
         return replace(DaemonConfig(), **values).validated()

@@ -53,6 +53,7 @@ from kvmap.core.transfer_wire import announcement_to_proto, release_notice_to_pr
 from kvmap.daemon.adapters.config_files import read_pem
 from kvmap.daemon.adapters.grpc_codes import error_code, reason_of
 from kvmap.daemon.adapters.peer_secret import peer_secret
+from kvmap.tracing import TRACEPARENT
 from kvmap.v1 import peer_pb2, peer_pb2_grpc
 
 log = structlog.get_logger("kvmapd.peers")
@@ -330,19 +331,23 @@ class PeerClient:
 
     async def begin(self, target: str, announcement: Announcement, timeout_s: float) -> str:
         """Peer.BeginTransfer, bounded by ``timeout_s``: the transfer's time."""
-        return await self._begin(target, announcement_to_proto(announcement), timeout_s)
+        req = announcement_to_proto(announcement)
+        return await self._begin(target, req, timeout_s, announcement.traceparent)
 
     async def release(self, target: str, notice: ReleaseNotice, timeout_s: float) -> None:
         """Give up a use of the owner's grant: BeginTransfer with ``release``
         on the wire, which owners of this release and the one before answer."""
-        await self._begin(target, release_notice_to_proto(notice), timeout_s)
+        await self._begin(target, release_notice_to_proto(notice), timeout_s, notice.traceparent)
 
     async def _begin(
-        self, target: str, req: peer_pb2.BeginTransferRequest, timeout_s: float
+        self, target: str, req: peer_pb2.BeginTransferRequest, timeout_s: float, traceparent: str
     ) -> str:
+        metadata = self._metadata
+        if traceparent:  # the owner's span of the transfer is a child of ours
+            metadata = (*metadata, (TRACEPARENT, traceparent))
         try:
             resp = await (await self._stub(target)).BeginTransfer(
-                req, timeout=timeout_s, metadata=self._metadata
+                req, timeout=timeout_s, metadata=metadata
             )
         except aio.AioRpcError as err:
             # Only what a new handshake cures is retried as stale; anything

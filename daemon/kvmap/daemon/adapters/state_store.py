@@ -36,7 +36,7 @@ import structlog
 
 from kvmap.core.errors import KvmapError, ResourceExhausted, Unavailable
 from kvmap.core.geometry import WorkerKey
-from kvmap.core.grants import Grant
+from kvmap.core.grants import Grant, UnreadRelease
 from kvmap.v1 import registry_pb2, types_pb2
 
 log = structlog.get_logger("kvmapd.state_store")
@@ -63,7 +63,7 @@ CREATE TABLE IF NOT EXISTS pending_events (
     event BLOB NOT NULL
 );-- Per-request capabilities (engine.grants), by the SHA-256 digest of the
 -- capability, never the capability itself; groups is a GrantTransferRequest
--- holding only its groups (BlockGrant messages).
+-- holding only its groups (BlockGrant messages) and its unread_release.
 CREATE TABLE IF NOT EXISTS grants (
     digest BLOB PRIMARY KEY,
     worker TEXT NOT NULL,
@@ -504,7 +504,10 @@ class StateStore:
             groups=[
                 types_pb2.BlockGrant(transfer_group=g, block_ids=ids.tolist())
                 for g, ids in grant.blocks.items()
-            ]
+            ],
+            # In the blob, not a column: a store written before the field
+            # reads as UNSPECIFIED (the layout decides, as it did then).
+            unread_release=registry_pb2.UnreadRelease.ValueType(grant.unread_release),
         )
         self._db.execute(
             "INSERT OR REPLACE INTO grants VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -548,7 +551,8 @@ class StateStore:
             "SELECT digest, worker, generation, request_id, groups, expires_unix_ms, max_uses, "
             "uses FROM grants"
         ):
-            groups = registry_pb2.GrantTransferRequest.FromString(blob).groups
+            stored = registry_pb2.GrantTransferRequest.FromString(blob)
+            groups = stored.groups
             out.append(
                 Grant(
                     digest=bytes(digest),
@@ -562,9 +566,19 @@ class StateStore:
                     expires_unix_ms=int(expires),
                     max_uses=int(max_uses),
                     uses=int(uses),
+                    unread_release=_unread_release(stored.unread_release),
                 )
             )
         return out
+
+
+def _unread_release(value: int) -> UnreadRelease:
+    """A stored choice; one this kvmapd does not know (written by a newer
+    one) reads as REFUSED: refusing an unread release is always safe."""
+    try:
+        return UnreadRelease(value)
+    except ValueError:
+        return UnreadRelease.REFUSED
 
 
 def _stored(key: str, blob: bytes, doc: str, planner: str, generation: int) -> StoredWorker:

@@ -35,6 +35,7 @@ from kvmap.daemon.api.authorization import peer_identity
 from kvmap.daemon.api.local_callers import local_caller
 from kvmap.daemon.engine.app import DaemonApp
 from kvmap.daemon.engine.transfers import new_transfer_id
+from kvmap.tracing import NULL_SPAN, Span, traceparent_in
 from kvmap.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -70,6 +71,27 @@ def _bind_transfer_ids(request: peer_pb2.BeginTransferRequest, peer: str) -> Non
         peer_agent=request.peer_agent[:_MAX_LOGGED_AGENT],
         worker=str(convert.worker_key_from_proto(request.worker))[:_MAX_LOGGED_AGENT],
     )
+
+
+def _span(app: DaemonApp, context: Ctx, name: str, **attributes: str | int) -> Span:
+    """The span of one call, a child of the caller's (its ``traceparent``
+    metadata); ``NULL_SPAN``, at the cost of this branch, when tracing is off."""
+    if not app.tracer.enabled:
+        return NULL_SPAN
+    parent = traceparent_in(context.invocation_metadata())
+    return app.tracer.start(name, parent=parent, server=True, attributes=attributes)
+
+
+def _lease_span(app: DaemonApp, context: Ctx, request: peer_pb2.BeginTransferRequest) -> Span:
+    """The owner's span of an announced transfer (or a release of a use),
+    under the same ids as its log lines (``_bind_transfer_ids``)."""
+    if not app.tracer.enabled:
+        return NULL_SPAN
+    bound = structlog.contextvars.get_contextvars()
+    ids = {k: str(bound.get(k, "")) for k in ("request_id", "transfer_id", "peer", "peer_agent")}
+    name = "kvmap.release" if request.release else "kvmap.lease"
+    return _span(app, context, name, **ids, worker=str(bound.get("worker", "")),
+                 blocks=request.blocks, bytes=request.bytes)  # fmt: skip
 
 
 class RegistryService(registry_pb2_grpc.RegistryServicer):
@@ -137,6 +159,15 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         self, request: registry_pb2.GrantTransferRequest, context: Ctx
     ) -> registry_pb2.GrantTransferResponse:
         key = worker_key(request.worker)
+        request_id = request.request_id[:MAX_REQUEST_ID]
+        blocks = sum(len(g.block_ids) for g in request.groups)
+        with _span(self.app, context, "kvmap.grant", request_id=request_id, worker=str(key),
+                   blocks=blocks):  # fmt: skip
+            return self._grant(key, request, context)
+
+    def _grant(
+        self, key: WorkerKey, request: registry_pb2.GrantTransferRequest, context: Ctx
+    ) -> registry_pb2.GrantTransferResponse:
         self.app.lifecycle.check_caller(key, local_caller(context, self.app.fds))
         capability, grant = self.app.owner.grant(
             key,
@@ -145,12 +176,14 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
             ttl_ms=request.ttl_ms,
             max_uses=request.max_uses,
             open_uses=request.open_uses,
+            unread_release=request.unread_release,
         )
         return registry_pb2.GrantTransferResponse(
             capability=capability,
             generation=grant.generation,
             expires_unix_ms=grant.expires_unix_ms,
             open_uses=grant.open,
+            unread_release=registry_pb2.UnreadRelease.ValueType(grant.unread_release),
         )
 
     async def RevokeTransfer(
@@ -275,13 +308,20 @@ class PeerService(peer_pb2_grpc.PeerServicer):
         # the caller is, not to the agent name it declares.
         peer = peer_identity(context)
         _bind_transfer_ids(request, peer)
+        # A lease's span ends with the lease; a refusal's or a release's, here.
+        span = _lease_span(self.app, context, request)
+        if span.trace_id():  # traced: the log lines name the trace too
+            structlog.contextvars.bind_contextvars(trace_id=span.trace_id())
         try:
             if request.release:
                 self.app.owner.release(release_notice_from_proto(request), peer=peer)
+                span.end()
                 return peer_pb2.BeginTransferResponse()
-            lease = self.app.owner.begin(announcement_from_proto(request), peer=peer)
+            lease = self.app.owner.begin(announcement_from_proto(request), peer=peer, span=span)
         except KvmapError as err:
             self.app.metrics.served(peer, err.code.name)  # a refusal, per peer
+            span.fail(err.code.name, err.message)
+            span.end()
             raise
         return peer_pb2.BeginTransferResponse(transfer_token=lease.token)
 
@@ -302,7 +342,7 @@ class TransfersService(transfers_pb2_grpc.TransfersServicer):
         if self.app.draining:
             raise Unavailable(SHUTTING_DOWN)
         req = transfer_from_spec(request.spec, self.app.config.transfer_timeout_s)
-        async for state in self._tracked(req, "pull"):
+        async for state in self._tracked(req, "pull", context):
             yield transfers_pb2.PullResponse(status=state)
 
     async def Push(
@@ -311,7 +351,7 @@ class TransfersService(transfers_pb2_grpc.TransfersServicer):
         if self.app.draining:
             raise Unavailable(SHUTTING_DOWN)
         req = transfer_from_spec(request.spec, self.app.config.transfer_timeout_s)
-        async for state in self._tracked(req, "push"):
+        async for state in self._tracked(req, "push", context):
             yield transfers_pb2.PushResponse(status=state)
 
     async def Release(
@@ -322,23 +362,31 @@ class TransfersService(transfers_pb2_grpc.TransfersServicer):
         if self.app.draining:
             raise Unavailable(SHUTTING_DOWN)
         use = release_from_request(request, self.app.config.transfer_timeout_s)
-        async for _ in self._tracked(use, "release"):
+        async for _ in self._tracked(use, "release", context):
             pass
         return transfers_pb2.ReleaseResponse()
 
     async def _tracked(
-        self, req: TransferRequest | UseRelease, kind: Literal["pull", "push", "release"]
+        self,
+        req: TransferRequest | UseRelease,
+        kind: Literal["pull", "push", "release"],
+        context: Ctx,
     ) -> AsyncIterator[transfers_pb2.TransferStatus]:
         """The engine's reports of one transfer, which the live view
         (Admin.GetStatus) lists as in flight until it ends, either way.
         The RPC's log lines (and a failure among the recent errors) carry the
         transfer's request id (the one the worker's logs know it by) and its
-        transfer id, which each report tells the caller too."""
+        transfer id, which each report tells the caller too. Its span is a
+        child of the caller's (``traceparent`` metadata)."""
         structlog.contextvars.bind_contextvars(request_id=req.request_id)
         transfer_id = new_transfer_id()
         entry = self.app.activity.begin(req, kind)
         try:
-            reports = self.app.engine.run(req, write=kind == "push", transfer_id=transfer_id)
+            tracing = self.app.tracer.enabled
+            parent = traceparent_in(context.invocation_metadata()) if tracing else ""
+            reports = self.app.engine.run(
+                req, write=kind == "push", transfer_id=transfer_id, traceparent=parent
+            )
             async for report in reports:
                 entry.phase = report.phase.name
                 state = report_to_proto(report)

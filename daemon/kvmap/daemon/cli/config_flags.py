@@ -41,12 +41,16 @@ KEY_HELP = {
     "mutual TLS, both directions (repeatable; required with --tls-client-ca)",
     "peer_secret_file": "file with the secret peer daemons share (not readable by others); "
     "without it and without mutual TLS every TCP caller of Peer and RegionMaps is refused",
+    "otlp_traces_endpoint": "OTLP/gRPC endpoint ([http://|https://]HOST:PORT) to export "
+    "traces to; without one no traces",
 }
 # Defaults that depend on other keys or the environment, in words.
 _DEFAULT_WORDS = {
     "socket": "$XDG_RUNTIME_DIR/kvmap/kvmapd.sock, else /tmp/kvmap-$UID/kvmapd.sock",
     "fd_socket": "<socket>.fds",
     "peer_ca": "the --tls-client-ca",
+    "otlp_traces_endpoint": "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else "
+    "$OTEL_EXPORTER_OTLP_ENDPOINT, else none",
 }
 _TYPES = {"float": float, "int": int, "str": str}
 _METAVARS = {

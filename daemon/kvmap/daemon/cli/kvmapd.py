@@ -24,6 +24,7 @@ from kvmap.daemon.adapters.preflight import (
 from kvmap.daemon.adapters.socket_lock import StartRefused
 from kvmap.daemon.cli import plan_cmd
 from kvmap.daemon.cli.config_flags import add_config_flags
+from kvmap.tracing import check_available
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -93,6 +94,7 @@ def _serve(args: argparse.Namespace) -> int:
         check_socket_paths(config)
         check_state_dir(config)
         check_ports(config)
+        check_available(config.otlp_traces_endpoint)  # the traces extra, if tracing
     except ValueError as err:
         configure_logging(config.log_format, config.log_level)  # not capturing yet
         return _refuse(config, explain(err, config.config_file, config.flag_keys))

@@ -42,10 +42,12 @@ from kvmap.daemon.engine.grants import GrantTable
 from kvmap.daemon.engine.leases import LeaseTable
 from kvmap.daemon.engine.lifecycle import Lifecycle
 from kvmap.daemon.engine.owner import OwnerSide
+from kvmap.daemon.engine.pacing import Pacing
 from kvmap.daemon.engine.progress import Progress
 from kvmap.daemon.engine.registration import Registrar
-from kvmap.daemon.engine.transfers import Pacing, Peers, TransferEngine
+from kvmap.daemon.engine.transfers import Peers, TransferEngine
 from kvmap.daemon.engine.workers import WorkerRecord, WorkerTable
+from kvmap.tracing import OFF, Tracer, tracer_for
 from kvmap.v1 import admin_pb2
 
 log = structlog.get_logger("kvmapd")
@@ -63,15 +65,19 @@ class Adapters:
     cuda: CudaIpcImporter
     # The clock and backoff of a transfer's retries (tests: a virtual clock).
     pacing: Pacing = field(default_factory=Pacing)
+    # Where spans go: OFF (no span records) unless an endpoint is configured.
+    tracer: Tracer = OFF
 
     @classmethod
-    def for_config(cls, config: DaemonConfig) -> Adapters:
-        """The real ones: NIXL, gRPC to peers (mTLS when configured)."""
+    def for_config(cls, config: DaemonConfig, instance: str = "") -> Adapters:
+        """The real ones: NIXL, gRPC to peers (mTLS when configured), spans
+        exported as daemon ``instance`` (when an endpoint is configured)."""
         return cls(
             create_agent=NixlAgent.create,
             peers=PeerClient.for_config(config),
             shm=ShmImporter(config.shm_path_prefix),
             cuda=CudaIpcImporter(),
+            tracer=tracer_for(config.otlp_traces_endpoint, "kvmapd", instance),
         )
 
 
@@ -84,8 +90,9 @@ class DaemonApp:
         adapters: Adapters | None = None,
     ) -> None:
         self.config = config
-        self.adapters = adapters or Adapters.for_config(config)
+        self.adapters = adapters or Adapters.for_config(config, instance)
         self.metrics = metrics
+        self.tracer = self.adapters.tracer
         self.instance = instance
         self.agent_name = f"kvmapd-{instance}"
         self.table = WorkerTable(on_generation=metrics.generations.inc)
@@ -184,6 +191,7 @@ class DaemonApp:
             counters=self.counters,
             pacing=self.adapters.pacing,
             replaces_agents=self.previous_agents,
+            tracer=self.tracer,
         )
         self._registrar = Registrar(
             table=self.table,
@@ -245,6 +253,7 @@ class DaemonApp:
         self.nixl.shutdown()
         self.adapters.cuda.shutdown()  # after every registration of imported VRAM is gone
         self.store.close()
+        self.tracer.shutdown()  # the last spans (bounded: a collector may be gone)
 
     def stats(self) -> admin_pb2.GetStatsResponse:
         return admin_pb2.GetStatsResponse(

@@ -140,13 +140,16 @@ class GrantTable:
         ttl_ms: int,
         max_uses: int,
         open_uses: bool = False,
+        unread_release: int = core.UnreadRelease.UNSPECIFIED,
     ) -> tuple[str, Grant]:
         """Mint a capability for ``record``'s worker; the caller checked that
         the worker is attached. Returns the capability (the only copy) and
-        its grant."""
+        its grant (``unread_release``: the worker's word on a release
+        declaring no readers, stored with it)."""
         request_id = core.check_request_id(request_id)
         ttl_ms = core.check_ttl(ttl_ms)
         max_uses = core.check_grant_uses(max_uses, open_uses)
+        unread = core.check_unread_release(unread_release, open_uses)
         blocks = core.granted_blocks(groups, self._group_limits(record))
         self._check_room(record.key, sum(len(ids) for ids in blocks.values()))
         capability = new_capability()
@@ -158,6 +161,7 @@ class GrantTable:
             blocks=blocks,
             expires_unix_ms=self._clock() + ttl_ms,
             max_uses=max_uses,
+            unread_release=unread,
         )
         self._store.save_grant(grant)  # first: a failed write leaves nothing behind
         self._add(grant)

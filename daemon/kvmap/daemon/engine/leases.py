@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from kvmap.core.errors import ResourceExhausted, StaleGeneration
 from kvmap.daemon.engine.workers import WorkerRecord
+from kvmap.tracing import NULL_SPAN, Span
 
 # Notification payload a puller sends to the owner's agent when it is done.
 NOTIF_PREFIX = b"kvmap1:done:"
@@ -46,6 +47,9 @@ class Lease:
     peer: str = ""
     # The caller's id of the transfer (BeginTransferRequest.transfer_id), logged.
     transfer_id: str = ""
+    # The lease's span (a child of the caller's span of the transfer): it
+    # ends with the lease, however that ends.
+    span: Span = NULL_SPAN
 
 
 def notification(token: str) -> bytes:

@@ -5,6 +5,7 @@ lease's agent, the peer's EndTransfer, or the lease running out."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ from kvmap.daemon.engine.grants import GrantTable
 from kvmap.daemon.engine.leases import DEFAULT_LEASE_S, Lease, LeaseTable, token_of
 from kvmap.daemon.engine.lifecycle import Lifecycle
 from kvmap.daemon.engine.workers import WorkerTable
+from kvmap.tracing import NULL_SPAN, Span
 from kvmap.v1 import admin_pb2, registry_pb2
 
 log = structlog.get_logger("kvmapd")
@@ -39,14 +41,18 @@ MAX_BOUND_AGENTS = 4096
 
 def lease_fields(lease: Lease) -> dict[str, Any]:
     """A lease's transfer as every log line about it names it (the same
-    fields as the caller's daemon logs: docs/operate.md, "Logs")."""
-    return {
+    fields as the caller's daemon logs: docs/operate.md, "Logs"), and its
+    trace's id when it is traced."""
+    fields = {
         "request_id": lease.request_id,
         "transfer_id": lease.transfer_id,
         "peer": lease.peer,
         "peer_agent": lease.peer_agent,
         "worker": str(lease.record.key),
     }
+    if lease.span.trace_id():
+        fields["trace_id"] = lease.span.trace_id()
+    return fields
 
 
 class AgentBindings:
@@ -118,6 +124,7 @@ class OwnerSide:
         ttl_ms: int,
         max_uses: int,
         open_uses: bool = False,
+        unread_release: int = 0,
     ) -> tuple[str, Grant]:
         """Registry.GrantTransfer: a capability for one request's blocks of an
         attached worker (its transfer_finished event must reach someone)."""
@@ -132,6 +139,7 @@ class OwnerSide:
             ttl_ms=ttl_ms,
             max_uses=max_uses,
             open_uses=open_uses,
+            unread_release=unread_release,
         )
 
     def revoke(self, key: WorkerKey, request_id: str) -> None:
@@ -139,10 +147,11 @@ class OwnerSide:
         self._table.get(key)
         self._grants.revoke(key, request_id)
 
-    def begin(self, a: Announcement, *, peer: str) -> Lease:
+    def begin(self, a: Announcement, *, peer: str, span: Span = NULL_SPAN) -> Lease:
         """Peer.BeginTransfer (its arguments checked by the wire parse) from
         the authenticated ``peer``: capability, agent, worker, generation and
-        limits before the lease and the grant's claim."""
+        limits before the lease and the grant's claim. The lease ends
+        ``span`` (its trace's) when it ends."""
         self._refuse_while_draining()
         # No capability, no answer about workers or agents.
         self._grants.find(a.capability)
@@ -180,6 +189,8 @@ class OwnerSide:
             peer=peer,
         )
         lease.transfer_id = a.transfer_id
+        lease.span = span
+        span.set(lease_s=round(lease.expires_at - time.monotonic(), 3))
         self._agents.bind(a.peer_agent, peer)
         self._take_over(grant.digest, replaces, peer)
         self._grants.claim(grant, a.peer_agent, peer)
@@ -238,6 +249,8 @@ class OwnerSide:
             self._leases.finish(old.token)
             self._grants.release(digest)
             log.warning("claim_taken_over", **lease_fields(old))
+            old.span.fail("CANCELLED", "taken over by the agent that replaced its own")
+            old.span.end()
 
     def end(self, token: str, *, peer: str) -> Lease | None:
         """A peer gave up on a transfer (EndTransfer): the pin goes, and the
@@ -253,6 +266,8 @@ class OwnerSide:
             self._grants.release(lease.grant)
             self._metrics.served(lease.peer, "CANCELLED")
             log.warning("transfer_ended_by_peer", **lease_fields(lease))
+            lease.span.fail("CANCELLED", "ended by the peer (EndTransfer)")
+            lease.span.end()
         return lease
 
     def expire(self, now: float | None = None) -> list[Lease]:
@@ -264,6 +279,8 @@ class OwnerSide:
             self._grants.release(lease.grant)
             self._metrics.served(lease.peer, "DEADLINE_EXCEEDED")
             log.warning("lease_expired", **lease_fields(lease))
+            lease.span.fail("DEADLINE_EXCEEDED", "the lease ran out before a notification")
+            lease.span.end()
         self._grants.sweep()
         return gone
 
@@ -285,6 +302,7 @@ class OwnerSide:
         self._counters.served_blocks += lease.blocks
         self._metrics.served(lease.peer, "OK", lease.bytes)
         log.debug("transfer_finished", **lease_fields(lease))
+        lease.span.event("notified")
         direction = (
             registry_pb2.TRANSFER_DIRECTION_PUSHED_TO
             if lease.write
@@ -294,6 +312,10 @@ class OwnerSide:
             request_id=lease.request_id, direction=direction, peer_agent=peer
         )
         self._events.tell_finished(lease.record.key, done, used, store_use=True)
+        if used is not None:
+            lease.span.set(uses=used.uses, max_uses=used.max_uses)
+        lease.span.event("worker_told")
+        lease.span.end()
 
     def _unmatched_notif(self, peer: str, message: bytes, token: str | None) -> None:
         holder = self._leases.holder(token) if token else None

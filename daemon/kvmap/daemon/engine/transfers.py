@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import random
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
 from functools import partial
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 import structlog
 
@@ -42,10 +40,9 @@ from kvmap.core.errors import (
     StaleGeneration,
     TransferError,
     Unavailable,
-    status_of,
 )
 from kvmap.core.geometry import WorkerKey
-from kvmap.core.retry import RetryPolicy, retryable
+from kvmap.core.retry import retryable
 from kvmap.core.token_plan import plan_token_transfer
 from kvmap.core.transfer_pieces import Side
 from kvmap.core.transfer_plan import TransferPlan, plan_transfer, run_dlist_rows
@@ -63,12 +60,12 @@ from kvmap.daemon.adapters.nixl_thread import NixlRunner
 from kvmap.daemon.adapters.peer_client import MAX_CHANNELS, PeerHandshake
 from kvmap.daemon.engine.bounded import SingleFlight
 from kvmap.daemon.engine.leases import notification
+from kvmap.daemon.engine.pacing import Pacing, within
 from kvmap.daemon.engine.prepared import HandshakeKey, Prepared, TransferCaches, side_memory
 from kvmap.daemon.engine.progress import Progress
 from kvmap.daemon.engine.workers import WorkerRecord, WorkerTable
+from kvmap.tracing import NULL_SPAN, OFF, Span, Tracer, code_name, current, use
 from kvmap.v1 import admin_pb2
-
-T = TypeVar("T")
 
 log = structlog.get_logger("kvmapd.transfers")
 
@@ -102,51 +99,6 @@ class Peers(Protocol):
     async def close(self) -> None: ...
 
 
-# A pull's attempts against an owner that is restarting: at most 0.25 s
-# apart, so that a pull waiting on an upgraded daemon goes through within a
-# quarter second of its return (an upgrade's gap is ~1 s); a failed attempt
-# against a peer that is down costs a refused connection, not a timeout.
-PULL_RETRY = RetryPolicy(initial_s=0.05, max_s=0.25)
-
-
-@dataclass(frozen=True)
-class Pacing:
-    """The backoff between a transfer's attempts: its policy, and the clock,
-    sleep and random draws it runs on (an engine test hands in a virtual
-    clock whose sleep only moves it, so deadlines are exact and instant)."""
-
-    policy: RetryPolicy = field(default_factory=lambda: PULL_RETRY)
-    now: Callable[[], float] = time.monotonic
-    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
-    draw: Callable[[], float] = random.random
-
-
-async def _within(timeout_s: float, items: AsyncIterator[T]) -> AsyncIterator[T]:
-    """``items``, the whole of which must come within ``timeout_s`` (else
-    TimeoutError). The deadline is only ever enforced while the next item is
-    made, never while the caller holds one: a timeout that cancelled the
-    caller's task while it was sending a report (a servicer writing it to
-    gRPC) would cancel the RPC's handler instead of ending the transfer with
-    DEADLINE_EXCEEDED, and the client would hear nothing until its own
-    deadline."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    iterator = aiter(items)
-    while True:
-        async with asyncio.timeout_at(deadline):
-            try:
-                item = await anext(iterator)
-            except StopAsyncIteration:
-                return
-        yield item
-
-
-def _code_name(err: BaseException) -> str:
-    """The status code a failed transfer's caller sees, as a metric label."""
-    if isinstance(err, asyncio.CancelledError):
-        return "CANCELLED"
-    return status_of(err)[0].name
-
-
 class TransferEngine:
     def __init__(
         self,
@@ -162,8 +114,10 @@ class TransferEngine:
         counters: admin_pb2.TransferCounters,
         pacing: Pacing | None = None,
         replaces_agents: tuple[str, ...] = (),
+        tracer: Tracer = OFF,
     ) -> None:
         self._config = config
+        self._tracer = tracer
         # This daemon's agents before its restart (BeginTransferRequest.
         # replaces_agents): their claims at owners are taken over.
         self._replaces_agents = replaces_agents
@@ -212,7 +166,9 @@ class TransferEngine:
         """Ask the remote daemon (no lock held: other targets go on), then
         apply its answer to the caches, shielded: a handshake whose callers
         all gave up is cancelled while it waits, never halfway through."""
-        hs = await self.peers.handshake(key.target, key.worker)
+        # Runs in a task of its own, which inherits the first caller's span.
+        with current().child("kvmap.handshake", peer=key.target, worker=str(key.worker)):
+            hs = await self.peers.handshake(key.target, key.worker)
         learn = asyncio.ensure_future(self._caches.learn(key, hs))
         self._learning.add(learn)  # a shielded task must stay referenced
         learn.add_done_callback(self._learning.discard)
@@ -235,12 +191,17 @@ class TransferEngine:
     # Transfers --------------------------------------------------------------
 
     async def run(
-        self, req: TransferRequest | UseRelease, write: bool, transfer_id: str = ""
+        self,
+        req: TransferRequest | UseRelease,
+        write: bool,
+        transfer_id: str = "",
+        traceparent: str = "",
     ) -> AsyncIterator[TransferReport]:
         """A pull (a push with ``write``), or the release of a use (counted
         as a pull, as it always was), in reports. Every log line of the
         calling task from here on (the RPC's rejection too) carries the
-        transfer's ids: the caller's ``transfer_id`` or a new one."""
+        transfer's ids: the caller's ``transfer_id`` or a new one; its span
+        (a child of the caller's ``traceparent``) is the task's current one."""
         direction = "push" if write else "pull"
         # Bound, not scoped: the RPC's own failure line comes after this
         # generator ends; the RPC interceptor clears the context.
@@ -252,6 +213,10 @@ class TransferEngine:
             peer_agent="",  # known after the handshake
             worker=str(req.remote),
         )
+        span = self._span(req, direction, transfer_id, traceparent)
+        use(span)
+        if span.trace_id():  # traced: the log lines name the trace too
+            structlog.contextvars.bind_contextvars(trace_id=span.trace_id())
         record = self._table.get(req.local)
         record.pin()
         self.in_flight += 1
@@ -260,7 +225,7 @@ class TransferEngine:
         try:
             deadline = self._pacing.now() + req.timeout_s
             attempts = self._retried(req, record, write, deadline, transfer_id)
-            async for item in _within(req.timeout_s, attempts):
+            async for item in within(req.timeout_s, attempts):
                 yield item
             seconds = time.perf_counter() - started
             self._metrics.labelled(self._metrics.transfers, direction, "OK").inc()
@@ -272,21 +237,46 @@ class TransferEngine:
             else:
                 self._counters.pulls_done += 1
         except TimeoutError:
-            self._metrics.labelled(self._metrics.transfers, direction, "DEADLINE_EXCEEDED").inc()
-            self._metrics.transfer_ended(direction, req.target, "DEADLINE_EXCEEDED")
-            self._counters.failed += 1
-            raise DeadlineExceeded(
-                f"transfer {req.request_id}: no completion in {req.timeout_s}s"
-            ) from None
+            late = DeadlineExceeded(f"transfer {req.request_id}: no completion in {req.timeout_s}s")
+            self._failed(direction, req.target, late, span)
+            raise late from None
         except BaseException as err:
-            self._metrics.labelled(self._metrics.transfers, direction, _code_name(err)).inc()
-            self._metrics.transfer_ended(direction, req.target, _code_name(err))
-            self._counters.failed += 1
+            self._failed(direction, req.target, err, span)
             raise
         finally:
+            span.end()
+            use(NULL_SPAN)
             self.in_flight -= 1
             self._metrics.transfers_in_flight.dec()
             record.unpin()
+
+    def _failed(self, direction: str, target: str, err: BaseException, span: Span) -> None:
+        """Count a failed transfer, under the code its caller gets."""
+        code = code_name(err)
+        span.fail(code, str(err))
+        self._metrics.labelled(self._metrics.transfers, direction, code).inc()
+        self._metrics.transfer_ended(direction, target, code)
+        self._counters.failed += 1
+
+    def _span(
+        self, req: TransferRequest | UseRelease, direction: str, transfer_id: str, parent: str
+    ) -> Span:
+        """The transfer's span (``NULL_SPAN``, at the cost of this branch,
+        when tracing is off)."""
+        if not self._tracer.enabled:
+            return NULL_SPAN
+        return self._tracer.start(
+            "kvmap.release" if isinstance(req, UseRelease) else f"kvmap.{direction}",
+            parent=parent,
+            server=True,
+            attributes={
+                "request_id": req.request_id,
+                "transfer_id": transfer_id,
+                "peer": req.target,
+                "worker": str(req.remote),
+                "local_worker": str(req.local),
+            },
+        )
 
     async def _retried(
         self,
@@ -320,6 +310,7 @@ class TransferEngine:
                 self._metrics.transfer_retries.labels(
                     "push" if write else "pull", err.code.name
                 ).inc()
+                current().event("retry", code=err.code.name, attempt=attempt + 1)
                 # The transfer's ids are in the logging context (``run``).
                 log.warning(
                     "transfer_retry",
@@ -349,6 +340,7 @@ class TransferEngine:
             hs, fresh = await self._remote(req, refresh=renew or attempt > 0)
             handshaked |= fresh
             structlog.contextvars.bind_contextvars(peer_agent=hs.agent_name)
+            current().set(peer_agent=hs.agent_name, remote_generation=hs.generation)
             if fresh:
                 log.info("peer_handshake", generation=hs.generation)
                 yield TransferReport(
@@ -366,6 +358,7 @@ class TransferEngine:
         prepared, plan, token = begun
         post_s, done_s = await self._carry_out(req, hs, prepared, plan, token=token, write=write)
         self._account(plan, post_s, done_s)
+        current().set(blocks=plan.blocks, bytes=plan.bytes, descriptors=plan.descriptors)
         self._metrics.transfer_moved(
             "push" if write else "pull", req.target, plan.bytes, plan.descriptors
         )
@@ -395,15 +388,18 @@ class TransferEngine:
         generation and ``retry`` allows one more handshake."""
         if req.expected_generation and req.expected_generation != hs.generation:
             raise RequestedGenerationGone(str(req.remote), req.expected_generation, hs.generation)
+        planning = current().child("kvmap.plan")
         if req.tokens:
             prepared, plan = await self._plan_tokens(record, hs, req, write)
         else:
             prepared = await self._caches.prepare(record, hs, req, write)
         try:
-            if prepared.table is not None:
-                plan = plan_transfer(
-                    prepared.table, req.pairs, destination=Side.REMOTE if write else Side.LOCAL
-                )
+            with planning:
+                if prepared.table is not None:
+                    plan = plan_transfer(
+                        prepared.table, req.pairs, destination=Side.REMOTE if write else Side.LOCAL
+                    )
+                planning.set(descriptors=plan.descriptors, bytes=plan.bytes)
             # The whole transfer's time (it is bounded by its deadline anyway).
             token = await self.peers.begin(
                 req.target, self._announcement(req, hs, plan, write, transfer_id), req.timeout_s
@@ -442,6 +438,7 @@ class TransferEngine:
             capability=req.capability,
             readers=req.readers,
             transfer_id=transfer_id,
+            traceparent=current().traceparent(),
         )
         await self.peers.release(req.target, notice, req.timeout_s)
         return TransferReport(Phase.DONE, "released")
@@ -472,6 +469,7 @@ class TransferEngine:
             replaces_agents=self._replaces_agents,
             readers=req.readers,
             transfer_id=transfer_id,
+            traceparent=current().traceparent(),
         )
 
     async def _carry_out(
@@ -493,6 +491,7 @@ class TransferEngine:
             tell = partial(self._agent.send_notif, hs.agent_name, notification(token))
             post_s, done_s = await self._post_and_wait(prepared, plan, hs, write, then=tell)
             completed = True
+            current().event("owner_notified")
         finally:
             await self._caches.done_with(prepared)
             if not completed:
@@ -551,10 +550,12 @@ class TransferEngine:
                 )
             return xfers, time.perf_counter() - start
 
-        xfers, post_s = await self._nixl(post)
+        with current().child("kvmap.post", descriptors=plan.descriptors):
+            xfers, post_s = await self._nixl(post)
         start = time.perf_counter()
         try:
-            states = await asyncio.gather(*(self._progress.watch(x) for x in xfers))
+            with current().child("kvmap.wait"):
+                states = await asyncio.gather(*(self._progress.watch(x) for x in xfers))
         except BaseException:
             await self._release_xfers(xfers, None)
             raise

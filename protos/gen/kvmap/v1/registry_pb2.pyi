@@ -43,6 +43,10 @@ class _DaemonFeatureEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DaemonF
     """TransferSpec.release: give up a use of a grant without a transfer."""
     DAEMON_FEATURE_RELEASE_RPC: _DaemonFeature.ValueType  # 5
     """Transfers.Release: the same as its own RPC."""
+    DAEMON_FEATURE_UNREAD_RELEASE: _DaemonFeature.ValueType  # 6
+    """GrantTransferRequest.unread_release: the prefill worker's word on
+    whether a release declaring no readers may burn its open grant.
+    """
 
 class DaemonFeature(_DaemonFeature, metaclass=_DaemonFeatureEnumTypeWrapper):
     """Wire features a daemon may lack (an older kvmapd lists none of them)."""
@@ -64,6 +68,10 @@ DAEMON_FEATURE_RELEASE: DaemonFeature.ValueType  # 4
 """TransferSpec.release: give up a use of a grant without a transfer."""
 DAEMON_FEATURE_RELEASE_RPC: DaemonFeature.ValueType  # 5
 """Transfers.Release: the same as its own RPC."""
+DAEMON_FEATURE_UNREAD_RELEASE: DaemonFeature.ValueType  # 6
+"""GrantTransferRequest.unread_release: the prefill worker's word on
+whether a release declaring no readers may burn its open grant.
+"""
 Global___DaemonFeature: _TypeAlias = DaemonFeature  # noqa: Y015
 
 class _TransferDirection:
@@ -86,6 +94,47 @@ TRANSFER_DIRECTION_PULLED_FROM: TransferDirection.ValueType  # 1
 TRANSFER_DIRECTION_PUSHED_TO: TransferDirection.ValueType  # 2
 """A remote daemon wrote into this worker's blocks."""
 Global___TransferDirection: _TypeAlias = TransferDirection  # noqa: Y015
+
+class _UnreadRelease:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _UnreadReleaseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_UnreadRelease.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    UNREAD_RELEASE_UNSPECIFIED: _UnreadRelease.ValueType  # 0
+    """Said nothing (a client that predates the field): the layout alone
+    decides, as before.
+    """
+    UNREAD_RELEASE_ALLOWED: _UnreadRelease.ValueType  # 1
+    """A decode engine may read this rank not at all: a release declaring no
+    readers uses the grant up, where the layout agrees.
+    """
+    UNREAD_RELEASE_REFUSED: _UnreadRelease.ValueType  # 2
+    """Every decode engine reads this rank: a release declaring no readers is
+    refused (FAILED_PRECONDITION) whatever the layout.
+    """
+
+class UnreadRelease(_UnreadRelease, metaclass=_UnreadReleaseEnumTypeWrapper):
+    """The prefill worker's word on an unread release of its open grant. A
+    decode peer's say alone never burns a grant: ALLOWED still needs the
+    worker's registered layout to let some decode engine read this rank not
+    at all (a rank past the first of a replicated MLA/indexer cache, or of a
+    head-split cache with more ranks than KV heads); both must agree.
+    """
+
+UNREAD_RELEASE_UNSPECIFIED: UnreadRelease.ValueType  # 0
+"""Said nothing (a client that predates the field): the layout alone
+decides, as before.
+"""
+UNREAD_RELEASE_ALLOWED: UnreadRelease.ValueType  # 1
+"""A decode engine may read this rank not at all: a release declaring no
+readers uses the grant up, where the layout agrees.
+"""
+UNREAD_RELEASE_REFUSED: UnreadRelease.ValueType  # 2
+"""Every decode engine reads this rank: a release declaring no readers is
+refused (FAILED_PRECONDITION) whatever the layout.
+"""
+Global___UnreadRelease: _TypeAlias = UnreadRelease  # noqa: Y015
 
 @_typing.final
 class RegisterWorkerRequest(_message.Message):
@@ -369,6 +418,7 @@ class GrantTransferRequest(_message.Message):
     TTL_MS_FIELD_NUMBER: _builtins.int
     MAX_USES_FIELD_NUMBER: _builtins.int
     OPEN_USES_FIELD_NUMBER: _builtins.int
+    UNREAD_RELEASE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     ttl_ms: _builtins.int
     """Lifetime of the capability; 0 means the daemon's default."""
@@ -379,6 +429,11 @@ class GrantTransferRequest(_message.Message):
     how many uses it admits (1 when it declares none), for the prefill side
     that does not know how many decode ranks will read the blocks. Needs
     max_uses 0. The count, once fixed, is stored with the grant.
+    """
+    unread_release: Global___UnreadRelease.ValueType
+    """Whether a release declaring no readers (BeginTransferRequest.release
+    with readers 0: "no decode rank reads this rank") may use the open
+    grant up unread. Stored with the grant. ALLOWED needs open_uses.
     """
     @_builtins.property
     def worker(self) -> _types_pb2.WorkerId: ...
@@ -395,10 +450,11 @@ class GrantTransferRequest(_message.Message):
         ttl_ms: _builtins.int = ...,
         max_uses: _builtins.int = ...,
         open_uses: _builtins.bool = ...,
+        unread_release: Global___UnreadRelease.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["worker", b"worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "max_uses", b"max_uses", "open_uses", b"open_uses", "request_id", b"request_id", "ttl_ms", b"ttl_ms", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "max_uses", b"max_uses", "open_uses", b"open_uses", "request_id", b"request_id", "ttl_ms", b"ttl_ms", "unread_release", b"unread_release", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -412,6 +468,7 @@ class GrantTransferResponse(_message.Message):
     GENERATION_FIELD_NUMBER: _builtins.int
     EXPIRES_UNIX_MS_FIELD_NUMBER: _builtins.int
     OPEN_USES_FIELD_NUMBER: _builtins.int
+    UNREAD_RELEASE_FIELD_NUMBER: _builtins.int
     capability: _builtins.str
     """Secret the decode side presents in Peer.BeginTransfer."""
     generation: _builtins.int
@@ -419,6 +476,10 @@ class GrantTransferResponse(_message.Message):
     expires_unix_ms: _builtins.int
     open_uses: _builtins.bool
     """The grant is open (GrantTransferRequest.open_uses was honoured)."""
+    unread_release: Global___UnreadRelease.ValueType
+    """The unread_release stored with the grant (UNSPECIFIED from a daemon
+    that predates the field).
+    """
     def __init__(
         self,
         *,
@@ -426,10 +487,11 @@ class GrantTransferResponse(_message.Message):
         generation: _builtins.int = ...,
         expires_unix_ms: _builtins.int = ...,
         open_uses: _builtins.bool = ...,
+        unread_release: Global___UnreadRelease.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "expires_unix_ms", b"expires_unix_ms", "generation", b"generation", "open_uses", b"open_uses"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "expires_unix_ms", b"expires_unix_ms", "generation", b"generation", "open_uses", b"open_uses", "unread_release", b"unread_release"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
