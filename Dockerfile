@@ -34,9 +34,12 @@ RUN pip install --no-deps "nixl-cu13==${NIXL_VERSION}" \
  && rm -r "$site/nixl_ep_cu13" "$site"/nixl_cu13.libs/ucx/libucx_perftest*
 COPY . /src
 # The project itself, from source (pulls grpcio, numpy, ... from the index),
-# then proof that NIXL loads and torch is nowhere.
-RUN pip install /src \
+# with OpenTelemetry's OTLP exporter (the `traces` extra: spans are sent only
+# where an endpoint is configured), then proof that NIXL loads, the exporter
+# imports and torch is nowhere.
+RUN pip install "/src[traces]" \
  && python -c "import kvmap.daemon, kvmap.client, kvmap.v1" \
+ && python -c "import kvmap.tracing.otel" \
  && python -c "from kvmap.daemon.adapters.nixl_agent import nixl_module; nixl_module('_api')" \
  && python -c "import importlib.util as u; assert u.find_spec('torch') is None, 'torch'" \
  && kvmapd --help >/dev/null

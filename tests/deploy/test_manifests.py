@@ -887,7 +887,10 @@ def check_dockerfile(text: str) -> list[str]:
     for name, instrs in stages:
         copies = [a.split()[-1] for i, a in instrs if i == "COPY" and a.split()[0] == "."]
         installs = [args for i, a in instrs if i == "RUN" for args in _pip_installs(a)]
-        project = [args for args in installs if any(t in copies or t == "." for t in args)]
+        # The source tree, maybe with extras ("/src[traces]").
+        project = [
+            args for args in installs if any(t.split("[", 1)[0] in [*copies, "."] for t in args)
+        ]
         if not project or "--no-deps" in project[0]:
             continue  # not a build of the project, or the vllm-kvmap stage (vLLM's torch)
         builder = name
@@ -1434,7 +1437,7 @@ def test_dockerfile_builds_kvmapd_from_source() -> None:
 
 
 DOCKERFILE_BREAKAGES = {
-    "installs-from-registry": ("RUN pip install /src", "RUN pip install kvmap"),
+    "installs-from-registry": ('RUN pip install "/src[traces]"', 'RUN pip install "kvmap[traces]"'),
     "installs-torch": ("COPY . /src", 'RUN pip install "torch==2.13.0"\nCOPY . /src'),
     "nixl-with-its-dependencies": ('--no-deps "nixl-cu13', '"nixl-cu13'),
     "nixl-meta-package": ('--no-deps "nixl-cu13', '"nixl'),

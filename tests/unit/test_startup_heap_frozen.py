@@ -15,7 +15,9 @@ def test_objects_alive_at_start_are_frozen_and_later_ones_are_not() -> None:
     before = [object() for _ in range(3)]
     try:
         frozen = freeze_startup_heap()
-        assert frozen >= 1 and frozen == gc.get_freeze_count()
+        # Only fewer after the call: another thread of this test process (a
+        # span exporter, a gRPC poller) may free frozen objects meanwhile.
+        assert 1 <= gc.get_freeze_count() <= frozen
         tracked = {id(o) for gen in range(3) for o in gc.get_objects(generation=gen)}
         assert id(before) not in tracked
         after: list[object] = []
