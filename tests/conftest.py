@@ -25,9 +25,14 @@ TESTS = Path(__file__).resolve().parent
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark each test with its tier and, where it must run alone, ``serial``;
     a test marked with a second tier by hand is an error (``-m`` would run it
-    in both)."""
+    in both). The longest files go first (``tiers.LONGEST_FIRST``)."""
+
+    def path_of(item: pytest.Item) -> str:
+        return Path(item.path).resolve().relative_to(TESTS).as_posix()
+
+    items.sort(key=lambda item: tiers.start_rank(path_of(item)))
     for item in items:
-        path = Path(item.path).resolve().relative_to(TESTS).as_posix()
+        path = path_of(item)
         markers = {m.name for m in item.iter_markers()}
         tier = tiers.tier_of(path, markers)
         item.add_marker(tier)

@@ -38,13 +38,19 @@ def test_serial_phase_takes_vllm_engines_listed_files_and_marked_tests() -> None
 
 
 def test_serial_files_and_directories_exist() -> None:
-    """A renamed or moved file would silently leave the serial phase: each listed file and
-    directory is in the tree."""
-    missing = [f for f in tiers.SERIAL_FILES if not (TESTS / f).is_file()]
+    """A renamed or moved file would silently leave the serial phase (or the front of the run
+    order): each listed file and directory is in the tree."""
+    missing = [f for f in [*tiers.SERIAL_FILES, *tiers.LONGEST_FIRST] if not (TESTS / f).is_file()]
     missing += [
         d for d in tiers.PROCESS_DIRECTORIES | tiers.SERIAL_DIRECTORIES if not (TESTS / d).is_dir()
     ]
     assert not missing, missing
+
+
+def test_the_longest_files_run_first() -> None:
+    """``LONGEST_FIRST`` files rank by their place in it, ahead of every other file."""
+    ranks = [tiers.start_rank(f) for f in [*tiers.LONGEST_FIRST, "unit/test_config.py"]]
+    assert ranks == sorted(ranks) and len(set(ranks)) == len(ranks)
 
 
 def test_collected_tests_carry_exactly_their_tier(request: pytest.FixtureRequest) -> None:

@@ -42,6 +42,24 @@ SERIAL_FILES = {
     "deploy/test_grafana_dashboard.py": "binds a port picked free earlier",
 }
 
+# The files that take longest in their phase (a module fixture that runs a
+# bench, or minutes of vLLM engines: ``--durations`` of `.ci/check`), in that
+# order, ahead of every other file: with ``--no-loadscope-reorder`` xdist
+# hands files out in collection order, so these start at once instead of
+# leaving one worker busy with one of them after the rest are done.
+LONGEST_FIRST = (
+    "vllm/test_vllm_tp.py",
+    "vllm/test_vllm_upgrade_stream.py",
+    "bench/test_bench.py",
+    "fuzz/test_fuzz_transfers.py",
+)
+
+
+def start_rank(path: str) -> int:
+    """Where a test of ``path`` goes in the run order: a file of
+    ``LONGEST_FIRST`` by its place there, every other file after them."""
+    return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
 
 def tier_of(path: str, markers: Collection[str]) -> str:
     """The tier of a test in the file ``path`` (under tests/, POSIX) that

@@ -210,14 +210,18 @@ def build_model(
     """``engine_proc.py build``: the tiny Llama of tiny_llama.json, or the
     model of the Hugging Face ``config``, at ``tmp / name``."""
     model = tmp / name
-    extra = ["--model-config", str(config)] if config is not None else []
-    subprocess.run(
-        [sys.executable, str(ENGINE), "build", str(model), *extra],
-        check=True,
-        env=engine_env(tmp),
-        timeout=timeout,
-        capture_output=True,
-    )
+    argv = [str(ENGINE), "build", str(model)]
+    argv += ["--model-config", str(config)] if config is not None else []
+    zygote = engine_zygote()
+    if zygote is None:
+        cmd, env = [sys.executable, *argv], engine_env(tmp)
+        subprocess.run(cmd, check=True, env=env, timeout=timeout, capture_output=True)
+        return model
+    log = tmp / f"build-{name}.log"
+    build = zygote.spawn(argv, engine_env(tmp), tmp, log)
+    assert build.stdin is not None
+    build.stdin.close()
+    assert build.wait(timeout) == 0, log.read_text()
     return model
 
 

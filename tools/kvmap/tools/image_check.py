@@ -14,8 +14,9 @@ Both are recorded in one "facts" JSON (deploy/image/build-and-check.sh writes
 it), so that the comparison runs without the image, against a recorded build.
 
 ``pod-script`` prints a bash script that runs the image's entrypoint with the
-sidecar's args the way the kubelet would (its user, fsGroup, env, emptyDirs and
-ConfigMap at their mount paths, read-only root), to be run inside
+sidecar's args the way the kubelet would (its user, fsGroup, env, emptyDirs,
+ConfigMap and Secrets at their mount paths, a Secret's file freshly random with
+its defaultMode, read-only root), to be run inside
 ``unshare --mount --net --pid --fork``; build-and-check.sh then probes it.
 """
 

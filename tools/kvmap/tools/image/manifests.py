@@ -52,8 +52,9 @@ class Mount:
     volume: str
     kind: str  # the volume source: emptyDir, configMap, ...
     read_only: bool
-    files: Mapping[str, str]  # a ConfigMap's data
+    files: Mapping[str, str]  # a ConfigMap's data; a Secret's file names (no data)
     medium: str = ""
+    mode: int = 0o644  # its files' mode (a Secret's defaultMode)
 
 
 @dataclass(frozen=True)
@@ -99,11 +100,17 @@ def _mounts(docs: list[Doc], spec: Doc, container: Doc) -> tuple[Mount, ...]:
         vol = volumes.get(m["name"], {})
         kind = next((k for k in vol if k != "name"), "missing")
         files: dict[str, str] = {}
+        mode = 0o644
         if kind == "configMap":
             files = dict((maps.get(vol[kind]["name"]) or {}).get("data") or {})
+        elif kind == "secret":
+            # Its data is not in the manifests (the operator creates it).
+            items = vol[kind].get("items") or [{"path": "secret"}]
+            files = {str(item["path"]): "" for item in items}
+            mode = int(vol[kind].get("defaultMode", 0o644))
         medium = (vol.get("emptyDir") or {}).get("medium", "") if kind == "emptyDir" else ""
         ro = bool(m.get("readOnly")) or kind in READ_ONLY_KINDS
-        out.append(Mount(m["mountPath"], m["name"], kind, ro, files, medium))
+        out.append(Mount(m["mountPath"], m["name"], kind, ro, files, medium, mode))
     return tuple(out)
 
 

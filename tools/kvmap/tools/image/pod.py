@@ -70,7 +70,12 @@ def _volume_lines(side: Sidecar) -> list[str]:
             elif m.kind == "emptyDir":  # the kubelet's emptyDir: 0777, fsGroup, setgid
                 lines.append(f"chgrp {fs_group} {src}; chmod 2777 {src}")
             for name, text in m.files.items():
-                lines.append(f"printf %s {_q(text)} >{src}/{_q(name)}; chmod 0644 {src}/{_q(name)}")
+                path = f"{src}/{_q(name)}"
+                if m.kind == "secret":  # a fresh one, as the operator would create
+                    lines.append(f"head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n' >{path}")
+                    lines.append(f"chgrp {fs_group} {path}; chmod {m.mode:04o} {path}")
+                else:
+                    lines.append(f"printf %s {_q(text)} >{path}; chmod {m.mode:04o} {path}")
         dest = f'"$ROOT"{_q(m.path)}'
         lines.append(f"mkdir -p {dest}; mount --bind {src} {dest}")
         if m.read_only:
