@@ -193,6 +193,32 @@ def test_replan_keeps_grants_and_reregistration_drops_them() -> None:
     run(main())
 
 
+def test_a_grant_made_before_a_replan_admits_its_pull_while_the_old_plan_retires() -> None:
+    """A re-plan swaps in the new plan, then waits for transfers still reading
+    the old one before releasing it: a capability granted before the re-plan
+    already allows its pull at the new generation during that wait (its grant
+    moved with the swap), as after it."""
+
+    async def main() -> None:
+        async with cluster() as c:
+            a, wa, b, wb = await two(c)
+            before = spec(wa, b, wb, [(0, 1)], request_id="before-replan")
+            old = b.app.table.get(wb.key)
+            old.pin()  # a transfer still reading the old plan: the re-plan waits for it
+            replan = asyncio.create_task(b.app.replan("coalesce"))
+            while b.app.table.get(wb.key).generation == old.generation:
+                await asyncio.sleep(0.01)
+            statuses = await a.transfer(before)
+            assert statuses[-1].state == transfers_pb2.TRANSFER_STATE_DONE
+            assert wa.block(0) == wb.block(1)
+            assert not replan.done()  # it was pulled while the old plan still retired
+            old.unpin()
+            (new,) = await replan
+            assert new.generation == old.generation + 1
+
+    run(main())
+
+
 def test_grants_survive_a_daemon_restart_with_a_state_dir(tmp_path: Path) -> None:
     """With a state dir, a capability minted before the owner crashes still
     admits its pull after the restart: the worker is restored over the same

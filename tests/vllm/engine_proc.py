@@ -25,6 +25,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,8 @@ def make_llm(args: argparse.Namespace) -> Any:
             extra["peer_address"] = args.peer_address
         if getattr(args, "decode_tp_size", 0):
             extra["decode_tp_size"] = args.decode_tp_size
+        if getattr(args, "otlp_traces_endpoint", ""):
+            extra["otlp_traces_endpoint"] = args.otlp_traces_endpoint
         if args.connector == "nixl":  # vLLM's own, as the reference
             kv = KVTransferConfig(
                 kv_connector="NixlConnector",
@@ -104,6 +107,8 @@ def make_engine(args: argparse.Namespace, kv: Any) -> Any:
         enable_prefix_caching=not getattr(args, "no_prefix_caching", False),
         # vLLM's Prometheus counters (prompt tokens by source), for get_metrics.
         disable_log_stats=not getattr(args, "log_stats", False),
+        # vLLM's own OTLP tracing of its requests (the connector's spans join them).
+        otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", "") or None,
     )
 
 
@@ -332,7 +337,10 @@ def handle(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
             for kv in cmd.get("kv_transfer_params") or [None] * len(prompts)
         ]
         start = time.monotonic()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        if cmd.get("trace_headers"):
+            outs = generate_traced(llm, prompts, params, cmd["trace_headers"])
+        else:
+            outs = llm.generate(prompts, params, use_tqdm=False)
         return {
             "seconds": time.monotonic() - start,
             "outputs": [
@@ -407,6 +415,27 @@ def handle(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     raise ValueError(f"unknown command {op}")
 
 
+def generate_traced(
+    llm: Any, prompts: list[Any], params: list[Any], headers: list[dict[str, str]]
+) -> list[Any]:
+    """``llm.generate`` for requests that carry ``trace_headers`` (a W3C
+    traceparent), as vLLM's API server adds them: through the engine, which
+    takes them (``LLM.generate`` does not)."""
+    engine = llm.llm_engine
+    ids = []
+    for prompt, param, trace in zip(prompts, params, headers, strict=True):
+        SERVED["traced"] = SERVED.get("traced", 0) + 1
+        ids.append(f"traced-{SERVED['traced']}")
+        engine.add_request(ids[-1], prompt, param, trace_headers=trace or None)
+    done: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    # The engine may report its internal id (the external one, "-", a suffix).
+    return [next(o for r, o in done.items() if r == i or r.startswith(f"{i}-")) for i in ids]
+
+
 def serve(args: argparse.Namespace) -> int:
     # Answers go to the original stdout; everything vLLM prints goes to stderr.
     answers = os.fdopen(os.dup(1), "w")
@@ -441,6 +470,7 @@ def serve(args: argparse.Namespace) -> int:
         try:
             out = handle(llm, cmd)
         except Exception as err:
+            traceback.print_exc()  # to the engine's log, which a failing test shows
             out = {"error": f"{type(err).__name__}: {err}"}
         print(json.dumps(out), file=answers, flush=True)
     if args.role != "plain" and args.connector == "kvmap" and args.tensor_parallel_size == 1:
@@ -489,6 +519,7 @@ def main() -> int:
         help="vLLM's metrics (prompt_sources, metrics, log_stats)",
     )
     p.add_argument("--rank-watch", action="store_true", help="decode: every rank digests its loads")
+    p.add_argument("--otlp-traces-endpoint", default="", help="vLLM's and the connector's traces")
     args = p.parse_args()
     if args.action == "build":
         build(args.model, args.model_config)

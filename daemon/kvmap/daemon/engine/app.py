@@ -285,10 +285,11 @@ class DaemonApp:
         the daemon runs now (not the configured one: a planner chosen by an
         earlier replan stays until someone names another)."""
         planner = planners.get_planner(planner_name) if planner_name else self.planner
-        records = await self.registrar.replan(planner)
+        records = await self.registrar.replan(
+            planner, on_swap=lambda record: self.grants.rebind(record.key, record.generation)
+        )
         self.planner = planner
         for record in records:
-            self.grants.rebind(record.key, record.generation)
             self.events.publish_map_changed(record)
         self.update_gauges()
         log.info("replanned", planner=planner.info.name, workers=len(records))

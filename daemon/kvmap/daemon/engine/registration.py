@@ -364,11 +364,17 @@ class Registrar:
         await self.retire(record)
         log.info("worker_released_kept", worker=str(key), generation=record.generation)
 
-    async def replan(self, planner: Planner) -> list[WorkerRecord]:
+    async def replan(
+        self, planner: Planner, on_swap: Callable[[WorkerRecord], None] = lambda _: None
+    ) -> list[WorkerRecord]:
         """Re-plan every live worker over its existing registrations. Each
         new plan and generation is stored before it is published, so that a
         restart never hands out a generation again (for another plan); a
-        worker whose row cannot be written keeps its plan (logged)."""
+        worker whose row cannot be written keeps its plan (logged).
+        ``on_swap`` is called with each new record as it replaces the old
+        one, before anything awaits: what is bound to the generation (the
+        worker's grants) moves with it, not after the old plan has retired
+        (which waits for the transfers still reading it)."""
         done: list[WorkerRecord] = []
         replaced: list[WorkerRecord] = []
         async with self._table.lock:
@@ -384,6 +390,7 @@ class Registrar:
                     record.memory.refs -= 1
                     continue
                 self._table.put(record)
+                on_swap(record)
                 done.append(record)
                 replaced.append(old)
         for old in replaced:
