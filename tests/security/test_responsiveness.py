@@ -132,8 +132,9 @@ def _pull(c: Cluster, spec: transfers_pb2.TransferSpec) -> tuple[Code, str, floa
     return code, msg, time.monotonic()
 
 
-# A healthy pull timed against 100 silent peers: it runs alone.
-@pytest.mark.serial
+# Shares the machine: what it asserts is an order (the healthy pull ends
+# before any handshake's 10 s timeout) and codes, not a duration; the
+# latencies it prints are noisier for it.
 def test_silent_peers_delay_only_the_pulls_to_them(c: Cluster) -> None:
     """100 pulls towards 100 silent peers: MAX_HANDSHAKES_IN_FLIGHT of them wait on their
     handshake, the others are RESOURCE_EXHAUSTED naming the limit; meanwhile a warm pull to the
