@@ -20,7 +20,8 @@
 #   pod     the image run as the kubelet would run the sidecar (its uid,
 #           fsGroup, env, emptyDirs, ConfigMap, a freshly random peer Secret,
 #           read-only root, own network namespace with the pod IP): gRPC
-#           startup/readiness/liveness probes with grpcurl, /metrics, the Unix socket as vLLM's uid, SIGTERM
+#           startup/readiness/liveness probes with grpcurl, /metrics, the
+#           Unix socket as vLLM's uid, SIGTERM
 #   demo    `kvmapd demo` (two daemons, P/D pulls, every byte verified) in the
 #           same sandbox, $WORK/harness mounted read-only for the workers' torch
 # Needs root (mounts, namespaces), buildah and mmdebstrap (apt-get install -y

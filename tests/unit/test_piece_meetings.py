@@ -73,7 +73,7 @@ def layouts(draw: st.DrawFn) -> tuple[list[Piece], list[Row], list[np.ndarray]]:
     return pieces, rows, dests
 
 
-@settings(max_examples=examples(1500), deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(layouts())
 def test_cells_say_what_the_pairwise_sweep_said(
     layout: tuple[list[Piece], list[Row], list[np.ndarray]],
