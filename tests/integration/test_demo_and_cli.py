@@ -86,7 +86,12 @@ def test_interrupted_demo_leaves_nothing_behind(tmp_path: Path) -> None:
     segments = set().union(*(_mapped_kv_memfds(p) for p in worker_pids))
     assert segments and all(any(f"kvmap-kv-{p}-" in n for p in worker_pids) for n in segments)
     proc.send_signal(signal.SIGINT)
-    rest, _ = proc.communicate(timeout=60)
+    try:
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:  # a demo deaf to SIGINT must not load the later tests
+            proc.kill()
+            proc.wait(10)
     text = "".join(lines) + rest
     assert proc.returncode != 0  # interrupted: not a success
     pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", text)]

@@ -20,9 +20,10 @@ pytestmark = pytest.mark.timeout(120)
 # directory, environment and whether its module was imported before it ran
 # (the zygote's preload); exits with the code of an "exit N" line.
 ECHO = """
-import json, os, sys
+import atexit, json, os, sys
 import zygote_probe_preloaded
 print("to stderr", file=sys.stderr, flush=True)
+atexit.register(print, "atexit ran", file=sys.stderr)
 for line in sys.stdin:
     if line.startswith("exit"):
         sys.exit(int(line.split()[1]))
@@ -60,8 +61,9 @@ def test_a_forked_module_runs_as_main_with_its_own_env_dir_and_pipes(
 ) -> None:
     """The module runs as ``python -m`` would run it, in a new process with
     exactly the given environment (plus the forked flag) and directory, its
-    stdout piped back and stderr in the file; its preloaded import came from
-    the zygote; its exit code is read by wait()."""
+    stdout piped back and stderr in the file, its atexit hooks run at its
+    exit; its preloaded import came from the zygote; its exit code is read by
+    wait()."""
     z, tmp = zygote
     work = tmp / "work"
     work.mkdir()
@@ -78,7 +80,8 @@ def test_a_forked_module_runs_as_main_with_its_own_env_dir_and_pipes(
     proc.stdin.write("exit 7\n")
     proc.stdin.flush()
     assert proc.wait(30) == 7 and proc.returncode == 7
-    assert (tmp / "err").read_text() == "to stderr\n"
+    # As at an interpreter's exit: the module's atexit hooks ran.
+    assert (tmp / "err").read_text() == "to stderr\natexit ran\n"
 
 
 def test_kill_and_concurrent_spawns(zygote: tuple[Zygote, Path]) -> None:

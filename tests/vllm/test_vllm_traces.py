@@ -67,16 +67,17 @@ def spans(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ReceivedSpa
                 )
                 # vLLM asks the prefill connector what finished when it steps.
                 generate(prefill, [[5, 6, 7]], 1)
-                got = receiver.wait_for(
-                    lambda s: (
-                        {"kvmap.lease", "kvmap.connector.load"} <= {x.name for x in s}
-                        and sum(x.name == "llm_request" for x in s) >= 2
-                    ),
-                    timeout_s=30,
-                )
             finally:
+                # Each process sends what it has left as it exits.
                 decode.stop()
                 prefill.stop()
+    got = receiver.wait_for(
+        lambda s: (
+            {"kvmap.lease", "kvmap.connector.load", "kvmap.connector.grant"} <= {x.name for x in s}
+            and sum(x.name == "llm_request" for x in s) >= 2
+        ),
+        timeout_s=30,
+    )
     receiver.stop()
     yield [s for s in got if s.trace_id == TRACE]
 

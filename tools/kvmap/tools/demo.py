@@ -62,12 +62,20 @@ def _scattered(rng: random.Random, n_blocks: int, count: int) -> list[int]:
     """Block ids as a long-running block pool leaves them: free blocks are
     reused in a shuffled order, with occasional short consecutive runs."""
     ids: list[int] = []
+    taken: set[int] = set()
     pool = list(range(n_blocks))
     rng.shuffle(pool)
-    while len(ids) < count:
-        start = pool[len(ids) % len(pool)]
+    # Each block starts a run once, so one pass over the pool takes them all:
+    # ``count`` (at most ``n_blocks``) is always reached. (Picking the start
+    # by how many ids were taken looped forever once a start's whole run was
+    # taken: the demo's 36th request of seed 7 over 24 blocks.)
+    for start in pool:
+        if len(ids) >= count:
+            break
         run = rng.choice((1, 1, 1, 2, 4))
-        ids.extend(b for b in range(start, min(start + run, n_blocks)) if b not in ids)
+        new = [b for b in range(start, min(start + run, n_blocks)) if b not in taken]
+        ids.extend(new)
+        taken.update(new)
     return ids[:count]
 
 

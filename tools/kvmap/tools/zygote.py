@@ -20,6 +20,7 @@ Wire (SOCK_SEQPACKET socketpair): the caller sends one JSON request
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import importlib
@@ -172,6 +173,10 @@ def _run(request: dict[str, Any], fds: list[int], control: socket.socket) -> Non
     except BaseException:
         traceback.print_exc()
     finally:
+        # What the interpreter does at exit: the module's atexit hooks (a
+        # span exporter's flush, say) run, then the buffered output goes.
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
