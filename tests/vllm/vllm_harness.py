@@ -11,14 +11,10 @@ skips the test module that does.
 
 from __future__ import annotations
 
-import atexit
 import json
-import os
 import select
 import socket
 import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -59,7 +55,6 @@ def engine_env(tmp: Path, log_level: str = "WARNING") -> dict[str, str]:
     return env
 
 
-_ZYGOTE: list[Zygote] = []
 # What an engine of the tests' models imports (a Mamba or Gemma model's own
 # modules are left to the engine).
 ENGINE_IMPORTS = (
@@ -73,18 +68,10 @@ ENGINE_IMPORTS = (
 
 
 def engine_zygote() -> Zygote | None:
-    """This test process's engine zygote (started at first use; engines are
-    forked from it), or None unless the suite forks its processes from
-    zygotes (``launch.ZYGOTE_ENV``, which tests/conftest.py sets; 0 starts
-    every engine from scratch)."""
-    if os.environ.get(launch.ZYGOTE_ENV) != "1":
-        return None
-    if not _ZYGOTE:
-        home = Path(tempfile.mkdtemp(prefix="kvzygote-"))
-        zygote = Zygote(ENGINE_IMPORTS, engine_env(home), home / "zygote.log", [str(HERE)])
-        _ZYGOTE.append(zygote)
-        atexit.register(zygote.close)
-    return _ZYGOTE[0]
+    """This test process's engine zygote (engines are forked from it), or
+    None unless the suite forks its processes from zygotes
+    (``launch.ZYGOTE_ENV``, which tests/conftest.py sets)."""
+    return launch.zygote_for(ENGINE_IMPORTS, [str(HERE)], engine_env)
 
 
 @dataclass
@@ -109,21 +96,9 @@ class EngineProc:
         workdir = tmp / name
         workdir.mkdir(parents=True, exist_ok=True)
         log_path = workdir / "engine.log"
-        argv, env = ["serve", str(model), *args], engine_env(workdir, log_level)
-        zygote = engine_zygote()
-        if zygote is not None:
-            forked = zygote.spawn([str(ENGINE), *argv], env, workdir, log_path)
-            return cls(name, forked, log_path, timeout=timeout)
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(
-                [sys.executable, str(ENGINE), *argv],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                env=env,
-                cwd=workdir,
-            )
+        argv = [str(ENGINE), "serve", str(model), *args]
+        env = engine_env(workdir, log_level)
+        proc = launch.start_python(argv, env, workdir, log_path, engine_zygote())
         return cls(name, proc, log_path, timeout=timeout)
 
     def wait_ready(self, timeout: float = ENGINE_START_S) -> None:
@@ -212,13 +187,8 @@ def build_model(
     model = tmp / name
     argv = [str(ENGINE), "build", str(model)]
     argv += ["--model-config", str(config)] if config is not None else []
-    zygote = engine_zygote()
-    if zygote is None:
-        cmd, env = [sys.executable, *argv], engine_env(tmp)
-        subprocess.run(cmd, check=True, env=env, timeout=timeout, capture_output=True)
-        return model
     log = tmp / f"build-{name}.log"
-    build = zygote.spawn(argv, engine_env(tmp), tmp, log)
+    build = launch.start_python(argv, engine_env(tmp), tmp, log, engine_zygote())
     assert build.stdin is not None
     build.stdin.close()
     assert build.wait(timeout) == 0, log.read_text()

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,12 +32,13 @@ PEER_SECRET_FLAG = "--peer-secret-file"
 # Every process started here, in order, so that a caller that failed halfway
 # (a test assertion, an interrupted demo) can still reap what it started.
 _started: list[subprocess.Popen[Any] | ForkedProcess] = []
-# Set (to 1) by a caller that starts many workers (the test suite): workers
-# are forked from a zygote that has imported them (``kvmap.tools.zygote``)
-# instead of importing torch each (~2 CPU-s a worker). Not passed on to the
-# processes started here: a demo the tests start starts its own as ever.
+# Set (to 1) by a caller that starts many Python processes (the test suite):
+# they are forked from a zygote that has imported their modules
+# (``kvmap.tools.zygote``) instead of importing torch (~2 CPU-s a worker) or
+# vLLM (~8 an engine) each. Not passed on to the processes started here: a
+# demo the tests start starts its own as ever.
 ZYGOTE_ENV = "KVMAP_LAUNCH_ZYGOTE"
-_zygotes: dict[str, Zygote] = {}
+_zygotes: dict[tuple[tuple[str, ...], tuple[str, ...]], Zygote] = {}
 _zygotes_lock = threading.Lock()
 
 
@@ -45,18 +46,45 @@ def _track(proc: subprocess.Popen[Any] | ForkedProcess) -> None:
     _started.append(proc)
 
 
-def _zygote(module: str) -> Zygote | None:
-    """The zygote that has imported ``module`` (started at first use), or
-    None unless ``ZYGOTE_ENV`` asks for one."""
+def zygote_for(
+    preload: Sequence[str],
+    sys_path: Sequence[str] = (),
+    env_of: Callable[[Path], dict[str, str]] | None = None,
+) -> Zygote | None:
+    """This process's zygote that has imported ``preload`` (``sys_path``
+    first), started at first use with ``env_of(its own folder)`` (default
+    ``local_env``); None unless ``ZYGOTE_ENV`` asks for zygotes."""
     if os.environ.get(ZYGOTE_ENV) != "1":
         return None
+    key = (tuple(preload), tuple(sys_path))
     with _zygotes_lock:
-        if module not in _zygotes:
+        if key not in _zygotes:
             home = Path(tempfile.mkdtemp(prefix="kvmap-zygote-"))
-            zygote = Zygote([module], local_env(home), home / "zygote.log")
-            _zygotes[module] = zygote
+            env = (env_of or local_env)(home)
+            zygote = Zygote(preload, env, home / "zygote.log", sys_path)
+            _zygotes[key] = zygote
             atexit.register(zygote.close)
-        return _zygotes[module]
+        return _zygotes[key]
+
+
+def start_python(
+    argv: list[str], env: dict[str, str], cwd: Path, log_path: Path, zygote: Zygote | None
+) -> subprocess.Popen[str] | ForkedProcess:
+    """``python *argv`` (``-m MODULE ...`` or ``SCRIPT ...``) in ``cwd``
+    with ``env``, stdin and stdout piped (text), stderr to ``log_path``:
+    forked from ``zygote`` when there is one (``zygote_for``)."""
+    if zygote is not None:
+        return zygote.spawn(argv, env, cwd, log_path)
+    with open(log_path, "w") as log:
+        return subprocess.Popen(
+            [sys.executable, *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=env,
+            cwd=cwd,
+        )
 
 
 def started_count() -> int:
@@ -288,21 +316,8 @@ def spawn_worker(
     never gets ready is killed."""
     log_path = daemon.workdir / f"{log_name}.log"
     argv = ["-m", module, "--socket", daemon.socket, *args]
-    zygote = _zygote(module)
-    proc: subprocess.Popen[str] | ForkedProcess
-    if zygote is not None:
-        proc = zygote.spawn(argv, local_env(daemon.workdir), daemon.workdir, log_path)
-    else:
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(
-                [sys.executable, *argv],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                env=local_env(daemon.workdir),
-                cwd=daemon.workdir,
-            )
+    env, cwd = local_env(daemon.workdir), daemon.workdir
+    proc = start_python(argv, env, cwd, log_path, zygote_for([module]))
     _track(proc)
     try:
         ready = json.loads(_readline(proc, timeout, log_path))
