@@ -21,6 +21,7 @@ import pytest
 
 from kvmap.client.connector import ConnectorOptions
 from kvmap.client.connector.traces import connector_tracer
+from kvmap.tools.grants import granted
 from kvmap.tools.launch import DaemonProc, WorkerProc, start_daemon, start_worker
 from kvmap.tools.trace_capture import load, offer
 from kvmap.tools.trace_receiver import ReceivedSpan, TraceReceiver
@@ -75,7 +76,33 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
             refused = load(
                 daemons[1], receiver.endpoint, [("d-bad", forged, VLLM_DECODE)], "decode"
             )
-            assert ok + refused == [("d-ok", True), ("d-bad", False)]
+            # A block the owner's worker does not have: refused by the decode
+            # daemon's plan, before the owner is asked.
+            beyond = {
+                **offer(daemons[0], receiver.endpoint, "p-range"),
+                "remote_block_ids": [[3, 99]],
+            }
+            unplanned = load(daemons[1], receiver.endpoint, [("d-range", beyond, "")], "decode")
+            assert ok + refused + unplanned == [
+                ("d-ok", True),
+                ("d-bad", False),
+                ("d-range", False),
+            ]
+            # A layer the owner's worker does not have: refused while the
+            # decode daemon prepares the lists, before any plan.
+            unprepared = workers[1].call(
+                granted(
+                    workers[0],
+                    {
+                        "cmd": "pull",
+                        "request_id": "w-layer",
+                        "remote_target": daemons[0].tcp_target,
+                        "remote_worker": {"engine_id": "prefill"},
+                        "groups": [{"group": 0, "local": [1], "remote": [3], "layers": ["nope"]}],
+                    },
+                )
+            )
+            assert not unprepared["ok"], unprepared
             connector_tracer(ConnectorOptions(otlp_traces_endpoint=receiver.endpoint)).flush()
         finally:
             for w in workers:
@@ -156,6 +183,23 @@ def test_a_refused_pull_is_an_error_span_on_all_three_under_vllms_decode_trace(r
     assert (load.trace_id, load.parent_span_id) == (trace_id, vllm_span)
     assert load.links == (_one(run.spans, "kvmap.connector.grant", "p-bad").span_id,)
     assert (pull.parent_span_id, lease.parent_span_id) == (load.span_id, pull.span_id)
+
+
+def test_a_refused_plan_is_an_error_span_under_the_pull(run: Run) -> None:
+    """A pull its own daemon refuses while planning (a remote block out of
+    range) or while preparing its lists (a layer the owner lacks) ends its
+    plan span as an ERROR, a child of the pull, which fails the same way;
+    the owner never saw it (no lease)."""
+    for request_id in ("p-range", "w-layer"):
+        pull = _one(run.spans, "kvmap.pull", request_id)
+        plan = _children(run.spans, pull)["kvmap.plan"]
+        assert plan.status == pull.status and plan.status[0] == ERROR, (plan, pull)
+        assert plan.status[1] in {"INVALID_ARGUMENT", "NOT_FOUND"}, plan
+        assert not [
+            s
+            for s in run.spans
+            if s.name == "kvmap.lease" and s.attributes["kvmap.request_id"] == request_id
+        ]
 
 
 def test_with_tracing_off_nothing_reaches_a_listening_receiver(

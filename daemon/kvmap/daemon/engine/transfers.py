@@ -388,18 +388,11 @@ class TransferEngine:
         generation and ``retry`` allows one more handshake."""
         if req.expected_generation and req.expected_generation != hs.generation:
             raise RequestedGenerationGone(str(req.remote), req.expected_generation, hs.generation)
-        planning = current().child("kvmap.plan")
-        if req.tokens:
-            prepared, plan = await self._plan_tokens(record, hs, req, write)
-        else:
-            prepared = await self._caches.prepare(record, hs, req, write)
+        # Ended however it ends: a refused or failed preparation too.
+        with current().child("kvmap.plan") as planning:
+            prepared, plan = await self._prepared_plan(record, hs, req, write)
+            planning.set(descriptors=plan.descriptors, bytes=plan.bytes)
         try:
-            with planning:
-                if prepared.table is not None:
-                    plan = plan_transfer(
-                        prepared.table, req.pairs, destination=Side.REMOTE if write else Side.LOCAL
-                    )
-                planning.set(descriptors=plan.descriptors, bytes=plan.bytes)
             # The whole transfer's time (it is bounded by its deadline anyway).
             token = await self.peers.begin(
                 req.target, self._announcement(req, hs, plan, write, transfer_id), req.timeout_s
@@ -411,6 +404,22 @@ class TransferEngine:
             log.info("stale_remote_generation", generation=hs.generation)
             return None  # re-handshake once, then plan again
         return prepared, plan, token
+
+    async def _prepared_plan(
+        self, record: WorkerRecord, hs: PeerHandshake, req: TransferRequest, write: bool
+    ) -> tuple[Prepared, TransferPlan]:
+        """The transfer's lists (cached, or a token-mode transfer's own) and
+        its plan; the lists are given back when the plan is refused."""
+        if req.tokens:
+            return await self._plan_tokens(record, hs, req, write)
+        prepared = await self._caches.prepare(record, hs, req, write)
+        assert prepared.table is not None  # cached lists always have their table
+        try:
+            destination = Side.REMOTE if write else Side.LOCAL
+            return prepared, plan_transfer(prepared.table, req.pairs, destination=destination)
+        except BaseException:
+            await self._caches.done_with(prepared)
+            raise
 
     async def _plan_tokens(
         self, local: WorkerRecord, hs: PeerHandshake, req: TransferRequest, write: bool
