@@ -5,6 +5,7 @@ stale-generation retry, and what a failed transfer leaves behind."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 from harness import (
@@ -121,6 +122,69 @@ def test_pull_copies_exactly_the_requested_blocks() -> None:
             assert finished.direction == registry_pb2.TRANSFER_DIRECTION_PULLED_FROM
             assert len(b.app.leases) == 0 and b.app.table.get(wb.key).pins == 0
             assert a.app.table.get(wa.key).pins == 0 and a.app.engine.in_flight == 0
+
+    run(main())
+
+
+def test_the_caller_hears_done_before_the_owner_is_notified() -> None:
+    """A pull's bytes have landed once NIXL reports its transfers done: the
+    caller hears DONE then, and releasing the handles and notifying the owner
+    follow. With the decode daemon's notification held back, the pull still
+    reports DONE with the bytes in place while the owner's lease stays open
+    and the local worker stays pinned; a drain waits for the notification;
+    once it goes out, the lease ends and the owner's worker hears PULLED_FROM."""
+
+    async def main() -> None:
+        async with cluster() as c:
+            a, wa, b, wb = await two(c)
+            gate = threading.Event()
+            send = a.agent.send_notif
+
+            def held(agent: str, msg: bytes) -> None:  # runs on a's NIXL thread
+                gate.wait(10.0)
+                send(agent, msg)
+
+            a.agent.send_notif = held  # type: ignore[method-assign]
+            events = b.app.table.subscribe(wb.key)
+            statuses = [s async for s in run_spec(a.app, spec(wa, b, wb, [(0, 5), (3, 1)]))]
+            assert statuses[-1].state == DONE
+            assert wa.block(0) == wb.block(5) and wa.block(3) == wb.block(1)
+            assert len(b.app.leases) == 1 and b.app.counters.served_done == 0
+            assert a.app.engine.busy and a.app.engine.in_flight == 0
+            assert a.app.table.get(wa.key).pins == 1  # its handles are not released yet
+            drained = asyncio.ensure_future(a.app.drain(10.0))
+            await asyncio.sleep(0.3)
+            assert not drained.done()
+            gate.set()
+            await asyncio.wait_for(drained, 10.0)
+            finished = (await asyncio.wait_for(next_event(events), 10.0)).transfer_finished
+            assert finished.request_id == "req-1"
+            assert not a.app.engine.busy and a.app.table.get(wa.key).pins == 0
+            assert len(b.app.leases) == 0 and b.app.counters.served_done == 1
+
+    run(main())
+
+
+def test_a_notification_that_fails_after_done_leaves_the_pull_done() -> None:
+    """The caller was told DONE before the owner's notification went out: a
+    notification NIXL refuses changes nothing the caller heard. The handles
+    are released and the local worker unpinned; the owner's lease stays
+    until it runs out (it is not ended as a failed transfer)."""
+
+    async def main() -> None:
+        async with cluster() as c:
+            a, wa, b, wb = await two(c)
+
+            def refused(agent: str, msg: bytes) -> None:
+                raise Unavailable("send_notif: NIXL_ERR_REMOTE_DISCONNECT")
+
+            a.agent.send_notif = refused  # type: ignore[method-assign]
+            statuses = [s async for s in run_spec(a.app, spec(wa, b, wb, [(1, 2)]))]
+            assert statuses[-1].state == DONE and wa.block(1) == wb.block(2)
+            await asyncio.wait_for(a.app.drain(10.0), 10.0)
+            assert not a.app.engine.busy and a.app.table.get(wa.key).pins == 0
+            assert a.agent.in_flight == ()
+            assert len(b.app.leases) == 1 and a.peers.ended == []
 
     run(main())
 

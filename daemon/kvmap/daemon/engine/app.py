@@ -224,7 +224,7 @@ class DaemonApp:
             self.owner.expire()
 
     def _transfers_in_flight(self) -> bool:
-        return bool(self._engine and self._engine.in_flight) or len(self.leases) > 0
+        return bool(self._engine and self._engine.busy) or len(self.leases) > 0
 
     async def drain(self, seconds: float) -> None:
         """Wait (bounded) for in-flight transfers to finish."""

@@ -1,7 +1,7 @@
 """Pull and push: handshake with the remote daemon (cached per target,
 worker and generation), plan descriptors from the common refinement of both
 region maps, announce the transfer to the owner, post it, wait for NIXL to
-complete it and notify the owner.
+complete it, report DONE, then release it and notify the owner.
 
 The engine takes checked requests (``core.transfer_requests``; their wire
 forms are ``core.transfer_wire``) and yields reports. Its only state is
@@ -135,7 +135,16 @@ class TransferEngine:
             MAX_HANDSHAKES_IN_FLIGHT, "handshakes with remote daemons"
         )
         self._learning: set[asyncio.Future[PeerHandshake]] = set()
+        # Finished transfers still releasing their handles and telling the
+        # owner (after their caller heard DONE): awaited before closing.
+        self._finishing: set[asyncio.Task[None]] = set()
         self.in_flight = 0
+
+    @property
+    def busy(self) -> bool:
+        """Transfers in flight, or finished ones not yet released and told
+        to their owner (a drain waits for both)."""
+        return bool(self.in_flight or self._finishing)
 
     @property
     def remote_agent_count(self) -> int:
@@ -356,7 +365,9 @@ class TransferEngine:
         else:  # pragma: no cover - the loop always breaks or raises
             raise Unavailable("transfer could not be planned")
         prepared, plan, token = begun
-        post_s, done_s = await self._carry_out(req, hs, prepared, plan, token=token, write=write)
+        post_s, done_s = await self._carry_out(
+            req, record, hs, prepared, plan, token=token, write=write
+        )
         self._account(plan, post_s, done_s)
         current().set(blocks=plan.blocks, bytes=plan.bytes, descriptors=plan.descriptors)
         self._metrics.transfer_moved(
@@ -484,6 +495,7 @@ class TransferEngine:
     async def _carry_out(
         self,
         req: TransferRequest,
+        record: WorkerRecord,
         hs: PeerHandshake,
         prepared: Prepared,
         plan: TransferPlan,
@@ -491,21 +503,47 @@ class TransferEngine:
         token: str,
         write: bool,
     ) -> tuple[float, float]:
-        """Post, wait, and tell the owner: by NIXL notification when done,
-        by EndTransfer when not."""
-        completed = False
+        """Post and wait; the owner is told by EndTransfer when the transfer
+        failed, and by NIXL notification once it is released (``_finish``)."""
         try:
-            # The notification goes out in the same NIXL call that releases
-            # the finished transfers: one thread hop per pull, not three.
-            tell = partial(self._agent.send_notif, hs.agent_name, notification(token))
-            post_s, done_s = await self._post_and_wait(prepared, plan, hs, write, then=tell)
-            completed = True
-            current().event("owner_notified")
-        finally:
+            xfers, post_s, done_s = await self._post_and_wait(prepared, plan, hs, write)
+        except BaseException:
             await self._caches.done_with(prepared)
-            if not completed:
-                await self.peers.end(req.target, token)
+            await self.peers.end(req.target, token)
+            raise
+        # The bytes are in place: the caller hears DONE now. Releasing the
+        # handles and the owner's notification (one NIXL call, ~1 ms on a
+        # busy loop) follow off the reply's path.
+        record.pin()  # the handles' memory stays registered until released
+        finish = asyncio.ensure_future(self._finish(record, prepared, xfers, hs, token))
+        self._finishing.add(finish)
+        finish.add_done_callback(self._finishing.discard)
         return post_s, done_s
+
+    async def _finish(
+        self,
+        record: WorkerRecord,
+        prepared: Prepared,
+        xfers: list[Xfer],
+        hs: PeerHandshake,
+        token: str,
+    ) -> None:
+        """Release a completed transfer's handles and notify its owner, in
+        one NIXL call. A failure here comes after the caller was told DONE
+        (its bytes had landed): it is logged, and the owner's lease runs
+        out instead of ending at the notification."""
+        # A child of the pull's span, which may have ended by now.
+        with current().child("kvmap.notify") as span:
+            try:
+                tell = partial(self._agent.send_notif, hs.agent_name, notification(token))
+                await self._release_xfers(xfers, tell)
+                span.event("owner_notified")
+            except Exception as err:
+                span.fail(code_name(err), str(err))
+                log.warning("owner_not_notified", error=str(err), peer_agent=hs.agent_name)
+            finally:
+                await self._caches.done_with(prepared)
+                record.unpin()
 
     def _account(self, plan: TransferPlan, post_s: float, done_s: float) -> None:
         self._metrics.transfer_bytes.inc(plan.bytes)
@@ -522,12 +560,10 @@ class TransferEngine:
         plan: TransferPlan,
         hs: PeerHandshake,
         write: bool,
-        *,
-        then: Callable[[], None],
-    ) -> tuple[float, float]:
-        """Post the plan's transfers and wait for them; ``then`` runs on the
-        NIXL thread right after they are released, only if all of them
-        succeeded."""
+    ) -> tuple[list[Xfer], float, float]:
+        """Post the plan's transfers and wait for them: the completed
+        handles (the caller releases them), the post's and the wait's
+        seconds. Handles of a failed or cancelled wait are released here."""
         op = XferOp.WRITE if write else XferOp.READ
 
         def post() -> tuple[list[Xfer], float]:
@@ -570,10 +606,10 @@ class TransferEngine:
             raise
         done_s = time.perf_counter() - start
         failed = [x for x, state in zip(xfers, states, strict=True) if state is not XferState.DONE]
-        await self._release_xfers(xfers, None if failed else then)
         if failed:
+            await self._release_xfers(xfers, None)
             raise failed[0].error or TransferError("NIXL reported a failed transfer", "ERR")
-        return post_s, done_s
+        return xfers, post_s, done_s
 
     async def _release_xfers(self, xfers: list[Xfer], then: Callable[[], None] | None) -> None:
         """Release ``xfers`` (and run ``then``) in one NIXL call. Shielded: a
@@ -591,5 +627,7 @@ class TransferEngine:
         await asyncio.shield(self._nixl(release))
 
     async def close(self) -> None:
+        # Finished transfers release their handles before any list goes.
+        await asyncio.gather(*self._finishing, return_exceptions=True)
         await self._caches.close()
         await self.peers.close()
