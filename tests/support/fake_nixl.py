@@ -128,6 +128,10 @@ class FakeAgent:
         return tuple(self._regs)
 
     @property
+    def threads(self) -> int:
+        return 0  # no UCX here
+
+    @property
     def live_dlists(self) -> tuple[DlistHandle, ...]:
         return tuple(self._dlists)
 

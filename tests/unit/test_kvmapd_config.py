@@ -142,3 +142,18 @@ def test_native_lines_are_wrapped_with_their_level(line: str, level: str) -> Non
     wrapped = json.loads(wrap_native_line(line))
     assert (wrapped["event"], wrapped["level"], wrapped["logger"]) == (line, level, "native")
     assert wrap_native_line('{"event": "x", "level": "info"}') == '{"event": "x", "level": "info"}'
+
+
+@pytest.mark.parametrize("threads", [-1, 65, True, 2.0, "2"])
+def test_nixl_threads_outside_0_to_64_or_not_an_int_is_refused(threads: object) -> None:
+    """``nixl_threads`` must be an integer from 0 to 64: anything else is
+    refused at load, naming the key, before any agent is made."""
+    with pytest.raises((ValueError, TypeError), match="nixl_threads"):
+        DaemonConfig(socket="/s", nixl_threads=threads).validated()  # type: ignore[arg-type]  # the bad value is the test
+
+
+def test_nixl_threads_default_and_flag() -> None:
+    """The default is two UCX threads; ``--nixl-threads 0`` turns them off."""
+    assert DaemonConfig(socket="/s").validated().nixl_threads == 2
+    args = _serve_parser().parse_args(["--nixl-threads", "0"])
+    assert args.nixl_threads == 0

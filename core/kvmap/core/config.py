@@ -32,6 +32,10 @@ DEFAULT_MAX_REGISTERED_BYTES = 2 * 1024**4
 # Where shm_path registrations may point: POSIX shared memory (in the
 # manifests, the pod's /dev/shm emptyDir that both containers mount).
 DEFAULT_SHM_PATH_PREFIXES = ("/dev/shm",)
+# UCX threads per agent (``nixl_threads``): two measured best on two cores
+# (docs/benchmarks.md, "NIXL's UCX threads"); vLLM's NixlConnector runs 4.
+DEFAULT_NIXL_THREADS = 2
+MAX_NIXL_THREADS = 64
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,10 @@ class DaemonConfig:
     transfer_timeout_s: float = 30.0
     # How long a peer waits for a remote daemon's handshake before UNAVAILABLE.
     connect_timeout_s: float = 3.0
+    # UCX threads of the daemon's NIXL agent: a large transfer's descriptors
+    # are posted and progressed by this many threads at once, so one daemon
+    # moves a pod's pulls on more than one core (0: the NIXL thread alone).
+    nixl_threads: int = DEFAULT_NIXL_THREADS
     # A worker restored from the state store whose client has not re-attached
     # by then is taken for dead and released.
     restore_attach_grace_s: float = 60.0
@@ -173,6 +181,10 @@ class DaemonConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(name, value, "must be a positive integer")
+        if not 0 <= self.nixl_threads <= MAX_NIXL_THREADS:
+            raise ConfigError(
+                "nixl_threads", self.nixl_threads, f"must be between 0 and {MAX_NIXL_THREADS}"
+            )
         if self.attach_grace_s <= 0:
             raise ConfigError("attach_grace_s", self.attach_grace_s, "must be positive")
 

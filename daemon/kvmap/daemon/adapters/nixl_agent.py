@@ -171,6 +171,15 @@ class NixlAgent:
         self._xfers: set[Xfer] = set()
         self._closed = False
 
+    @property
+    def threads(self) -> int:
+        """The UCX threads NIXL runs for this agent, as NIXL reports them."""
+        if Backend.UCX.value not in self._agent.backends:
+            return 0
+        with self._call("get_backend_params(UCX)") as agent:
+            params = agent.get_backend_params(Backend.UCX.value)
+        return int(params.get("num_threads", 0))
+
     # -- lifecycle -------------------------------------------------------
 
     @classmethod
@@ -180,8 +189,13 @@ class NixlAgent:
         *,
         progress_thread: bool = False,
         backends: Sequence[Backend] = (Backend.UCX,),
+        threads: int = 0,
     ) -> NixlAgent:
-        """Create an agent. Raises Unavailable when NIXL or UCX cannot start."""
+        """Create an agent. ``threads`` > 0 gives UCX that many threads of
+        its own, each with a UCX worker: a transfer of more descriptors than
+        NIXL's chunk size (``NIXL_MIN_CHUNK_SIZE``, 1024) is cut into chunks
+        that these threads post and progress at once (vLLM's NixlConnector
+        runs 4). Raises Unavailable when NIXL or UCX cannot start."""
         if not name:
             raise InvalidArgument("name", "agent name must not be empty")
         try:
@@ -195,6 +209,7 @@ class NixlAgent:
         config = nixl_api.nixl_agent_config(
             enable_prog_thread=progress_thread,
             backends=[b.value for b in backends],
+            num_threads=threads,
         )
         try:
             agent = nixl_api.nixl_agent(name, config)

@@ -95,6 +95,8 @@ class NixlPort(Protocol):
 
     @property
     def registrations(self) -> tuple[Registration, ...]: ...
+    @property
+    def threads(self) -> int: ...
 
     def register(
         self, address: int, size: int, dev_id: int = 0, mem_type: MemoryType = MemoryType.DRAM

@@ -134,16 +134,7 @@ class Daemon:
         add_tcp_services(self._tcp, self.app)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._tcp)
         reflection.enable_server_reflection(tcp_service_names(), self._tcp)
-        if cfg.tls_cert:
-            client_ca = read_pem(cfg.tls_client_ca) if cfg.tls_client_ca else None
-            creds = grpc.ssl_server_credentials(
-                [(read_pem(cfg.tls_key), read_pem(cfg.tls_cert))],
-                root_certificates=client_ca,
-                require_client_auth=client_ca is not None,
-            )
-            self.tcp_port = self._tcp.add_secure_port(cfg.listen, creds)
-        else:
-            self.tcp_port = self._tcp.add_insecure_port(cfg.listen)
+        self.tcp_port = _add_tcp_port(self._tcp, cfg)
 
         await self._unix.start()
         await self._tcp.start()
@@ -162,6 +153,7 @@ class Daemon:
             tcp_port=self.tcp_port,
             planner=cfg.planner,
             agent=self.app.agent_name,
+            nixl_threads=self.app.nixl_threads,
         )
 
     def _listener_dead(self, err: BaseException) -> None:
@@ -269,3 +261,16 @@ async def serve(
     log.info("kvmapd_stopping")
     await daemon.stop()
     return 0
+
+
+def _add_tcp_port(server: grpc.aio.Server, cfg: DaemonConfig) -> int:
+    """The TCP listener's port: TLS (mutual with a client CA) when configured."""
+    if not cfg.tls_cert:
+        return server.add_insecure_port(cfg.listen)
+    client_ca = read_pem(cfg.tls_client_ca) if cfg.tls_client_ca else None
+    creds = grpc.ssl_server_credentials(
+        [(read_pem(cfg.tls_key), read_pem(cfg.tls_cert))],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
+    return server.add_secure_port(cfg.listen, creds)

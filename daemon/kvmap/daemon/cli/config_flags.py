@@ -23,6 +23,8 @@ KEY_HELP = {
     "drain_seconds": "seconds SIGTERM waits for in-flight transfers",
     "transfer_timeout_s": "default deadline of a transfer, handshake to completion",
     "connect_timeout_s": "seconds to wait for a peer daemon's handshake before UNAVAILABLE",
+    "nixl_threads": "UCX threads that post and progress a large transfer's descriptors at "
+    "once (0: the daemon's one NIXL thread alone)",
     "restore_attach_grace_s": "release a worker restored after a restart whose client has "
     "not attached by then",
     "attach_grace_s": "release a registration whose worker has not attached by then",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Coroutine
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import structlog
@@ -73,7 +74,7 @@ class Adapters:
         """The real ones: NIXL, gRPC to peers (mTLS when configured), spans
         exported as daemon ``instance`` (when an endpoint is configured)."""
         return cls(
-            create_agent=NixlAgent.create,
+            create_agent=partial(NixlAgent.create, threads=config.nixl_threads),
             peers=PeerClient.for_config(config),
             shm=ShmImporter(config.shm_path_prefix),
             cuda=CudaIpcImporter(),
@@ -82,6 +83,9 @@ class Adapters:
 
 
 class DaemonApp:
+    # The UCX threads NIXL runs for the agent, known once it exists (start).
+    nixl_threads = 0
+
     def __init__(
         self,
         config: DaemonConfig,
@@ -174,6 +178,8 @@ class DaemonApp:
     async def start(self) -> None:
         create_agent = self.adapters.create_agent
         self._agent = agent = await self.nixl(lambda: create_agent(self.agent_name))
+        # As NIXL reports it (the operator's check that the setting took).
+        self.nixl_threads = await self.nixl(lambda: agent.threads)
         await self.fds.start()
         self._progress = Progress(
             agent, self.nixl, self.owner.on_notifs, busy=lambda: len(self.leases) > 0

@@ -26,7 +26,7 @@ import asyncio
 import itertools
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from functools import partial
 from typing import Protocol
 
@@ -38,14 +38,13 @@ from kvmap.core.errors import (
     KvmapError,
     RequestedGenerationGone,
     StaleGeneration,
-    TransferError,
     Unavailable,
 )
 from kvmap.core.geometry import WorkerKey
 from kvmap.core.retry import retryable
 from kvmap.core.token_plan import plan_token_transfer
 from kvmap.core.transfer_pieces import Side
-from kvmap.core.transfer_plan import TransferPlan, plan_transfer, run_dlist_rows
+from kvmap.core.transfer_plan import TransferPlan, plan_transfer
 from kvmap.core.transfer_requests import (
     Announcement,
     Phase,
@@ -55,12 +54,13 @@ from kvmap.core.transfer_requests import (
     UseRelease,
 )
 from kvmap.daemon.adapters.metrics import Metrics
-from kvmap.daemon.adapters.nixl_port import NixlPort, Xfer, XferOp, XferState
+from kvmap.daemon.adapters.nixl_port import NixlPort, Xfer
 from kvmap.daemon.adapters.nixl_thread import NixlRunner
 from kvmap.daemon.adapters.peer_client import MAX_CHANNELS, PeerHandshake
 from kvmap.daemon.engine.bounded import SingleFlight
 from kvmap.daemon.engine.leases import notification
 from kvmap.daemon.engine.pacing import Pacing, within
+from kvmap.daemon.engine.posting import Posting
 from kvmap.daemon.engine.prepared import HandshakeKey, Prepared, TransferCaches, side_memory
 from kvmap.daemon.engine.progress import Progress
 from kvmap.daemon.engine.workers import WorkerRecord, WorkerTable
@@ -131,6 +131,7 @@ class TransferEngine:
         self._counters = counters
         self.peers = peers
         self._caches = TransferCaches(agent, nixl, metrics)
+        self._posting = Posting(agent, nixl, progress)
         self._handshaking: SingleFlight[HandshakeKey, PeerHandshake] = SingleFlight(
             MAX_HANDSHAKES_IN_FLIGHT, "handshakes with remote daemons"
         )
@@ -506,7 +507,9 @@ class TransferEngine:
         """Post and wait; the owner is told by EndTransfer when the transfer
         failed, and by NIXL notification once it is released (``_finish``)."""
         try:
-            xfers, post_s, done_s = await self._post_and_wait(prepared, plan, hs, write)
+            xfers, post_s, done_s = await self._posting.post_and_wait(
+                prepared, plan, hs.agent_name, write
+            )
         except BaseException:
             await self._caches.done_with(prepared)
             await self.peers.end(req.target, token)
@@ -536,7 +539,7 @@ class TransferEngine:
         with current().child("kvmap.notify") as span:
             try:
                 tell = partial(self._agent.send_notif, hs.agent_name, notification(token))
-                await self._release_xfers(xfers, tell)
+                await self._posting.release(xfers, tell)
                 span.event("owner_notified")
             except Exception as err:
                 span.fail(code_name(err), str(err))
@@ -553,78 +556,6 @@ class TransferEngine:
         self._counters.bytes += plan.bytes
         self._counters.descriptors += plan.descriptors
         self._counters.blocks += plan.blocks
-
-    async def _post_and_wait(
-        self,
-        prepared: Prepared,
-        plan: TransferPlan,
-        hs: PeerHandshake,
-        write: bool,
-    ) -> tuple[list[Xfer], float, float]:
-        """Post the plan's transfers and wait for them: the completed
-        handles (the caller releases them), the post's and the wait's
-        seconds. Handles of a failed or cancelled wait are released here."""
-        op = XferOp.WRITE if write else XferOp.READ
-
-        def post() -> tuple[list[Xfer], float]:
-            start = time.perf_counter()
-            xfers = []
-            if len(plan.local_indices):
-                if prepared.local_dlist is None or prepared.remote_dlist is None:
-                    # Only piece-table plans index prepared lists.
-                    raise RuntimeError("a token-mode plan indexes no prepared list")
-                xfers.append(
-                    self._agent.post_prepped(
-                        op,
-                        prepared.local_dlist,
-                        plan.local_indices,
-                        prepared.remote_dlist,
-                        plan.remote_indices,
-                    )
-                )
-            if len(plan.runs):
-                xfers.append(
-                    self._agent.post_descs(
-                        op,
-                        run_dlist_rows(plan, Side.LOCAL, prepared.local_mem[0]),
-                        run_dlist_rows(plan, Side.REMOTE, prepared.remote_mem[0]),
-                        hs.agent_name,
-                        mem_type=prepared.local_mem[1],
-                        remote_mem_type=prepared.remote_mem[1],
-                    )
-                )
-            return xfers, time.perf_counter() - start
-
-        with current().child("kvmap.post", descriptors=plan.descriptors):
-            xfers, post_s = await self._nixl(post)
-        start = time.perf_counter()
-        try:
-            with current().child("kvmap.wait"):
-                states = await asyncio.gather(*(self._progress.watch(x) for x in xfers))
-        except BaseException:
-            await self._release_xfers(xfers, None)
-            raise
-        done_s = time.perf_counter() - start
-        failed = [x for x, state in zip(xfers, states, strict=True) if state is not XferState.DONE]
-        if failed:
-            await self._release_xfers(xfers, None)
-            raise failed[0].error or TransferError("NIXL reported a failed transfer", "ERR")
-        return xfers, post_s, done_s
-
-    async def _release_xfers(self, xfers: list[Xfer], then: Callable[[], None] | None) -> None:
-        """Release ``xfers`` (and run ``then``) in one NIXL call. Shielded: a
-        pull cancelled meanwhile (its deadline) must not leave its handles
-        behind."""
-        for x in xfers:
-            self._progress.forget(x)
-
-        def release() -> None:
-            for x in xfers:
-                self._agent.release(x)
-            if then is not None:
-                then()
-
-        await asyncio.shield(self._nixl(release))
 
     async def close(self) -> None:
         # Finished transfers release their handles before any list goes.

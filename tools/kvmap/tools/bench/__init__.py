@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType
 
+from kvmap.core.config import DEFAULT_NIXL_THREADS, MAX_NIXL_THREADS
 from kvmap.tools.bench.profiles import DEFAULT_PROFILES, PROFILES
 
 MIB = 1024 * 1024
@@ -131,6 +132,13 @@ def _add_new_series_args(p: argparse.ArgumentParser) -> None:
         default=3,
         help="samples of each restart figure (default 3; 0: skip)",
     )
+    p.add_argument(
+        "--nixl-threads",
+        type=int,
+        default=DEFAULT_NIXL_THREADS,
+        help="UCX threads of every NIXL agent, the daemons' (--nixl-threads) and raw "
+        f"NIXL's alike (default {DEFAULT_NIXL_THREADS}, the daemon's default)",
+    )
 
 
 def _levels(text: str) -> tuple[int, ...]:
@@ -150,6 +158,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.repeats < 1:
         print("kvmapd bench: --repeats must be at least 1", file=sys.stderr)
+        return 2
+    if not 0 <= args.nixl_threads <= MAX_NIXL_THREADS:
+        print(f"kvmapd bench: --nixl-threads must be 0-{MAX_NIXL_THREADS}", file=sys.stderr)
         return 2
 
     def progress(line: str) -> None:
@@ -172,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
         throughput_ranks=args.throughput_ranks,
         throughput_pulls=args.throughput_pulls,
         restart_rounds=args.restart_rounds,
+        nixl_threads=args.nixl_threads,
         progress=progress,
     )
     try:

@@ -61,7 +61,7 @@ def _measure(pp: ProfilePlan, opts: Options, workdir: Path) -> dict[str, Planner
     fresh = [f"ready{i}" for i in range(opts.repeats)]
     with contextlib.ExitStack() as stack:
         runs = _start_pairs(stack, pp, opts, workdir)
-        raw = RawPair(stack, workdir / "raw")
+        raw = RawPair(stack, workdir / "raw", nixl_threads=opts.nixl_threads)
         _register(runs, pp, fresh)
         _register_scaled(runs, pp)
         _raw_setup(raw, runs, pp)
@@ -85,7 +85,7 @@ def _start_pairs(
 ) -> list[PlannerRun]:
     """Every planner's daemons and bench workers, in ``opts.planners`` order."""
     t0 = time.perf_counter()
-    daemons = start_daemons(workdir, opts.planners)
+    daemons = start_daemons(workdir, opts.planners, opts.nixl_threads)
     runs = [PlannerRun(Pair(stack, p, daemons[p])) for p in opts.planners]
     opts.progress(f"{pp.profile.name}: {2 * len(runs)} daemons and workers up in "
                   f"{time.perf_counter() - t0:.1f}s")  # fmt: skip

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvmap.core import planner as planners
+from kvmap.core.config import DEFAULT_NIXL_THREADS
 from kvmap.tools.bench.results import CONCURRENCY
 
 MIB = 1024 * 1024
@@ -40,6 +41,9 @@ class Options:
     throughput_rounds: int = 2
     # Restart figures (bench.restart): samples of each (0: skip).
     restart_rounds: int = 3
+    # UCX threads of every agent: the daemons' and raw NIXL's (the same lists
+    # posted the same way).
+    nixl_threads: int = DEFAULT_NIXL_THREADS
     progress: Callable[[str], None] = field(default=lambda line: None)
 
     def single_planner(self) -> str:

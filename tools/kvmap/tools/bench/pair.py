@@ -21,15 +21,22 @@ from kvmap.v1 import peer_pb2, peer_pb2_grpc, types_pb2
 WORKER_TIMEOUT_S = 180.0
 
 
-def start_daemons(workdir: Path, planners_: list[str]) -> dict[str, tuple[DaemonProc, DaemonProc]]:
-    """Start a prefill and a decode daemon per planner, all at once."""
+def start_daemons(
+    workdir: Path, planners_: list[str], nixl_threads: int
+) -> dict[str, tuple[DaemonProc, DaemonProc]]:
+    """Start a prefill and a decode daemon per planner, all at once, each
+    agent with ``nixl_threads`` UCX threads."""
     out: dict[tuple[str, str], DaemonProc] = {}
     errors: list[BaseException] = []
     lock = threading.Lock()
 
     def start(planner: str, side: str) -> None:
         try:
-            d = start_daemon(workdir / planner / side, "--planner", planner, name=side)
+            d = start_daemon(
+                workdir / planner / side,
+                *("--planner", planner, "--nixl-threads", str(nixl_threads)),
+                name=side,
+            )
         except BaseException as err:
             with lock:
                 errors.append(err)

@@ -295,11 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvmap-bench-raw-nixl", allow_abbrev=False)
     p.add_argument("--role", choices=("target", "initiator"), required=True)
     p.add_argument("--num-workers", type=int, default=0, help="UCX backend num_workers")
+    p.add_argument("--threads", type=int, default=0, help="UCX threads (kvmapd's nixl_threads)")
     args = p.parse_args(argv)
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # NIXL and UCX log to fd 1
     sys.stdout = sys.stderr
-    agent = _agent(f"raw-{args.role}-{os.getpid()}", args.num_workers)
+    agent = _agent(f"raw-{args.role}-{os.getpid()}", args.num_workers, args.threads)
     side = RawSide(args.role, agent)
     progress = None
     if args.role == "target":
@@ -323,9 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _agent(name: str, num_workers: int) -> NixlAgent:
+def _agent(name: str, num_workers: int, threads: int) -> NixlAgent:
     if not num_workers:
-        return NixlAgent.create(name)
+        return NixlAgent.create(name, threads=threads)
     # A backend parameter NixlAgent does not expose: the bandwidth variants only.
     nixl_api = nixl_module("_api")
     config = nixl_api.nixl_agent_config(enable_prog_thread=False, backends=[])
@@ -369,8 +370,10 @@ class RawPair:
         workdir: Path,
         env: dict[str, str] | None = None,
         num_workers: int = 0,
+        nixl_threads: int = 0,
     ) -> None:
         extra = ["--num-workers", str(num_workers)] if num_workers else []
+        extra += ["--threads", str(nixl_threads)]
         self.target = spawn(workdir / "target", "target", env or {}, extra)
         stack.callback(self.target.stop)
         self.initiator = spawn(workdir / "initiator", "initiator", env or {}, extra)

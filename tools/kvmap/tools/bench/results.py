@@ -388,6 +388,9 @@ class BenchResult:
     # Keyed by cores ("1", "2"); None when not measured (--throughput-pulls 0).
     throughput: dict[str, Throughput] | None = None
     restart: Restart | None = None
+    # UCX threads of every agent of the run (daemons and raw NIXL alike);
+    # None in results from before it was recorded.
+    nixl_threads: int | None = None
 
     @property
     def verified(self) -> bool:

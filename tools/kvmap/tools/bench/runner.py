@@ -95,4 +95,5 @@ def run_bench(opts: Options) -> BenchResult:
         tp8=tp8,
         throughput=throughput,
         restart=restart,
+        nixl_threads=opts.nixl_threads,
     )

@@ -91,7 +91,7 @@ def _kvmap_rate(pp: ProfilePlan, request: Request, opts: Options, cores: set[int
         contextlib.ExitStack() as stack,
     ):
         with pinned(cores):
-            daemons = start_daemons(Path(tmp), [planner])
+            daemons = start_daemons(Path(tmp), [planner], opts.nixl_threads)
             pair = Pair(stack, planner, daemons[planner])
         for name in names:
             for side in ("prefill", "decode"):
@@ -112,7 +112,10 @@ def _raw_rate(pp: ProfilePlan, request: Request, opts: Options, cores: set[int])
         contextlib.ExitStack() as stack,
     ):
         with pinned(cores):
-            raws = [RawPair(stack, Path(tmp) / f"r{i}") for i in range(opts.throughput_ranks)]
+            raws = [
+                RawPair(stack, Path(tmp) / f"r{i}", nixl_threads=opts.nixl_threads)
+                for i in range(opts.throughput_ranks)
+            ]
         for raw in raws:
             raw.register("c", name, pp.concurrency_divisor)
             raw.touch("c")

@@ -1,0 +1,99 @@
+"""Posting a planned transfer on the NIXL thread, waiting for NIXL to
+complete it, and releasing its handles: the part of a transfer that talks
+to NIXL (``engine.transfers`` runs the rest)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from kvmap.core.errors import TransferError
+from kvmap.core.transfer_pieces import Side
+from kvmap.core.transfer_plan import TransferPlan, run_dlist_rows
+from kvmap.daemon.adapters.nixl_port import NixlPort, Xfer, XferOp, XferState
+from kvmap.daemon.adapters.nixl_thread import NixlRunner
+from kvmap.daemon.engine.prepared import Prepared
+from kvmap.daemon.engine.progress import Progress
+from kvmap.tracing import current
+
+
+class Posting:
+    """Every call it makes on the agent runs on the NIXL thread (``nixl``)."""
+
+    def __init__(self, agent: NixlPort, nixl: NixlRunner, progress: Progress) -> None:
+        self._agent = agent
+        self._nixl = nixl
+        self._progress = progress
+
+    async def post_and_wait(
+        self,
+        prepared: Prepared,
+        plan: TransferPlan,
+        remote_agent: str,
+        write: bool,
+    ) -> tuple[list[Xfer], float, float]:
+        """Post the plan's transfers and wait for them: the completed
+        handles (the caller releases them), the post's and the wait's
+        seconds. Handles of a failed or cancelled wait are released here."""
+        op = XferOp.WRITE if write else XferOp.READ
+
+        def post() -> tuple[list[Xfer], float]:
+            start = time.perf_counter()
+            xfers = []
+            if len(plan.local_indices):
+                if prepared.local_dlist is None or prepared.remote_dlist is None:
+                    # Only piece-table plans index prepared lists.
+                    raise RuntimeError("a token-mode plan indexes no prepared list")
+                xfers.append(
+                    self._agent.post_prepped(
+                        op,
+                        prepared.local_dlist,
+                        plan.local_indices,
+                        prepared.remote_dlist,
+                        plan.remote_indices,
+                    )
+                )
+            if len(plan.runs):
+                xfers.append(
+                    self._agent.post_descs(
+                        op,
+                        run_dlist_rows(plan, Side.LOCAL, prepared.local_mem[0]),
+                        run_dlist_rows(plan, Side.REMOTE, prepared.remote_mem[0]),
+                        remote_agent,
+                        mem_type=prepared.local_mem[1],
+                        remote_mem_type=prepared.remote_mem[1],
+                    )
+                )
+            return xfers, time.perf_counter() - start
+
+        with current().child("kvmap.post", descriptors=plan.descriptors):
+            xfers, post_s = await self._nixl(post)
+        start = time.perf_counter()
+        try:
+            with current().child("kvmap.wait"):
+                states = await asyncio.gather(*(self._progress.watch(x) for x in xfers))
+        except BaseException:
+            await self.release(xfers, None)
+            raise
+        done_s = time.perf_counter() - start
+        failed = [x for x, state in zip(xfers, states, strict=True) if state is not XferState.DONE]
+        if failed:
+            await self.release(xfers, None)
+            raise failed[0].error or TransferError("NIXL reported a failed transfer", "ERR")
+        return xfers, post_s, done_s
+
+    async def release(self, xfers: list[Xfer], then: Callable[[], None] | None) -> None:
+        """Release ``xfers`` (and run ``then``) in one NIXL call. Shielded: a
+        pull cancelled meanwhile (its deadline) must not leave its handles
+        behind."""
+        for x in xfers:
+            self._progress.forget(x)
+
+        def release() -> None:
+            for x in xfers:
+                self._agent.release(x)
+            if then is not None:
+                then()
+
+        await asyncio.shield(self._nixl(release))
