@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from kvmap.core import planner as planners
+from kvmap.core.config import DEFAULT_NIXL_THREADS
 from kvmap.tools.bench import blockpool, pair, plot, report, results, series, workload
 from kvmap.tools.bench.options import MIB
 from kvmap.tools.bench.profiles import DEFAULT_PROFILES, PROFILES, get_profile
@@ -48,6 +49,7 @@ def test_json_schema(tiny: tuple[dict[str, Any], Path]) -> None:
     result, _ = tiny
     assert result["schema"] == results.SCHEMA
     assert result["memcpy_gbps"] > 0
+    assert result["nixl_threads"] == DEFAULT_NIXL_THREADS  # the daemon's default, both sides
     assert set(result["profiles"]) == {"tiny"}
     planners_run = list(result["profiles"]["tiny"])
     assert planners_run[0] == "baseline"
