@@ -8,6 +8,7 @@ thousands of descriptors is."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -48,25 +49,24 @@ def threaded(
     most 8 descriptors."""
     monkeypatch.setenv("NIXL_MIN_CHUNK_SIZE", "4")
     monkeypatch.setenv("NIXL_MAX_CHUNK_SIZE", "8")
-    started: list[tuple[DaemonProc, WorkerProc | None]] = []
-    try:
+    with contextlib.ExitStack() as stack:
+        sides: list[tuple[DaemonProc, WorkerProc]] = []
         for name, planner, extra in (
             ("prefill", "coalesce", ("--fill",)),
             ("decode", "baseline", ()),
         ):
             flags = ("--planner", planner, "--nixl-threads", "2")
             d = start_daemon(tmp_path / name, *flags, name=name)
-            started.append((d, None))
-            started[-1] = (d, start_worker(d, name, *GEO, *extra))
-        (pd, pw), (dd, dw) = started
-        assert pw is not None and dw is not None
+            stack.callback(_exits_cleanly, d)
+            w = start_worker(d, name, *GEO, *extra)
+            stack.callback(w.stop)  # before its daemon (callbacks run last first)
+            sides.append((d, w))
+        (pd, pw), (dd, dw) = sides
         yield pd, pw, dd, dw
-    finally:
-        for _, w in reversed(started):
-            if w is not None:
-                w.stop()
-        for d, _ in reversed(started):
-            assert d.terminate() == 0, d.log()
+
+
+def _exits_cleanly(daemon: DaemonProc) -> None:
+    assert daemon.terminate() == 0, daemon.log()
 
 
 def test_threaded_agents_pull_every_byte_and_say_so(
