@@ -107,6 +107,9 @@ def _register(runs: list[PlannerRun], pp: ProfilePlan, fresh: list[str]) -> None
         for run in abba(runs, i):
             out = run.pair.register("prefill", name, profile, 1)
             run.ready.append(float(out["ready_seconds"]))
+            if i:  # only the first stays (first contact); the rest would
+                # add up past max_registered_bytes at full scale
+                run.pair.deregister("prefill", name)
     for run in runs:
         run.pair.fill(fresh[0], pp.first_contact)
     for run in runs:

@@ -128,6 +128,11 @@ class Pair:
             },
         )
 
+    def deregister(self, side: str, name: str) -> None:
+        """Deregister worker ``<side>-<name>``: its registered bytes count
+        against the daemon's ``max_registered_bytes`` no more."""
+        call(self.pw if side == "prefill" else self.dw, {"cmd": "deregister", "name": name})
+
     def pull(self, name: str, req: Request, remote: str = "") -> dict[str, Any]:
         """Decode worker ``name`` pulls ``req`` from prefill worker ``remote``
         (default: the prefill worker of the same name), with the capability

@@ -285,6 +285,13 @@ class BenchWorker:
 
         threading.Thread(target=run, daemon=True, name=f"attach-{reg.name}").start()
 
+    def deregister(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Deregister worker ``name`` and unmap its memory."""
+        reg = self.workers.pop(cmd["name"])
+        self.client.deregister(reg.worker)
+        reg.close()
+        return {"ok": True}
+
     def fill(self, cmd: dict[str, Any]) -> dict[str, Any]:
         reg = self.workers[cmd["name"]]
         nbytes = 0
@@ -426,6 +433,7 @@ class BenchWorker:
 COMMANDS = (
     "register",
     "register_many",
+    "deregister",
     "fill",
     "zero",
     "verify",
