@@ -72,10 +72,12 @@ def old_first_repeat(ids: Int64Array) -> tuple[int, int] | None:
 
 
 def old_group_descriptors(
-    table: PieceTable, pieces: Int64Array, lids: Int64Array, rids: Int64Array, merge_runs: bool
+    table: PieceTable, pieces: Int64Array, lids: Int64Array, rids: Int64Array
 ) -> tuple[list[Int64Array], list[Int64Array], list[Int64Array]]:
+    """The planner as it was before NIXL merged its runs: split pieces by
+    setdiff1d, and explicit run descriptors for whole-row pieces."""
     loc, rem = table.local, table.remote
-    whole = pieces[table.whole_row[pieces]] if merge_runs else pieces[:0]
+    whole = pieces[table.whole_row[pieces]]
     split = np.setdiff1d(pieces, whole, assume_unique=True)
     li = [np.add.outer(loc.first_index[split], lids).ravel()]
     ri = [np.add.outer(rem.first_index[split], rids).ravel()]
@@ -152,26 +154,24 @@ def test_first_repeat_is_the_old_answer(case: tuple[list[int], int]) -> None:
 
 
 @settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(scenarios(), st.booleans())
-def test_pieces_split_as_setdiff1d_did_and_plans_match_lists(
+@given(scenarios())
+def test_groups_post_the_old_descriptor_count_and_plans_match_lists(
     scenario: tuple,  # type: ignore[type-arg]
-    merge_runs: bool,
 ) -> None:
-    """For random maps and requests, each group's descriptors are the old (setdiff1d) code's,
-    array for array, and a plan from wire-parsed int64 arrays equals the plan from Python
-    lists."""
+    """For random maps and requests, each group's index pairs are every (piece, block) pair, piece
+    by piece, and the descriptors NIXL posts once it merges runs (index pairs less ``merged``)
+    are as many as the old planner's index pairs and explicit runs; a plan from wire-parsed int64
+    arrays equals the plan from Python lists."""
     local, remote, (lp, rp), sels, pairs, direction = scenario
     table = build_piece_table(region_map(DECODE, local, lp), region_map(PREFILL, remote, rp), sels)
     for (start, stop), p in zip(table.spans, pairs, strict=True):
         pieces = np.arange(start, stop)
         lids, rids = np.asarray(p.local_block_ids), np.asarray(p.remote_block_ids)
-        got = tp._group_descriptors(table, pieces, lids, rids, merge_runs)
-        want = old_group_descriptors(table, pieces, lids, rids, merge_runs)
-        for g, w in zip(got, want, strict=True):
-            assert len(g) == len(w)
-            assert all(
-                x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(g, w, strict=True)
-            )
+        li, ri, merged = tp._group_descriptors(table, pieces, lids, rids)
+        assert li.tolist() == [table.local.first_index[q] + b for q in pieces for b in lids]
+        assert ri.tolist() == [table.remote.first_index[q] + b for q in pieces for b in rids]
+        old_li, _, old_runs = old_group_descriptors(table, pieces, lids, rids)
+        assert len(li) - merged == sum(map(len, old_li)) + sum(map(len, old_runs))
     wire = [
         transfers_pb2.GroupBlocks(
             local_block_ids=p.local_block_ids, remote_block_ids=p.remote_block_ids
@@ -183,12 +183,12 @@ def test_pieces_split_as_setdiff1d_did_and_plans_match_lists(
         for p, w in zip(pairs, wire, strict=True)
     ]
     dest = Side.LOCAL if direction == "READ" else Side.REMOTE
-    a = plan_transfer(table, arrays, destination=dest, merge_runs=merge_runs)
-    b = plan_transfer(table, pairs, destination=dest, merge_runs=merge_runs)
+    a = plan_transfer(table, arrays, destination=dest)
+    b = plan_transfer(table, pairs, destination=dest)
     for field in ("local_indices", "remote_indices", "runs"):
         x, y = getattr(a, field), getattr(b, field)
         assert x.dtype == y.dtype and np.array_equal(x, y)
-    assert (a.blocks, a.bytes) == (b.blocks, b.bytes)
+    assert (a.blocks, a.bytes, a.merged) == (b.blocks, b.bytes, b.merged)
 
 
 # --- wire ids ------------------------------------------------------------------

@@ -239,6 +239,22 @@ def simulate(
     return writes
 
 
+def nixl_merged(plan: TransferPlan, table: PieceTable) -> list[tuple[int, int, int]]:
+    """The plan's index pairs as NIXL's make_prepped_xfer posts them
+    (local address, remote address, length): a pair whose descriptors
+    continue the previous pair's on both sides is folded into it."""
+    la, ll = expand(table, Side.LOCAL, plan.local_indices.astype(np.int64))
+    ra, _ = expand(table, Side.REMOTE, plan.remote_indices.astype(np.int64))
+    out: list[list[int]] = []
+    for l_addr, r_addr, length in zip(la.tolist(), ra.tolist(), ll.tolist(), strict=True):
+        last = out[-1] if out else None
+        if last and last[0] + last[2] == l_addr and last[1] + last[2] == r_addr:
+            last[2] += length
+        else:
+            out.append([l_addr, r_addr, length])
+    return [(a, b, n) for a, b, n in out]
+
+
 def naive(
     local: Layout,
     remote: Layout,
@@ -306,6 +322,10 @@ def check_moves_exactly(
         assert w.max(initial=0) <= 1, "a destination byte was written twice"
         assert np.array_equal(w > 0, mask[base]), "written bytes differ from the per-layer set"
     assert plan.descriptors <= naive_count
+    # What NIXL posts is never more than the plan counts (it may fold more:
+    # pieces that happen to continue each other on both sides).
+    assert len(nixl_merged(plan, table)) <= plan.descriptors
+    assert len(plan.runs) == 0  # one prepped transfer carries the plan
     assert plan.blocks == sum(len(p.local_block_ids) for p in pairs)
     assert plan.bytes == sum(int(m.sum()) for m in mask.values())
     return table, plan
@@ -425,7 +445,7 @@ def test_plan_moves_exactly_the_per_layer_bytes(scenario: tuple) -> None:  # typ
     # Coverage of the interesting shapes (see --hypothesis-show-statistics).
     event(f"{lp.__name__} vs {rp.__name__}, {direction}")
     event(f"pieces with several layers: {any(len(p.layer_names) > 1 for p in table.pieces)}")
-    event(f"merged runs: {len(plan.runs) > 0}")
+    event(f"merged runs: {plan.merged > 0}")
 
 
 @settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -450,7 +470,7 @@ def test_coalesced_peers_split_only_where_either_side_cuts(scenario: tuple) -> N
         cuts = sum((lreg[x], rreg[x]) != (lreg[y], rreg[y]) for x, y in itertools.pairwise(names))
         assert b - a == cuts + 1
     event(f"pieces with several layers: {any(len(p.layer_names) > 1 for p in table.pieces)}")
-    event(f"merged runs: {len(plan.runs) > 0}")
+    event(f"merged runs: {plan.merged > 0}")
 
 
 # --- named cases -------------------------------------------------------------
@@ -466,7 +486,7 @@ def glm_like(n: int = 8) -> list[Layer]:
 
 def test_coalesce_vs_baseline_glm_like() -> None:
     """Against a per-layer peer the plan has one piece per layer and no merged runs; two coalescing
-    peers get one whole-row piece, and consecutive block pairs merge into one run descriptor."""
+    peers get one whole-row piece, and NIXL merges consecutive block pairs into one descriptor."""
     layers = glm_like()
     side = one_alloc(block_outermost(layers, 40, "a0"))
     sels, pairs = [LayerSelection(0)], [GroupPairs(0, [3, 4, 5, 9], [10, 11, 12, 30])]
@@ -478,14 +498,15 @@ def test_coalesce_vs_baseline_glm_like() -> None:
     table, plan = check_moves_exactly(side, side, (coalesce, coalesce), sels, pairs)
     assert len(table.pieces) == 1 and table.pieces[0].whole_row
     assert table.pieces[0].layer_names == tuple(ly.name for ly in layers)
-    # Run 3..5 <-> 10..12 is one descriptor, 9 <-> 30 one index pair.
-    assert plan.descriptors == 2
-    assert plan.runs.tolist() == [[(1 << 20) + 3 * 640, (1 << 20) + 10 * 640, 3 * 640]]
+    # Run 3..5 <-> 10..12 is one descriptor once NIXL merges it, 9 <-> 30 another.
+    assert plan.descriptors == 2 and plan.merged == 2
+    posted = nixl_merged(plan, table)
+    assert posted[0] == ((1 << 20) + 3 * 640, (1 << 20) + 10 * 640, 3 * 640) and len(posted) == 2
 
 
 def test_identical_coalesced_full_row_maps_give_one_descriptor_per_run() -> None:
     """Two full-row coalesced maps pair region for region, and each stretch of consecutive block
-    pairs becomes one run descriptor (a lone pair stays an index pair)."""
+    pairs becomes one descriptor as NIXL posts it (a lone pair stays one)."""
     layers = glm_like(4)
     local = one_alloc(block_outermost(layers, 64, "a0"))
     remote = one_alloc(block_outermost(layers, 80, "r0", lead=64), "r0")
@@ -498,8 +519,8 @@ def test_identical_coalesced_full_row_maps_give_one_descriptor_per_run() -> None
     assert [(p.local_region_id, p.remote_region_id) for p in table.pieces] == [
         (r.id, r.id) for r in rmap.regions
     ]
-    assert len(plan.runs) == 2 and len(plan.local_indices) == 1
-    assert plan.runs[:, 2].tolist() == [20 * 320, 10 * 320]
+    assert plan.descriptors == 3 and len(plan.local_indices) == 31
+    assert [n for _, _, n in nixl_merged(plan, table)] == [20 * 320, 10 * 320, 320]
 
 
 def test_partial_row_pieces_never_merge_runs() -> None:
@@ -510,7 +531,8 @@ def test_partial_row_pieces_never_merge_runs() -> None:
     table, plan = check_moves_exactly(
         side, side, (coalesce, coalesce), [LayerSelection(0)], [GroupPairs(0, range(8), range(8))]
     )
-    assert not table.pieces[0].whole_row and plan.descriptors == 8 and len(plan.runs) == 0
+    assert not table.pieces[0].whole_row and plan.descriptors == 8 and plan.merged == 0
+    assert len(nixl_merged(plan, table)) == 8
 
 
 def test_two_groups_and_a_layer_subset() -> None:
@@ -842,7 +864,7 @@ def test_glm_scale_plans_fast() -> None:
     t3 = time.perf_counter()
     merged = plan_transfer(same, [GroupPairs(0, np.arange(2048), np.arange(100, 2148))])
     t4 = time.perf_counter()
-    assert merged.descriptors == 1 and merged.runs[0, 2] == 2048 * local.regions[0].block_len_bytes
+    assert merged.descriptors == 1 and merged.merged == 2047
     print(
         f"\npiece table {1e3 * (t1 - t0):.1f} ms, plan {plan.descriptors} descriptors "
         f"{1e3 * (t2 - t1):.1f} ms; coalesced table {1e3 * (t3 - t2):.1f} ms, "

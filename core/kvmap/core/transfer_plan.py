@@ -12,10 +12,13 @@ Output, for the NIXL shell:
   ``p``. The local list is prepared for ``NIXL_INIT_AGENT``, the remote list
   for the remote agent's name.
 * ``plan_transfer(table, groups)`` per request: ``local_indices`` /
-  ``remote_indices`` for ``make_prepped_xfer`` against those lists, plus
-  ``runs``: explicit descriptors for runs of consecutive blocks of whole-row
-  pieces, which no prepared list holds; ``run_dlist_rows`` turns them into the
-  Nx3 lists ``get_xfer_descs`` / ``initialize_xfer`` take.
+  ``remote_indices`` for one ``make_prepped_xfer`` against those lists. A run
+  of consecutive block pairs of a whole-row piece is a run of consecutive
+  index pairs whose descriptors are contiguous on both sides: NIXL merges
+  them into one descriptor as it makes the transfer (``merged`` counts the
+  pairs it folds), so a pull is one NIXL transfer. ``runs`` (explicit
+  descriptors, which ``run_dlist_rows`` turns into the Nx3 lists
+  ``get_xfer_descs`` / ``initialize_xfer`` take) are token-mode plans' only.
 
 Block ids are validated before anything is posted, against every region the
 selection's pieces touch on each side. The block limit per transfer is an
@@ -64,15 +67,20 @@ class TransferPlan:
     # Pairs of descriptors of the prepared lists, one block of one piece each.
     local_indices: Int32Array
     remote_indices: Int32Array
-    # Explicit descriptors (local_addr, remote_addr, len): a run of k >= 2
-    # consecutive block pairs of a whole-row piece, k rows long.
+    # Explicit descriptors (local_addr, remote_addr, len): token-mode plans.
     runs: Int64Array
     blocks: int
     bytes: int
+    # Index pairs NIXL folds into the pair before them when it makes the
+    # transfer (make_prepped_xfer merges descriptors that are adjacent in
+    # the index arrays and contiguous on both sides): the second and later
+    # blocks of each run of consecutive block pairs of a whole-row piece.
+    merged: int = 0
 
     @property
     def descriptors(self) -> int:
-        return len(self.local_indices) + len(self.runs)
+        """Descriptors NIXL posts."""
+        return len(self.local_indices) + len(self.runs) - self.merged
 
 
 def piece_dlist_rows(table: PieceTable, side: Side, dev_id: int) -> Int64Array:
@@ -264,36 +272,21 @@ def _first_shared_write(
 
 
 def _group_descriptors(
-    table: PieceTable, pieces: Int64Array, lids: Int64Array, rids: Int64Array, merge_runs: bool
-) -> tuple[list[Int64Array], list[Int64Array], list[Int64Array]]:
-    """(local indices, remote indices, runs) moving one request group's
-    ``pieces`` (a span of ``table``) for every block pair ``(lids[k], rids[k])``."""
-    loc, rem = table.local, table.remote
-    if merge_runs:
-        is_whole = table.whole_row[pieces]
-        whole, split = pieces[is_whole], pieces[~is_whole]
-    else:
-        whole, split = pieces[:0], pieces
-    # Pieces that are not whole rows: one descriptor per piece per block.
-    li = [np.add.outer(loc.first_index[split], lids).ravel()]
-    ri = [np.add.outer(rem.first_index[split], rids).ravel()]
-    if not whole.size:
-        return li, ri, []
-    # Whole-row pieces: a run of pairs (lb, rb), (lb+1, rb+1), ... is
-    # contiguous on both sides, so k >= 2 blocks become one descriptor.
-    brk = np.flatnonzero((lids[1:] - lids[:-1] != 1) | (rids[1:] - rids[:-1] != 1)) + 1
-    first = np.concatenate(([0], brk))
-    length = np.append(brk, len(lids)) - first
-    long = length > 1
-    single, multi = first[length == 1], first[long]
-    li.append(np.add.outer(loc.first_index[whole], lids[single]).ravel())
-    ri.append(np.add.outer(rem.first_index[whole], rids[single]).ravel())
-    if not multi.size:
-        return li, ri, []
-    la = loc.addr[whole, None] + loc.stride[whole, None] * lids[multi]
-    ra = rem.addr[whole, None] + rem.stride[whole, None] * rids[multi]
-    ln = table.len_bytes[whole, None] * length[long]
-    return li, ri, [np.stack([la.ravel(), ra.ravel(), ln.ravel()], axis=1)]
+    table: PieceTable, pieces: Int64Array, lids: Int64Array, rids: Int64Array
+) -> tuple[Int64Array, Int64Array, int]:
+    """(local indices, remote indices, pairs NIXL merges) moving one request
+    group's ``pieces`` (a span of ``table``) for every block pair
+    ``(lids[k], rids[k])``: piece by piece, each piece's blocks in pair
+    order, so that a run of pairs ``(lb, rb), (lb+1, rb+1), ...`` of a
+    whole-row piece (contiguous on both sides) is a run of adjacent
+    descriptors, which NIXL posts as one."""
+    li = np.add.outer(table.local.first_index[pieces], lids).ravel()
+    ri = np.add.outer(table.remote.first_index[pieces], rids).ravel()
+    whole = int(np.count_nonzero(table.whole_row[pieces]))
+    if not whole:
+        return li, ri, 0
+    follows = int(np.count_nonzero((lids[1:] - lids[:-1] == 1) & (rids[1:] - rids[:-1] == 1)))
+    return li, ri, whole * follows
 
 
 def plan_transfer(
@@ -301,35 +294,34 @@ def plan_transfer(
     groups: Sequence[GroupPairs],
     *,
     destination: Side = Side.LOCAL,
-    merge_runs: bool = True,
 ) -> TransferPlan:
     """Matched descriptors moving, for every ``groups[i]`` pair ``(lb, rb)`` and
     every selected layer, the layer's local block ``lb`` <-> remote block ``rb``.
 
     ``groups[i]`` must be the request group ``table.selections[i]`` was built
     from. ``destination`` is the side written (LOCAL for a pull / READ, REMOTE
-    for a push / WRITE): its block ids must not repeat. With ``merge_runs``
-    off every descriptor is an index pair, so one prepped request suffices.
+    for a push / WRITE): its block ids must not repeat. Every descriptor is
+    an index pair, so one prepped transfer carries the plan.
     """
     pairs = _validate(table, groups, destination)
     li: list[Int64Array] = []
     ri: list[Int64Array] = []
-    runs: list[Int64Array] = []
-    blocks = nbytes = 0
+    blocks = nbytes = merged = 0
     for (start, stop), (lids, rids) in zip(table.spans, pairs, strict=True):
         n = len(lids)
         blocks += n
         nbytes += n * int(table.len_bytes[start:stop].sum())
         if n:
-            parts = _group_descriptors(table, np.arange(start, stop), lids, rids, merge_runs)
-            li += parts[0]
-            ri += parts[1]
-            runs += parts[2]
+            local, remote, folded = _group_descriptors(table, np.arange(start, stop), lids, rids)
+            li.append(local)
+            ri.append(remote)
+            merged += folded
     empty = np.zeros(0, dtype=np.int64)
     return TransferPlan(
         local_indices=np.concatenate([empty, *li]).astype(np.int32),
         remote_indices=np.concatenate([empty, *ri]).astype(np.int32),
-        runs=np.concatenate([np.zeros((0, 3), dtype=np.int64), *runs]),
+        runs=np.zeros((0, 3), dtype=np.int64),
         blocks=blocks,
         bytes=nbytes,
+        merged=merged,
     )

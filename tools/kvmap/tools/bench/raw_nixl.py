@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -183,17 +183,11 @@ class RawSide:
         then polling them all. Per round: each request's post seconds, and
         seconds from the round's first post to its DONE. ``split`` posts each
         request as that many xfer handles; ``explicit`` posts every
-        descriptor as an explicit row (no prepared lists); ``part`` posts
-        only the ``indices`` or only the ``runs`` (to time each alone)."""
+        descriptor as an explicit row (no prepared lists)."""
         split, explicit = int(cmd.get("split", 1)), bool(cmd.get("explicit", False))
-        merge = bool(cmd.get("merge_runs", True))
-        part = str(cmd.get("part", ""))
         jobs = [
-            (self.prepped[r["prep"]], _plan(self.prepped[r["prep"]], r, merge))
-            for r in cmd["requests"]
+            (self.prepped[r["prep"]], _plan(self.prepped[r["prep"]], r)) for r in cmd["requests"]
         ]
-        if part:
-            jobs = [(p, _part(plan, part)) for p, plan in jobs]
         pids = [os.getpid(), *(int(p) for p in cmd.get("cpu_pids", []))]
         rounds = []
         for _ in range(int(cmd.get("repeats", 1))):
@@ -240,9 +234,10 @@ class RawSide:
         return {"post_seconds": posts, "pull_seconds": done}
 
     def _post(self, p: Prepped, plan: TransferPlan, split: int, explicit: bool) -> list[Xfer]:
-        """What the daemon's ``_post_and_wait`` posts (one prepped transfer
-        of index pairs, one explicit transfer of merged runs), optionally cut
-        into ``split`` handles of each, or everything explicit."""
+        """What the daemon's ``Posting.post_and_wait`` posts (one prepped
+        transfer of index pairs; explicit runs only in token-mode plans),
+        optionally cut into ``split`` handles of each, or everything
+        explicit."""
         op, out = XferOp.READ, []
         li, ri = plan.local_indices, plan.remote_indices
         if explicit and len(li):
@@ -265,18 +260,9 @@ class RawSide:
         return out
 
 
-def _plan(p: Prepped, request: dict[str, Any], merge_runs: bool) -> TransferPlan:
+def _plan(p: Prepped, request: dict[str, Any]) -> TransferPlan:
     pairs = [GroupPairs(g["group"], g["local"], g["remote"]) for g in request["groups"]]
-    return plan_transfer(p.table, pairs, merge_runs=merge_runs)
-
-
-def _part(plan: TransferPlan, part: str) -> TransferPlan:
-    """``plan`` with only its index pairs (``indices``) or only its runs."""
-    if part == "indices":
-        return replace(plan, runs=plan.runs[:0], blocks=0, bytes=0)
-    return replace(
-        plan, local_indices=plan.local_indices[:0], remote_indices=plan.remote_indices[:0]
-    )
+    return plan_transfer(p.table, pairs)
 
 
 def _index_rows(p: Prepped, side: Side, idx: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:

@@ -8,12 +8,10 @@ the same run. docs/benchmarks.md records a run.
 Variants (each: a warm-up round, then the median of ``--repeats``):
 
 - ``as posted``: the lists the planner's daemon posts (prepared index pairs,
-  plus explicit rows for merged runs);
+  which NIXL merges where they are adjacent on both sides);
 - ``split K``: the same descriptors cut into K xfer handles posted back to
   back (UCX may then work on several at once);
 - ``explicit``: every descriptor as an explicit row (no prepared lists);
-- ``per block``: coalesce without merging runs (one descriptor per block
-  row instead of one per run);
 - ``contiguous``: the contiguous request's first blocks (coalesce: one
   descriptor per group, megabytes long);
 - UCX environments: ``UCX_TLS`` restricted to tcp (no CMA), to tcp and CMA,
@@ -56,7 +54,6 @@ POSTINGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("split 4", {"split": 4}),
     ("split 8", {"split": 8}),
     ("explicit", {"explicit": True}),
-    ("per block", {"merge_runs": False}),
 )
 
 
