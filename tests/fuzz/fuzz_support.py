@@ -121,6 +121,9 @@ ALLOWED: dict[str, frozenset[Code]] = {
     "/kvmap.v1.Peer/BeginTransfer": frozenset(
         {OK, INVALID, NOT_FOUND, PRECONDITION, EXHAUSTED, UNAVAILABLE, DENIED}
     ),
+    # A refused call's status goes in its result; the RPC itself fails only
+    # whole (more than MAX_BEGIN_CALLS calls, undecodable bytes).
+    "/kvmap.v1.Peer/BeginTransfers": frozenset({OK, INVALID, EXHAUSTED}),
     "/kvmap.v1.Peer/EndTransfer": frozenset({OK, INVALID, NOT_FOUND}),
 }
 UNIX_METHODS = [m for m in ALLOWED if not m.startswith("/kvmap.v1.Peer/")]

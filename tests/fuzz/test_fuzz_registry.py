@@ -776,6 +776,9 @@ def _seed_requests() -> dict[str, bytes]:
         ),
         "/kvmap.v1.Peer/EndTransfer": peer_pb2.EndTransferRequest(transfer_token="t" * 32),
     }
+    begin = msgs["/kvmap.v1.Peer/BeginTransfer"]
+    assert isinstance(begin, peer_pb2.BeginTransferRequest)
+    msgs["/kvmap.v1.Peer/BeginTransfers"] = peer_pb2.BeginTransfersRequest(calls=[begin, begin])
     return {m: msg.SerializeToString() for m, msg in msgs.items()}
 
 
@@ -832,6 +835,11 @@ def test_raw_bytes_that_decode(env: Env, raw: tuple[str, bool, bytes]) -> None:
     if method == "/kvmap.v1.Peer/BeginTransfer" and out.code is OK:
         token = peer_pb2.BeginTransferResponse.FromString(out.response).transfer_token
         call(live.peer.EndTransfer, peer_pb2.EndTransferRequest(transfer_token=token), "End")
+    if method == "/kvmap.v1.Peer/BeginTransfers" and out.code is OK:
+        for result in peer_pb2.BeginTransfersResponse.FromString(out.response).results:
+            end = peer_pb2.EndTransferRequest(transfer_token=result.transfer_token)
+            if result.transfer_token:
+                call(live.peer.EndTransfer, end, "End")
     if method in ("/kvmap.v1.Registry/RegisterWorker", "/kvmap.v1.Registry/DeregisterWorker"):
         assert out.code is not OK, f"{method} accepted raw bytes {data!r}"
     live.assert_healthy()

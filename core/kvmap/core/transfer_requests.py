@@ -99,8 +99,9 @@ class Announcement:
     readers: int
     # The caller's id of the transfer, which both daemons log (peer.proto).
     transfer_id: str = ""
-    # The W3C traceparent of the caller's span of the transfer (sent as gRPC
-    # metadata, not in the message): the owner's span of it is its child.
+    # The W3C traceparent of the caller's span of the transfer (gRPC metadata
+    # of a BeginTransfer, the call's own field in a BeginTransfers): the
+    # owner's span of it is its child.
     traceparent: str = ""
 
 

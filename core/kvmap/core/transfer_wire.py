@@ -34,6 +34,14 @@ MAX_REQUEST_ID = 256
 # Longest transfer id (BeginTransferRequest.transfer_id) an owner keeps and
 # logs; a longer one is cut, as a request id is.
 MAX_TRANSFER_ID = 64
+# Peer.BeginTransfers: calls in one request; the bytes of the calls a caller
+# puts in one, below what an owner reads of a BeginTransfer (352 KiB, so
+# that batching widens no limit of the TCP listener); and the largest call
+# it batches (a larger one goes alone, so that its size never refuses its
+# neighbours). A 128K-token pull's call is 10-40 KB.
+MAX_BEGIN_CALLS = 64
+MAX_BEGIN_CALLS_BYTES = 256 * 1024
+MAX_BATCHED_CALL_BYTES = 64 * 1024
 
 _STATES = {
     Phase.HANDSHAKING: transfers_pb2.TRANSFER_STATE_HANDSHAKING,
@@ -166,6 +174,7 @@ def announcement_to_proto(a: Announcement) -> peer_pb2.BeginTransferRequest:
         replaces_agents=a.replaces_agents,
         readers=a.readers,
         transfer_id=a.transfer_id,
+        traceparent=a.traceparent,
     )
     for group, ids in a.groups:
         announced.groups.add(transfer_group=group, block_ids=ids)

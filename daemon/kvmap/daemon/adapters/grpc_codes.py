@@ -44,6 +44,24 @@ def error_code(status: grpc.StatusCode) -> ErrorCode:
     return _ERROR_CODE.get(status, ErrorCode.UNKNOWN)
 
 
+# gRPC's status codes by number (google.rpc.Code): how a status travels in a
+# message (Peer.BeginTransfers' per-call results) rather than as a status.
+_BY_NUMBER: Mapping[int, grpc.StatusCode] = types.MappingProxyType(
+    {status.value[0]: status for status in grpc.StatusCode}
+)
+
+
+def status_number(status: grpc.StatusCode) -> int:
+    """``status`` as its google.rpc.Code number."""
+    number: int = status.value[0]
+    return number
+
+
+def status_from_number(number: int) -> grpc.StatusCode:
+    """The status a number names; UNKNOWN for a number that names none."""
+    return _BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+
+
 # Trailing-metadata key of KvmapError.reason (see core/errors.py).
 REASON_KEY = "kvmap-reason"
 

@@ -52,6 +52,7 @@ from kvmap.core.transfer_requests import Announcement, ReleaseNotice
 from kvmap.core.transfer_wire import announcement_to_proto, release_notice_to_proto
 from kvmap.daemon.adapters.config_files import read_pem
 from kvmap.daemon.adapters.grpc_codes import error_code, reason_of
+from kvmap.daemon.adapters.peer_batches import BeginBatches
 from kvmap.daemon.adapters.peer_secret import peer_secret
 from kvmap.tracing import TRACEPARENT
 from kvmap.v1 import peer_pb2, peer_pb2_grpc
@@ -86,8 +87,27 @@ UNREACHABLE = "no connection within the connect timeout"
 
 
 def _peer_error(target: str, err: aio.AioRpcError) -> KvmapError:
-    what = f"remote daemon {target}: {err.code().name}: {err.details()}"
-    return _PASSED_THROUGH.get(error_code(err.code()), Unavailable)(what)
+    return _status_error(target, err.code(), err.details())
+
+
+def _status_error(target: str, status: grpc.StatusCode, details: str | None) -> KvmapError:
+    what = f"remote daemon {target}: {status.name}: {details}"
+    return _PASSED_THROUGH.get(error_code(status), Unavailable)(what)
+
+
+def _begin_error(
+    target: str,
+    req: peer_pb2.BeginTransferRequest,
+    status: grpc.StatusCode,
+    details: str,
+    reason: str,
+) -> KvmapError:
+    """What a BeginTransfer that ended with ``status`` raises here. Only what
+    a new handshake cures is retried as stale; anything else (an expired
+    capability, say) reaches the caller as it is."""
+    if reason == HANDSHAKE_AGAIN:
+        return StaleGeneration(str(req.worker), req.generation, 0)
+    return _status_error(target, status, details)
 
 
 # Remote daemons this daemon keeps a channel open to at once.
@@ -179,6 +199,9 @@ class PeerClient:
         # callers that present the peers' shared secret.
         self._metadata: tuple[tuple[str, str], ...] = (
             ((PEER_SECRET_METADATA, secret.decode("ascii")),) if secret else ()
+        )
+        self._batches = BeginBatches(
+            self._begin_alone, self._begin_many, failure=_begin_error, end=self.end
         )
 
     @classmethod
@@ -290,6 +313,7 @@ class PeerClient:
 
     async def handshake(self, target: str, worker: WorkerKey) -> PeerHandshake:
         req = peer_pb2.GetAgentMetadataRequest(worker=convert.worker_id_to_proto(worker))
+        self._batches.forget(target)  # an upgraded owner may serve BeginTransfers now
         stub = await self._stub(target)
         await self._connected(target)
         try:
@@ -330,9 +354,25 @@ class PeerClient:
             raise unreachable(target) from None
 
     async def begin(self, target: str, announcement: Announcement, timeout_s: float) -> str:
-        """Peer.BeginTransfer, bounded by ``timeout_s``: the transfer's time."""
+        """Peer.BeginTransfer, bounded by ``timeout_s``: the transfer's time;
+        with others to the same target if one is in flight (``peer_batches``)."""
         req = announcement_to_proto(announcement)
-        return await self._begin(target, req, timeout_s, announcement.traceparent)
+        return await self._batches.begin(target, req, timeout_s)
+
+    async def _begin_alone(
+        self, target: str, req: peer_pb2.BeginTransferRequest, timeout_s: float
+    ) -> str:
+        # Alone, the traceparent travels as metadata, where owners before
+        # BeginTransfers read it.
+        traceparent, req.traceparent = req.traceparent, ""
+        return await self._begin(target, req, timeout_s, traceparent)
+
+    async def _begin_many(
+        self, target: str, req: peer_pb2.BeginTransfersRequest, timeout_s: float
+    ) -> peer_pb2.BeginTransfersResponse:
+        """Peer.BeginTransfers; a failed call raises its ``AioRpcError``."""
+        stub = await self._stub(target)
+        return await stub.BeginTransfers(req, timeout=timeout_s, metadata=self._metadata)
 
     async def release(self, target: str, notice: ReleaseNotice, timeout_s: float) -> None:
         """Give up a use of the owner's grant: BeginTransfer with ``release``
@@ -350,11 +390,8 @@ class PeerClient:
                 req, timeout=timeout_s, metadata=metadata
             )
         except aio.AioRpcError as err:
-            # Only what a new handshake cures is retried as stale; anything
-            # else (an expired capability, say) reaches the caller as it is.
-            if reason_of(err.trailing_metadata()) == HANDSHAKE_AGAIN:
-                raise StaleGeneration(str(req.worker), req.generation, 0) from None
-            raise _peer_error(target, err) from None
+            reason = reason_of(err.trailing_metadata())
+            raise _begin_error(target, req, err.code(), err.details() or "", reason) from None
         return resp.transfer_token
 
     async def end(self, target: str, token: str) -> None:
@@ -368,6 +405,7 @@ class PeerClient:
             )
 
     async def close(self) -> None:
+        await self._batches.close()
         for channel, _ in self._channels.values():
             await channel.close(grace=None)
         self._channels.clear()

@@ -17,11 +17,12 @@ from grpc_reflection.v1alpha import reflection
 
 from kvmap.core import convert
 from kvmap.core import planner as planners
-from kvmap.core.errors import SHUTTING_DOWN, KvmapError, Unavailable
+from kvmap.core.errors import SHUTTING_DOWN, KvmapError, ResourceExhausted, Unavailable
 from kvmap.core.features import DAEMON_FEATURES
 from kvmap.core.geometry import WorkerKey
 from kvmap.core.transfer_requests import TransferRequest, UseRelease
 from kvmap.core.transfer_wire import (
+    MAX_BEGIN_CALLS,
     MAX_REQUEST_ID,
     MAX_TRANSFER_ID,
     announcement_from_proto,
@@ -30,12 +31,14 @@ from kvmap.core.transfer_wire import (
     report_to_proto,
     transfer_from_spec,
 )
+from kvmap.daemon.adapters.grpc_codes import status_number
 from kvmap.daemon.api.admin_status import status, worker_summary
 from kvmap.daemon.api.authorization import peer_identity
 from kvmap.daemon.api.local_callers import local_caller
+from kvmap.daemon.api.status import grpc_status
 from kvmap.daemon.engine.app import DaemonApp
 from kvmap.daemon.engine.transfers import new_transfer_id
-from kvmap.tracing import NULL_SPAN, Span, traceparent_in
+from kvmap.tracing import NULL_SPAN, Span, traceparent_in, traceparent_of
 from kvmap.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -51,6 +54,8 @@ from kvmap.v1 import (
 )
 
 Ctx = aio.ServicerContext[Any, Any]
+
+log = structlog.get_logger("kvmapd.rpc")
 
 
 def worker_key(msg: types_pb2.WorkerId, field: str = "worker") -> WorkerKey:
@@ -82,16 +87,18 @@ def _span(app: DaemonApp, context: Ctx, name: str, **attributes: str | int) -> S
     return app.tracer.start(name, parent=parent, server=True, attributes=attributes)
 
 
-def _lease_span(app: DaemonApp, context: Ctx, request: peer_pb2.BeginTransferRequest) -> Span:
-    """The owner's span of an announced transfer (or a release of a use),
-    under the same ids as its log lines (``_bind_transfer_ids``)."""
+def _lease_span(app: DaemonApp, parent: str, request: peer_pb2.BeginTransferRequest) -> Span:
+    """The owner's span of an announced transfer (or a release of a use), a
+    child of the caller's ``parent`` (a traceparent), under the same ids as
+    its log lines (``_bind_transfer_ids``)."""
     if not app.tracer.enabled:
         return NULL_SPAN
     bound = structlog.contextvars.get_contextvars()
     ids = {k: str(bound.get(k, "")) for k in ("request_id", "transfer_id", "peer", "peer_agent")}
     name = "kvmap.release" if request.release else "kvmap.lease"
-    return _span(app, context, name, **ids, worker=str(bound.get("worker", "")),
-                 blocks=request.blocks, bytes=request.bytes)  # fmt: skip
+    attributes: dict[str, str | int] = {**ids, "worker": str(bound.get("worker", ""))}
+    attributes |= {"blocks": request.blocks, "bytes": request.bytes}
+    return app.tracer.start(name, parent=parent, server=True, attributes=attributes)
 
 
 class RegistryService(registry_pb2_grpc.RegistryServicer):
@@ -307,23 +314,64 @@ class PeerService(peer_pb2_grpc.PeerServicer):
         # Claims, leases and their quotas belong to who the connection says
         # the caller is, not to the agent name it declares.
         peer = peer_identity(context)
+        parent = traceparent_in(context.invocation_metadata()) if self.app.tracer.enabled else ""
+        return peer_pb2.BeginTransferResponse(transfer_token=self._begin(request, peer, parent))
+
+    async def BeginTransfers(
+        self, request: peer_pb2.BeginTransfersRequest, context: Ctx
+    ) -> peer_pb2.BeginTransfersResponse:
+        """Each call as its own BeginTransfer, in order, its span a child of
+        its own traceparent; a refused call's status goes in its result and
+        its ``rpc_rejected`` line (as a refused BeginTransfer's, with the
+        call's index), and the next call is taken as if it came alone. On TCP the
+        whole request is within one BeginTransfer's size limit
+        (``api/limits.py``)."""
+        peer = peer_identity(context)
+        if len(request.calls) > MAX_BEGIN_CALLS:
+            raise ResourceExhausted(f"{len(request.calls)} calls; at most {MAX_BEGIN_CALLS}")
+        results = []
+        rpc_context = structlog.contextvars.get_contextvars()
+        for i, call in enumerate(request.calls):
+            try:
+                parent = traceparent_of(call.traceparent) if self.app.tracer.enabled else ""
+                token = self._begin(call, peer, parent)
+                results.append(peer_pb2.BeginTransferResult(transfer_token=token))
+            except KvmapError as err:
+                status, message = grpc_status(err)
+                # Under the call's ids, bound by _begin.
+                log.warning("rpc_rejected", code=status.name, error=message, call=i)
+                # Among the recent errors (Admin.GetStatus), as a refused RPC is.
+                self.app.activity.failed(
+                    "tcp", "BeginTransfers", status.name, message, call.request_id
+                )
+                results.append(peer_pb2.BeginTransferResult(
+                    code=status_number(status), message=message, reason=err.reason
+                ))  # fmt: skip
+            finally:  # the next call's lines carry its own ids, not these
+                structlog.contextvars.clear_contextvars()
+                structlog.contextvars.bind_contextvars(**rpc_context)
+        return peer_pb2.BeginTransfersResponse(results=results)
+
+    def _begin(self, request: peer_pb2.BeginTransferRequest, peer: str, parent: str) -> str:
+        """Claim, lease and pin for one announced transfer (its lease token),
+        or spend a use for a release (""); a refusal raises."""
         _bind_transfer_ids(request, peer)
         # A lease's span ends with the lease; a refusal's or a release's, here.
-        span = _lease_span(self.app, context, request)
+        span = _lease_span(self.app, parent, request)
         if span.trace_id():  # traced: the log lines name the trace too
             structlog.contextvars.bind_contextvars(trace_id=span.trace_id())
         try:
             if request.release:
                 self.app.owner.release(release_notice_from_proto(request), peer=peer)
                 span.end()
-                return peer_pb2.BeginTransferResponse()
+                return ""
             lease = self.app.owner.begin(announcement_from_proto(request), peer=peer, span=span)
         except KvmapError as err:
             self.app.metrics.served(peer, err.code.name)  # a refusal, per peer
             span.fail(err.code.name, err.message)
             span.end()
             raise
-        return peer_pb2.BeginTransferResponse(transfer_token=lease.token)
+        return lease.token
 
     async def EndTransfer(
         self, request: peer_pb2.EndTransferRequest, context: Ctx

@@ -108,6 +108,7 @@ class BeginTransferRequest(_message.Message):
     READERS_FIELD_NUMBER: _builtins.int
     RELEASE_FIELD_NUMBER: _builtins.int
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     generation: _builtins.int
     agent_name: _builtins.str
@@ -140,6 +141,11 @@ class BeginTransferRequest(_message.Message):
     daemons log it as transfer_id, so one transfer's lines on either side
     can be joined. At most 64 characters (longer is cut); empty from
     callers of a release without it.
+    """
+    traceparent: _builtins.str
+    """The caller's span (W3C traceparent) in a BeginTransfers call, where no
+    call has metadata of its own; a BeginTransfer sends it as metadata and
+    leaves this empty. A malformed one is ignored (no parent).
     """
     @_builtins.property
     def worker(self) -> _types_pb2.WorkerId: ...
@@ -175,10 +181,11 @@ class BeginTransferRequest(_message.Message):
         readers: _builtins.int = ...,
         release: _builtins.bool = ...,
         transfer_id: _builtins.str = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["worker", b"worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "blocks", b"blocks", "bytes", b"bytes", "capability", b"capability", "generation", b"generation", "groups", b"groups", "lease_ms", b"lease_ms", "peer_agent", b"peer_agent", "readers", b"readers", "release", b"release", "replaces_agents", b"replaces_agents", "request_id", b"request_id", "transfer_id", b"transfer_id", "worker", b"worker", "write", b"write"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "blocks", b"blocks", "bytes", b"bytes", "capability", b"capability", "generation", b"generation", "groups", b"groups", "lease_ms", b"lease_ms", "peer_agent", b"peer_agent", "readers", b"readers", "release", b"release", "replaces_agents", b"replaces_agents", "request_id", b"request_id", "traceparent", b"traceparent", "transfer_id", b"transfer_id", "worker", b"worker", "write", b"write"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -203,6 +210,86 @@ class BeginTransferResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___BeginTransferResponse: _TypeAlias = BeginTransferResponse  # noqa: Y015
+
+@_typing.final
+class BeginTransfersRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALLS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___BeginTransferRequest]: ...
+    def __init__(
+        self,
+        *,
+        calls: _abc.Iterable[Global___BeginTransferRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BeginTransfersRequest: _TypeAlias = BeginTransfersRequest  # noqa: Y015
+
+@_typing.final
+class BeginTransferResult(_message.Message):
+    """One call's answer: its token, or the status its BeginTransfer would have
+    ended with.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSFER_TOKEN_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    transfer_token: _builtins.str
+    """Set when the call was accepted."""
+    code: _builtins.int
+    """A refused call's gRPC status code (google.rpc.Code: 0 when accepted),
+    its message, and its kvmap-reason ("HANDSHAKE_AGAIN" where a fresh
+    handshake cures it; "" otherwise), as a BeginTransfer's trailing
+    metadata would carry it.
+    """
+    message: _builtins.str
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        transfer_token: _builtins.str = ...,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "reason", b"reason", "transfer_token", b"transfer_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BeginTransferResult: _TypeAlias = BeginTransferResult  # noqa: Y015
+
+@_typing.final
+class BeginTransfersResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___BeginTransferResult]:
+        """One per call, in the calls' order."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___BeginTransferResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BeginTransfersResponse: _TypeAlias = BeginTransfersResponse  # noqa: Y015
 
 @_typing.final
 class EndTransferRequest(_message.Message):

@@ -45,6 +45,11 @@ class PeerStub:
                 request_serializer=kvmap_dot_v1_dot_peer__pb2.BeginTransferRequest.SerializeToString,
                 response_deserializer=kvmap_dot_v1_dot_peer__pb2.BeginTransferResponse.FromString,
                 _registered_method=True)
+        self.BeginTransfers = channel.unary_unary(
+                '/kvmap.v1.Peer/BeginTransfers',
+                request_serializer=kvmap_dot_v1_dot_peer__pb2.BeginTransfersRequest.SerializeToString,
+                response_deserializer=kvmap_dot_v1_dot_peer__pb2.BeginTransfersResponse.FromString,
+                _registered_method=True)
         self.EndTransfer = channel.unary_unary(
                 '/kvmap.v1.Peer/EndTransfer',
                 request_serializer=kvmap_dot_v1_dot_peer__pb2.EndTransferRequest.SerializeToString,
@@ -73,6 +78,17 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BeginTransfers(self, request, context):
+        """Several BeginTransfer calls in one: a decode daemon sends the calls to
+        one owner that queued while its previous call was in flight. Each call
+        is checked and answered as its own BeginTransfer would be, in order,
+        and a refused one changes nothing for the others. At most 64 calls,
+        each within BeginTransfer's size limit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def EndTransfer(self, request, context):
         """Release a pin when the puller gave up without posting a notification.
         """
@@ -92,6 +108,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.BeginTransfer,
                     request_deserializer=kvmap_dot_v1_dot_peer__pb2.BeginTransferRequest.FromString,
                     response_serializer=kvmap_dot_v1_dot_peer__pb2.BeginTransferResponse.SerializeToString,
+            ),
+            'BeginTransfers': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginTransfers,
+                    request_deserializer=kvmap_dot_v1_dot_peer__pb2.BeginTransfersRequest.FromString,
+                    response_serializer=kvmap_dot_v1_dot_peer__pb2.BeginTransfersResponse.SerializeToString,
             ),
             'EndTransfer': grpc.unary_unary_rpc_method_handler(
                     servicer.EndTransfer,
@@ -154,6 +175,33 @@ class Peer:
             '/kvmap.v1.Peer/BeginTransfer',
             kvmap_dot_v1_dot_peer__pb2.BeginTransferRequest.SerializeToString,
             kvmap_dot_v1_dot_peer__pb2.BeginTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginTransfers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmap.v1.Peer/BeginTransfers',
+            kvmap_dot_v1_dot_peer__pb2.BeginTransfersRequest.SerializeToString,
+            kvmap_dot_v1_dot_peer__pb2.BeginTransfersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -41,6 +41,13 @@ class PeerStub:
     registration until the transfer's NIXL notification arrives or the lease
     ends, so it is never re-planned under an in-flight transfer.
     """
+    BeginTransfers: _grpc.UnaryUnaryMultiCallable[_peer_pb2.BeginTransfersRequest, _peer_pb2.BeginTransfersResponse]
+    """Several BeginTransfer calls in one: a decode daemon sends the calls to
+    one owner that queued while its previous call was in flight. Each call
+    is checked and answered as its own BeginTransfer would be, in order,
+    and a refused one changes nothing for the others. At most 64 calls,
+    each within BeginTransfer's size limit.
+    """
     EndTransfer: _grpc.UnaryUnaryMultiCallable[_peer_pb2.EndTransferRequest, _peer_pb2.EndTransferResponse]
     """Release a pin when the puller gave up without posting a notification."""
 
@@ -56,6 +63,13 @@ class PeerAsyncStub(PeerStub):
     owner checks the generation (FAILED_PRECONDITION when stale) and pins the
     registration until the transfer's NIXL notification arrives or the lease
     ends, so it is never re-planned under an in-flight transfer.
+    """
+    BeginTransfers: _aio.UnaryUnaryMultiCallable[_peer_pb2.BeginTransfersRequest, _peer_pb2.BeginTransfersResponse]  # type: ignore[assignment]
+    """Several BeginTransfer calls in one: a decode daemon sends the calls to
+    one owner that queued while its previous call was in flight. Each call
+    is checked and answered as its own BeginTransfer would be, in order,
+    and a refused one changes nothing for the others. At most 64 calls,
+    each within BeginTransfer's size limit.
     """
     EndTransfer: _aio.UnaryUnaryMultiCallable[_peer_pb2.EndTransferRequest, _peer_pb2.EndTransferResponse]  # type: ignore[assignment]
     """Release a pin when the puller gave up without posting a notification."""
@@ -81,6 +95,19 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
         owner checks the generation (FAILED_PRECONDITION when stale) and pins the
         registration until the transfer's NIXL notification arrives or the lease
         ends, so it is never re-planned under an in-flight transfer.
+        """
+
+    @_abc_1.abstractmethod
+    def BeginTransfers(
+        self,
+        request: _peer_pb2.BeginTransfersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.BeginTransfersResponse, _abc.Awaitable[_peer_pb2.BeginTransfersResponse]]:
+        """Several BeginTransfer calls in one: a decode daemon sends the calls to
+        one owner that queued while its previous call was in flight. Each call
+        is checked and answered as its own BeginTransfer would be, in order,
+        and a refused one changes nothing for the others. At most 64 calls,
+        each within BeginTransfer's size limit.
         """
 
     @_abc_1.abstractmethod

@@ -1,0 +1,214 @@
+"""BeginTransfer calls to one owner that arrive while a call to that owner is
+in flight wait, and go together as one ``Peer.BeginTransfers`` call when it
+returns. A lone call goes at once, as a plain BeginTransfer, so a single
+pull waits for nothing; at concurrency N the two daemons make a few calls
+instead of N, and each call costs both of them gRPC and event-loop work
+(docs/benchmarks.md, "The hop, fourth round"). An owner that does not serve
+BeginTransfers (a release before it) gets every call alone from then on,
+until the next handshake with it.
+
+Each call is answered as its BeginTransfer would have been: the owner checks
+and answers every call of a batch on its own, in order, and a refused call
+changes nothing for the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import grpc
+import structlog
+from grpc import aio
+
+from kvmap.core.errors import DeadlineExceeded, KvmapError
+from kvmap.core.transfer_wire import (
+    MAX_BATCHED_CALL_BYTES,
+    MAX_BEGIN_CALLS,
+    MAX_BEGIN_CALLS_BYTES,
+)
+from kvmap.daemon.adapters.grpc_codes import reason_of, status_from_number
+from kvmap.v1 import peer_pb2
+
+log = structlog.get_logger("kvmapd.peers")
+
+# A plain BeginTransfer: (target, call, timeout) -> the lease token.
+SendOne = Callable[[str, peer_pb2.BeginTransferRequest, float], Awaitable[str]]
+# Peer.BeginTransfers: (target, calls, timeout) -> the owner's answer.
+SendMany = Callable[
+    [str, peer_pb2.BeginTransfersRequest, float], Awaitable[peer_pb2.BeginTransfersResponse]
+]
+# The error a call's BeginTransfer would have raised, had it ended with
+# (target, call, status, details, kvmap-reason): a refused call's result, or
+# the failed BeginTransfers call, for each of its calls.
+Failure = Callable[[str, peer_pb2.BeginTransferRequest, grpc.StatusCode, str, str], KvmapError]
+# Ends a lease nobody waits for any more (EndTransfer, best effort).
+EndLease = Callable[[str, str], Coroutine[Any, Any, None]]
+
+
+class _Call:
+    __slots__ = ("deadline", "future", "request", "size")
+
+    def __init__(self, request: peer_pb2.BeginTransferRequest, size: int, deadline: float) -> None:
+        self.request = request
+        self.size = size
+        self.deadline = deadline
+        self.future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+
+class BeginBatches:
+    def __init__(
+        self,
+        send_one: SendOne,
+        send_many: SendMany,
+        *,
+        failure: Failure,
+        end: EndLease,
+    ) -> None:
+        self._send_one = send_one
+        self._send_many = send_many
+        self._failure = failure
+        self._end = end
+        self._busy: collections.Counter[str] = collections.Counter()
+        self._queued: dict[str, collections.deque[_Call]] = {}
+        self._alone_only: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def forget(self, target: str) -> None:
+        """A new handshake with ``target``: it may serve BeginTransfers now."""
+        self._alone_only.discard(target)
+
+    async def begin(
+        self, target: str, request: peer_pb2.BeginTransferRequest, timeout_s: float
+    ) -> str:
+        """The call's lease token (or the error its BeginTransfer raises)."""
+        size = request.ByteSize()
+        if not self._busy[target] or target in self._alone_only or size > MAX_BATCHED_CALL_BYTES:
+            return await self._alone(target, request, timeout_s)
+        loop = asyncio.get_running_loop()
+        call = _Call(request, size, loop.time() + timeout_s)
+        self._queued.setdefault(target, collections.deque()).append(call)
+        try:
+            # Shielded: the future is the call's, whoever waits for it.
+            return await asyncio.wait_for(asyncio.shield(call.future), timeout_s)
+        except TimeoutError:
+            raise DeadlineExceeded(f"remote daemon {target}: no answer in {timeout_s}s") from None
+        finally:
+            # Given up (or answered): a call not sent yet is dropped, and a
+            # lease granted to nobody is ended (_settle).
+            call.future.cancel()
+
+    async def _alone(
+        self, target: str, request: peer_pb2.BeginTransferRequest, timeout_s: float
+    ) -> str:
+        self._busy[target] += 1
+        try:
+            return await self._send_one(target, request, timeout_s)
+        finally:
+            self._done(target)
+
+    def _done(self, target: str) -> None:
+        """A call to ``target`` returned: send what queued meanwhile."""
+        self._busy[target] -= 1
+        if self._busy[target] <= 0:
+            del self._busy[target]
+            self._flush(target)
+
+    def _flush(self, target: str) -> None:
+        queue = self._queued.get(target)
+        calls: list[_Call] = []
+        size = 0
+        while queue and len(calls) < MAX_BEGIN_CALLS:
+            if queue[0].future.done():  # its caller gave up before it was sent
+                queue.popleft()
+                continue
+            if calls and size + queue[0].size > MAX_BEGIN_CALLS_BYTES:
+                break
+            call = queue.popleft()
+            calls.append(call)
+            size += call.size
+        if queue is not None and not queue:
+            del self._queued[target]
+        if not calls:
+            return
+        self._busy[target] += 1
+        task = asyncio.get_running_loop().create_task(self._send(target, calls))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, target: str, calls: list[_Call]) -> None:
+        try:
+            if len(calls) == 1 or target in self._alone_only:
+                await asyncio.gather(*(self._send_alone(target, c) for c in calls))
+            else:
+                await self._send_batch(target, calls)
+        finally:
+            self._done(target)
+
+    async def _send_alone(self, target: str, call: _Call) -> None:
+        timeout = max(call.deadline - asyncio.get_running_loop().time(), 0.001)
+        try:
+            self._settle(target, call, await self._send_one(target, call.request, timeout))
+        except KvmapError as err:
+            self._settle(target, call, err)
+
+    async def _send_batch(self, target: str, calls: list[_Call]) -> None:
+        now = asyncio.get_running_loop().time()
+        timeout = max(max(c.deadline for c in calls) - now, 0.001)
+        request = peer_pb2.BeginTransfersRequest(calls=[c.request for c in calls])
+        try:
+            answer = await self._send_many(target, request, timeout)
+        except aio.AioRpcError as err:
+            if err.code() is grpc.StatusCode.UNIMPLEMENTED:
+                log.info("peer_without_begin_transfers", target=target[:256])
+                self._alone_only.add(target)
+                await asyncio.gather(*(self._send_alone(target, c) for c in calls))
+                return
+            reason = reason_of(err.trailing_metadata())
+            for call in calls:
+                failed = self._failure(
+                    target, call.request, err.code(), err.details() or "", reason
+                )
+                self._settle(target, call, failed)
+            return
+        except KvmapError as err:  # the channel could not be had (the allow-list, say)
+            for call in calls:
+                self._settle(target, call, err)
+            return
+        if len(answer.results) != len(calls):
+            log.warning("peer_sent_wrong_results", target=target[:256],
+                        calls=len(calls), results=len(answer.results))  # fmt: skip
+            for call in calls:
+                wrong = "the answer does not have one result per call"
+                failed = self._failure(target, call.request, grpc.StatusCode.INTERNAL, wrong, "")
+                self._settle(target, call, failed)
+            return
+        for call, result in zip(calls, answer.results, strict=True):
+            if result.code:
+                status = status_from_number(result.code)
+                failed = self._failure(target, call.request, status, result.message, result.reason)
+                self._settle(target, call, failed)
+            else:
+                self._settle(target, call, result.transfer_token)
+
+    def _settle(self, target: str, call: _Call, outcome: str | KvmapError) -> None:
+        """Hand the call's caller its outcome; a lease granted to a caller
+        that gave up meanwhile is ended at once instead of running out."""
+        if not call.future.done():
+            if isinstance(outcome, KvmapError):
+                call.future.set_exception(outcome)
+            else:
+                call.future.set_result(outcome)
+            return
+        if isinstance(outcome, str) and outcome:
+            task = asyncio.get_running_loop().create_task(self._end(target, outcome))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        """Wait for the calls in flight (their callers are answered)."""
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*self._tasks, return_exceptions=True)
