@@ -35,6 +35,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmap.client.fd_handoff import sealed_memfd, send_fds
 from kvmap.tools.launch import DaemonProc, start_daemon
 from kvmap.v1 import (
+    peer_pb2,
     peer_pb2_grpc,
     region_maps_pb2,
     region_maps_pb2_grpc,
@@ -371,6 +372,23 @@ class Cluster:
     def assert_all_intact(self, what: str) -> None:
         self.pw.assert_intact(what)
         self.dw.assert_intact(what)
+
+
+def announcement(c: Cluster, capability: str, **kw: Any) -> peer_pb2.BeginTransferRequest:
+    """A BeginTransfer of block 1 of group 0 of the prefill worker by agent
+    "mallory" for request "req", unless ``kw`` says otherwise."""
+    fields: dict[str, Any] = {
+        "request_id": "req",
+        "worker": types_pb2.WorkerId(engine_id="prefill"),
+        "generation": c.pw.region_map.generation if c.pw.region_map else 1,
+        "peer_agent": "mallory",
+        "lease_ms": 60_000,
+        "blocks": 1,
+        "groups": [types_pb2.BlockGrant(transfer_group=0, block_ids=[1])],
+        "capability": capability,
+    }
+    fields.update(kw)
+    return peer_pb2.BeginTransferRequest(**fields)
 
 
 def start_cluster(

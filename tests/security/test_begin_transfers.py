@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 import pytest
-from security_support import CALL_TIMEOUT_S, Cluster, Code, start_cluster
+from security_support import CALL_TIMEOUT_S, Cluster, Code, announcement, start_cluster
 
 from kvmap.core.peer_policy import INBOUND_DENIED
 from kvmap.core.transfer_wire import MAX_BEGIN_CALLS
@@ -36,18 +36,7 @@ def _leases(c: Cluster) -> int:
 
 def _call(c: Cluster, request_id: str, capability: str, **kw: Any) -> peer_pb2.BeginTransferRequest:
     """A BeginTransfer of block 1 of group 0 of the prefill worker, unless ``kw`` says otherwise."""
-    fields: dict[str, Any] = {
-        "request_id": request_id,
-        "worker": types_pb2.WorkerId(engine_id="prefill"),
-        "generation": c.pw.region_map.generation if c.pw.region_map else 1,
-        "peer_agent": "batcher",
-        "lease_ms": 60_000,
-        "blocks": 1,
-        "groups": [types_pb2.BlockGrant(transfer_group=0, block_ids=[1])],
-        "capability": capability,
-    }
-    fields.update(kw)
-    return peer_pb2.BeginTransferRequest(**fields)
+    return announcement(c, capability, request_id=request_id, peer_agent="batcher", **kw)
 
 
 def _batch(c: Cluster, calls: list[peer_pb2.BeginTransferRequest]) -> Any:

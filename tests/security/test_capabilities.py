@@ -22,7 +22,14 @@ from typing import Any
 
 import grpc
 import pytest
-from security_support import CALL_TIMEOUT_S, Cluster, Code, expect_transfer, start_cluster
+from security_support import (
+    CALL_TIMEOUT_S,
+    Cluster,
+    Code,
+    announcement,
+    expect_transfer,
+    start_cluster,
+)
 
 from kvmap.tools.launch import local_env
 from kvmap.v1 import admin_pb2, admin_pb2_grpc, peer_pb2, registry_pb2, types_pb2
@@ -77,19 +84,8 @@ def stats(c: Cluster) -> admin_pb2.GetStatsResponse:
 def begin(c: Cluster, capability: str, **kw: Any) -> tuple[Code, str, str]:
     """A stranger's BeginTransfer of block 1 of group 0 of the prefill worker
     (unless ``kw`` says otherwise): (status, details, lease token)."""
-    fields: dict[str, Any] = {
-        "request_id": "req",
-        "worker": types_pb2.WorkerId(engine_id="prefill"),
-        "generation": c.pw.region_map.generation if c.pw.region_map else 1,
-        "peer_agent": "mallory",
-        "lease_ms": 60_000,
-        "blocks": 1,
-        "groups": [types_pb2.BlockGrant(transfer_group=0, block_ids=[1])],
-        "capability": capability,
-    }
-    fields.update(kw)
     try:
-        resp = c.p.peer.BeginTransfer(peer_pb2.BeginTransferRequest(**fields), timeout=10)
+        resp = c.p.peer.BeginTransfer(announcement(c, capability, **kw), timeout=10)
     except grpc.RpcError as err:
         return err.code(), err.details() or "", ""
     return Code.OK, "", resp.transfer_token
