@@ -40,7 +40,6 @@ from kvmap.core.transfer_plan import (
     first_index,
     piece_dlist_rows,
     plan_transfer,
-    run_dlist_rows,
 )
 
 PREFILL = WorkerKey("prefill")
@@ -221,16 +220,9 @@ def simulate(
     la, ll = expand(table, Side.LOCAL, plan.local_indices.astype(np.int64))
     ra, rl = expand(table, Side.REMOTE, plan.remote_indices.astype(np.int64))
     assert np.array_equal(ll, rl)
-    lr, rr = run_dlist_rows(plan, Side.LOCAL, 0), run_dlist_rows(plan, Side.REMOTE, 0)
-    assert np.array_equal(lr[:, 1], rr[:, 1])
     src, dst = (remote_mem, local_mem) if direction == "READ" else (local_mem, remote_mem)
     writes = {base: np.zeros(len(buf), dtype=np.int32) for base, buf in dst.items()}
-    for l_addr, r_addr, length in zip(
-        [*la.tolist(), *lr[:, 0].tolist()],
-        [*ra.tolist(), *rr[:, 0].tolist()],
-        [*ll.tolist(), *lr[:, 1].tolist()],
-        strict=True,
-    ):
+    for l_addr, r_addr, length in zip(la.tolist(), ra.tolist(), ll.tolist(), strict=True):
         s_addr, d_addr = (r_addr, l_addr) if direction == "READ" else (l_addr, r_addr)
         sb, so = _locate(src, s_addr, length)
         db, do = _locate(dst, d_addr, length)
@@ -309,6 +301,7 @@ def check_moves_exactly(
     )
     dest = Side.LOCAL if direction == "READ" else Side.REMOTE
     plan = plan_transfer(table, pairs, destination=dest)
+    assert len(plan.runs) == 0  # one prepped transfer carries the plan
     got_l, got_r = memory(local, 1), memory(remote, 2)
     want_l, want_r = memory(local, 1), memory(remote, 2)
     writes = simulate(plan, table, got_l, got_r, direction)
@@ -325,7 +318,6 @@ def check_moves_exactly(
     # What NIXL posts is never more than the plan counts (it may fold more:
     # pieces that happen to continue each other on both sides).
     assert len(nixl_merged(plan, table)) <= plan.descriptors
-    assert len(plan.runs) == 0  # one prepped transfer carries the plan
     assert plan.blocks == sum(len(p.local_block_ids) for p in pairs)
     assert plan.bytes == sum(int(m.sum()) for m in mask.values())
     return table, plan

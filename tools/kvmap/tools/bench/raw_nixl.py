@@ -4,8 +4,8 @@ only; agents without NIXL's progress thread, as ``NixlAgent.create`` makes
 them), posting exactly the descriptor lists a kvmap daemon posts for the same
 request: the same planner on the same geometry gives the same regions, the
 same piece table (``build_piece_table``), the same prepared strided lists
-(``piece_dlist_rows``) and the same index pairs and explicit runs
-(``plan_transfer``); only the base addresses are this process's own.
+(``piece_dlist_rows``) and the same index pairs (``plan_transfer``; NIXL
+merges the runs among them); only the base addresses are this process's own.
 
 The ``target`` process owns the source memory and drives its UCX worker
 every ``BUSY_INTERVAL_S`` while a round runs (what the owner's daemon does
@@ -46,7 +46,6 @@ from kvmap.core.transfer_plan import (
     TransferPlan,
     piece_dlist_rows,
     plan_transfer,
-    run_dlist_rows,
 )
 from kvmap.daemon.adapters import memory
 from kvmap.daemon.adapters.nixl_agent import DlistHandle, NixlAgent, Xfer, XferOp, XferState
@@ -234,10 +233,9 @@ class RawSide:
         return {"post_seconds": posts, "pull_seconds": done}
 
     def _post(self, p: Prepped, plan: TransferPlan, split: int, explicit: bool) -> list[Xfer]:
-        """What the daemon's ``Posting.post_and_wait`` posts (one prepped
-        transfer of index pairs; explicit runs only in token-mode plans),
-        optionally cut into ``split`` handles of each, or everything
-        explicit."""
+        """What the daemon's ``Posting.post_and_wait`` posts for a plan of
+        ``plan_transfer`` (one prepped transfer of index pairs), optionally
+        cut into ``split`` handles, or every descriptor explicit."""
         op, out = XferOp.READ, []
         li, ri = plan.local_indices, plan.remote_indices
         if explicit and len(li):
@@ -252,11 +250,6 @@ class RawSide:
             for a, b in zip(np.array_split(li, split), np.array_split(ri, split), strict=True):
                 if len(a):
                     out.append(self.agent.post_prepped(op, p.local, a, p.remote, b))
-        if len(plan.runs):
-            lr, rr = run_dlist_rows(plan, Side.LOCAL, 0), run_dlist_rows(plan, Side.REMOTE, 0)
-            for a, b in zip(np.array_split(lr, split), np.array_split(rr, split), strict=True):
-                if len(a):
-                    out.append(self.agent.post_descs(op, a, b, self.remote_agent))
         return out
 
 
