@@ -85,8 +85,10 @@ class BeginBatches:
         self, target: str, request: peer_pb2.BeginTransferRequest, timeout_s: float
     ) -> str:
         """The call's lease token (or the error its BeginTransfer raises)."""
-        size = request.ByteSize()
-        if not self._busy[target] or target in self._alone_only or size > MAX_BATCHED_CALL_BYTES:
+        if not self._busy[target] or target in self._alone_only:
+            return await self._alone(target, request, timeout_s)
+        size = request.ByteSize()  # only a call that may wait is measured
+        if size > MAX_BATCHED_CALL_BYTES:
             return await self._alone(target, request, timeout_s)
         loop = asyncio.get_running_loop()
         call = _Call(request, size, loop.time() + timeout_s)
