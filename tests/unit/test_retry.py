@@ -11,13 +11,14 @@ from kvmap.core import errors
 from kvmap.core.retry import RetryPolicy, retryable
 
 policies = st.builds(
-    lambda initial, span, multiplier, jitter: RetryPolicy(
-        initial, initial * span, multiplier, jitter
+    lambda initial, span, multiplier, jitter, attempt_s: RetryPolicy(
+        initial, initial * span, multiplier, jitter, attempt_s
     ),
     st.floats(1e-3, 10.0),
     st.floats(1.0, 100.0),
     st.floats(1.0, 4.0),
     st.floats(0.0, 0.99),
+    st.one_of(st.just(0.0), st.floats(0.0, 10.0)),
 )
 draws = st.floats(0.0, 1.0, exclude_max=True)
 
@@ -68,22 +69,24 @@ def test_steps_never_shrink(policy: RetryPolicy, attempt: int, draw: float) -> N
 def test_next_delay_fits_in_the_time_left_or_is_none(
     policy: RetryPolicy, attempt: int, draw: float, remaining: float
 ) -> None:
-    """The next pause is the delay when it ends before the deadline, else None."""
+    """The next pause is the delay when it and then ``attempt_s`` end before
+    the deadline, else None."""
     pause = policy.next_delay(attempt, draw, remaining)
     delay = policy.delay(attempt, draw)
-    assert pause == (delay if delay < remaining else None)
+    assert pause == (delay if delay + policy.attempt_s < remaining else None)
 
 
 @given(policies, draws, st.floats(0.0, 100.0))
 def test_the_pauses_of_one_transfer_add_up_to_less_than_its_deadline(
     policy: RetryPolicy, draw: float, deadline: float
 ) -> None:
-    """Taking pauses until ``next_delay`` says no never sleeps past the deadline."""
+    """Taking pauses until ``next_delay`` says no never sleeps so long that
+    the last attempt has less than ``attempt_s`` before the deadline."""
     slept, attempt = 0.0, 0
     while (pause := policy.next_delay(attempt, draw, deadline - slept)) is not None:
         slept += pause
         attempt += 1
-    assert slept < deadline or slept == 0.0
+    assert slept + policy.attempt_s < deadline or slept == 0.0
 
 
 @pytest.mark.parametrize(
@@ -94,10 +97,14 @@ def test_the_pauses_of_one_transfer_add_up_to_less_than_its_deadline(
         {"multiplier": 0.5},
         {"jitter": 1.0},
         {"jitter": -0.1},
+        {"attempt_s": -0.1},
+        {"attempt_s": float("inf")},
+        {"attempt_s": float("nan")},
     ],
 )
 def test_a_policy_that_could_not_back_off_is_refused(kwargs: dict[str, float]) -> None:
-    """Zero or inverted bounds, a shrinking multiplier or a jitter outside [0, 1) are refused."""
+    """Zero or inverted bounds, a shrinking multiplier, a jitter outside [0, 1) or an
+    attempt time that is negative or not finite are refused."""
     with pytest.raises(ValueError):
         RetryPolicy(**kwargs)
 

@@ -47,18 +47,24 @@ class RetryPolicy:
     """Delays between attempts: ``initial_s`` growing by ``multiplier`` up to
     ``max_s``, each scaled by a factor in ``[1 - jitter, 1]`` drawn by the
     caller (so that the pulls of a fleet restarted together do not retry in
-    step, and so that this stays a pure function)."""
+    step, and so that this stays a pure function). ``attempt_s`` is the time
+    an attempt is given after its pause: one started closer to the deadline
+    would mostly end in DEADLINE_EXCEEDED, which hides the error that says
+    why the transfer failed (and tells a silent peer from a closed port)."""
 
     initial_s: float = 0.05
     max_s: float = 1.0
     multiplier: float = 2.0
     jitter: float = 0.5
+    attempt_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.initial_s <= self.max_s:
             raise ValueError(f"retry: need 0 < initial_s <= max_s, got {self}")
         if self.multiplier < 1 or not 0 <= self.jitter < 1:
             raise ValueError(f"retry: need multiplier >= 1 and 0 <= jitter < 1, got {self}")
+        if not 0 <= self.attempt_s < float("inf"):
+            raise ValueError(f"retry: need a finite attempt_s >= 0, got {self}")
 
     def delay(self, attempt: int, draw: float) -> float:
         """The pause after failed attempt ``attempt`` (0 for the first),
@@ -73,7 +79,8 @@ class RetryPolicy:
 
     def next_delay(self, attempt: int, draw: float, remaining_s: float) -> float | None:
         """The pause before the next attempt, or None when the time left
-        cannot hold the pause (the caller gives up with the last error: an
-        attempt that starts at the deadline cannot finish by it)."""
+        cannot hold the pause and then ``attempt_s`` (the caller gives up with
+        the last error: an attempt that starts at the deadline cannot finish
+        by it)."""
         pause = self.delay(attempt, draw)
-        return pause if pause < remaining_s else None
+        return pause if pause + self.attempt_s < remaining_s else None

@@ -19,7 +19,11 @@ T = TypeVar("T")
 # apart, so that a pull waiting on an upgraded daemon goes through within a
 # quarter second of its return (an upgrade's gap is ~1 s); a failed attempt
 # against a peer that is down costs a refused connection, not a timeout.
-PULL_RETRY = RetryPolicy(initial_s=0.05, max_s=0.25)
+# The last attempt starts with at least half a second left: one begun at the
+# deadline's edge on a busy host ended DEADLINE_EXCEEDED where its twins
+# ended UNAVAILABLE naming the unreachable daemon (a silent port told from a
+# closed one by the answer), and a real pull needs tens of milliseconds.
+PULL_RETRY = RetryPolicy(initial_s=0.05, max_s=0.25, attempt_s=0.5)
 
 
 @dataclass(frozen=True)
