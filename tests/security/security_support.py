@@ -33,6 +33,10 @@ from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmap.client.fd_handoff import sealed_memfd, send_fds
+from kvmap.client.transports.grpc import spec_request_bytes
+from kvmap.client.transports.local_calls import PULL_FIELD, PUSH_FIELD, LocalCalls, call_bytes
+from kvmap.core.config import LOCAL_CALLS_SUFFIX
+from kvmap.core.errors import KvmapError
 from kvmap.tools.launch import DaemonProc, start_daemon
 from kvmap.v1 import (
     peer_pb2,
@@ -343,8 +347,13 @@ class Cluster:
             )
         return spec
 
-    def transfer(self, spec: transfers_pb2.TransferSpec, write: bool) -> tuple[Code, str]:
-        """Run a pull (or push) on the decode daemon; (status, details)."""
+    def transfer(
+        self, spec: transfers_pb2.TransferSpec, write: bool, *, local: bool = False
+    ) -> tuple[Code, str]:
+        """Run a pull (or push) on the decode daemon, over gRPC or (``local``)
+        its local calls socket; (status, details)."""
+        if local:
+            return self._local_transfer(spec, write)
         try:
             if write:
                 out = list(
@@ -359,15 +368,31 @@ class Cluster:
                     )
                 )
         except grpc.RpcError as err:
-            assert err.code() not in (Code.UNKNOWN, Code.INTERNAL), (
-                f"{err.code().name}: {err.details()}\n{self.d.crashes()}"
-            )
-            assert not (err.code() is Code.DEADLINE_EXCEEDED and "no completion" not in (
-                err.details() or ""
-            )), "the transfer hung past the client deadline"  # fmt: skip
-            return err.code(), err.details() or ""
+            return self._failed(err.code(), err.details() or "")
         assert out and out[-1].status.state == transfers_pb2.TRANSFER_STATE_DONE, out
         return Code.OK, ""
+
+    def _local_transfer(self, spec: transfers_pb2.TransferSpec, write: bool) -> tuple[Code, str]:
+        calls = LocalCalls(self.d.daemon.socket + LOCAL_CALLS_SUFFIX)
+        frame = call_bytes(PUSH_FIELD if write else PULL_FIELD, spec_request_bytes(spec), "")
+        try:
+            out = calls.call(frame, CALL_TIMEOUT_S)
+        except KvmapError as err:
+            status, _, details = str(err).partition(": ")
+            return self._failed(Code[status], details)
+        finally:
+            calls.close()
+        assert out and out[-1].state == transfers_pb2.TRANSFER_STATE_DONE, out
+        return Code.OK, ""
+
+    def _failed(self, code: Code, details: str) -> tuple[Code, str]:
+        assert code not in (Code.UNKNOWN, Code.INTERNAL), (
+            f"{code.name}: {details}\n{self.d.crashes()}"
+        )
+        assert not (code is Code.DEADLINE_EXCEEDED and "no completion" not in details), (
+            "the transfer hung past the client deadline"
+        )
+        return code, details
 
     def assert_all_intact(self, what: str) -> None:
         self.pw.assert_intact(what)

@@ -33,7 +33,8 @@ def c(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 def test_accepted_transfers_write_exactly_the_requested_bytes(c: Cluster) -> None:
     """The positive control: the byte model the other tests rely on is exact.
     A pull writes the requested blocks and layers of decode and nothing else;
-    a push writes the requested blocks of prefill and nothing else."""
+    a push writes the requested blocks of prefill and nothing else; over gRPC
+    and on the local calls socket."""
     local, remote = [0, 5, 6, 23], [31, 2, 3, 0]
     code, msg = c.transfer(
         c.spec(
@@ -55,6 +56,17 @@ def test_accepted_transfers_write_exactly_the_requested_bytes(c: Cluster) -> Non
     assert code is Code.OK, msg
     expect_transfer(c.pw, c.dw, 0, dst, src)
     c.assert_all_intact("after an accepted push")
+
+    # The same on the local calls socket (other blocks, so that the bytes show it).
+    local, remote = [1, 2], [17, 9]
+    code, msg = c.transfer(c.spec([_g(local, remote)]), write=False, local=True)
+    assert code is Code.OK, msg
+    expect_transfer(c.dw, c.pw, 0, local, remote)
+    src, dst = [3], [12]
+    code, msg = c.transfer(c.spec([_g(src, dst)]), write=True, local=True)
+    assert code is Code.OK, msg
+    expect_transfer(c.pw, c.dw, 0, dst, src)
+    c.assert_all_intact("after an accepted pull and push on the local calls socket")
 
 
 def _g(local: list[int], remote: list[int], group: int = 0, **kw: Any) -> dict[str, Any]:
@@ -175,6 +187,8 @@ def _hostile(
     before = (c.p.snapshot(), c.d.snapshot())
     got, msg = c.transfer(c.spec(groups, **overrides), write=write)
     assert (got, fragment in msg) == (code, True), (got, msg)
+    # The local calls socket answers the same call with the same status and words.
+    assert c.transfer(c.spec(groups, **overrides), write=write, local=True) == (got, msg)
     c.assert_all_intact(f"after a refused {'push' if write else 'pull'} ({got.name})")
     assert (c.p.snapshot(), c.d.snapshot()) == before
     c.p.assert_healthy()
@@ -185,15 +199,17 @@ def _hostile(
 def test_hostile_pull_is_refused_and_touches_nothing(c: Cluster, name: str) -> None:
     """Each hostile pull (block ids out of range or overflowing, foreign or unknown layers and
     groups, repeated destinations, forged generations, unknown workers, no groups) gets its exact
-    status and field, and both workers' memory and both daemons' maps stay unchanged."""
+    status and field, over gRPC and on the local calls socket alike, and both workers' memory
+    and both daemons' maps stay unchanged."""
     _hostile(c, HOSTILE_PULLS[name], write=False)
 
 
 @pytest.mark.parametrize("name", list(HOSTILE_PUSHES))
 def test_hostile_push_is_refused_and_touches_nothing(c: Cluster, name: str) -> None:
     """Each hostile push (destination or source ids out of range, a destination written twice, a
-    layer of another group, a forged generation) gets its exact status and field, and both
-    workers' memory and both daemons' maps stay unchanged."""
+    layer of another group, a forged generation) gets its exact status and field, over gRPC and
+    on the local calls socket alike, and both workers' memory and both daemons' maps stay
+    unchanged."""
     _hostile(c, HOSTILE_PUSHES[name], write=True)
 
 

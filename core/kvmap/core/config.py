@@ -18,6 +18,9 @@ DEFAULT_LISTEN = "127.0.0.1:50051"
 # Largest message either listener accepts or sends (a full-scale registration
 # with thousands of views is ~1 MB; a region map a few hundred KB).
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# The local calls socket is the gRPC socket's path with this suffix
+# (``kvmap.client`` finds it there).
+LOCAL_CALLS_SUFFIX = ".calls"
 # A region map must fit in one message with room for the agent metadata that
 # GetAgentMetadata sends beside it.
 MAX_REGION_MAP_BYTES = MAX_MESSAGE_BYTES - 2 * 1024 * 1024
@@ -49,6 +52,9 @@ class DaemonConfig:
     metrics_listen: str = ""
     # Unix socket for SCM_RIGHTS fd hand-off; "" means "<socket>.fds".
     fd_socket: str = ""
+    # Also serve Pull and Push on "<socket>.calls" without gRPC (the client
+    # library uses it where it exists: api/local_calls.py says why).
+    local_calls: bool = True
     # Seconds SIGTERM waits for in-flight transfers before exiting.
     drain_seconds: float = 10.0
     # Default deadline of a transfer (handshake + post + completion).
@@ -112,6 +118,10 @@ class DaemonConfig:
     @property
     def fd_socket_path(self) -> str:
         return self.fd_socket or self.socket_path + ".fds"
+
+    @property
+    def local_calls_socket_path(self) -> str:
+        return self.socket_path + LOCAL_CALLS_SUFFIX
 
     @property
     def peer_policy(self) -> PeerPolicy:

@@ -12,6 +12,8 @@ import grpc.experimental
 
 from kvmap.client import fd_handoff
 from kvmap.client.errors import from_rpc_error
+from kvmap.client.transports.local_calls import PULL_FIELD, PUSH_FIELD, LocalCalls, call_bytes
+from kvmap.core.config import LOCAL_CALLS_SUFFIX
 from kvmap.core.errors import KvmapError, PermissionDenied
 from kvmap.tracing import TRACEPARENT, current
 from kvmap.v1 import (
@@ -156,6 +158,8 @@ class GrpcTransport:
         # honours them only from the uid that registered the worker.
         self._credential = ""
         self._credential_at = 0.0
+        # Pull and Push go on the daemon's local calls socket where it has one.
+        self._local = LocalCalls(socket_path + LOCAL_CALLS_SUFFIX)
 
     def send_fds(self, fds: Sequence[int], timeout: float) -> str:
         return fd_handoff.send_fds(self.fd_socket_path, fds, timeout)
@@ -214,15 +218,28 @@ class GrpcTransport:
     def pull(
         self, spec: transfers_pb2.TransferSpec, timeout: float
     ) -> Iterator[transfers_pb2.PullResponse]:
-        """Pull{spec}: the spec is serialized once, straight into the
+        """Pull{spec}: on the local calls socket where the daemon has one,
+        else over gRPC; the spec is serialized once, straight into the
         request's bytes (no PullRequest copy of its block ids)."""
+        local = self._local_call(PULL_FIELD, spec, timeout)
+        if local is not None:
+            return iter([transfers_pb2.PullResponse(status=status) for status in local])
         return _stream(self._pull_spec(spec, timeout=timeout, metadata=_trace_metadata()))
 
     def push(
         self, spec: transfers_pb2.TransferSpec, timeout: float
     ) -> Iterator[transfers_pb2.PushResponse]:
         """Push{spec}, as ``pull``."""
+        local = self._local_call(PUSH_FIELD, spec, timeout)
+        if local is not None:
+            return iter([transfers_pb2.PushResponse(status=status) for status in local])
         return _stream(self._push_spec(spec, timeout=timeout, metadata=_trace_metadata()))
+
+    def _local_call(
+        self, field: int, spec: transfers_pb2.TransferSpec, timeout: float
+    ) -> list[transfers_pb2.TransferStatus] | None:
+        frame = call_bytes(field, spec_request_bytes(spec), current().traceparent())
+        return self._local.call(frame, timeout)
 
     def release(
         self, req: transfers_pb2.ReleaseRequest, timeout: float
@@ -279,5 +296,6 @@ class GrpcTransport:
         return True
 
     def close(self) -> None:
+        self._local.close()
         self._streams.close()
         self._channel.close()

@@ -34,7 +34,7 @@ def _rpc_id(context: aio.ServicerContext[Any, Any]) -> str:
     for key, value in context.invocation_metadata() or ():
         if key == "x-request-id" and isinstance(value, str) and value:
             return value[:128]
-    return f"{_ID_PREFIX}{next(_ids):08x}"
+    return new_rpc_id()
 
 
 if TYPE_CHECKING:
@@ -62,35 +62,18 @@ class ErrorsAndContext(_Interceptor):
         self._on_failure = on_failure
         self._wrapped = WrappedHandlers(self._wrap)
         # Each method's metric series (one entry per served method).
-        self._series: dict[str, _Series] = {}
+        self._series: dict[str, MethodSeries] = {}
 
     async def _fail(
-        self, err: BaseException, series: _Series, context: aio.ServicerContext[Any, Any]
+        self, err: BaseException, series: MethodSeries, context: aio.ServicerContext[Any, Any]
     ) -> None:
-        code, message = grpc_status(err)
-        if isinstance(err, KvmapError):
-            log.warning("rpc_rejected", code=code.name, error=message)
-        else:
-            log.exception("rpc_crashed", code=code.name)
-        self._metrics.rpcs.labels(series.service, series.method, code.name).inc()
-        if self._on_failure is not None:
-            # The vLLM request's id where the call is about one, else the RPC's.
-            bound = structlog.contextvars.get_contextvars()
-            request_id = bound.get("request_id") or bound.get("rpc_id", "")
-            self._on_failure(self._listener, series.method, code.name, message, str(request_id))
-        reason = err.reason if isinstance(err, KvmapError) else ""
-        # Logged, the error needs its frames no more, and they hold the request
-        # (a refused hostile list: megabytes parsed). The abort below chains
-        # them to the call's context in a reference cycle, which only the
-        # cyclic collector frees, rarely: 300 refused 80 KB requests grew RSS
-        # by 55 MiB.
-        err.__traceback__ = None
+        code, message, reason = refused(err, series, self._listener, self._on_failure)
         await context.abort(code, message, trailing_metadata=reason_metadata(reason))
 
     def _scope(self, full_method: str, context: aio.ServicerContext[Any, Any]) -> _Scope:
         """One RPC: its logging context, its latency, its status."""
         series = self._series.get(full_method) or self._series.setdefault(
-            full_method, _Series(self._metrics, full_method)
+            full_method, MethodSeries(self._metrics, full_method)
         )
         return _Scope(self, series, context)
 
@@ -111,7 +94,39 @@ class ErrorsAndContext(_Interceptor):
         return wrap_handler(handler, lambda context: self._scope(full_method, context))
 
 
-class _Series:
+def refused(
+    err: BaseException, series: MethodSeries, listener: str, on_failure: OnFailure | None
+) -> tuple[grpc.StatusCode, str, str]:
+    """The status, details and reason a failed call ends with, once it is
+    logged (``rpc_rejected``, or ``rpc_crashed`` with its traceback), counted
+    and told to ``on_failure``: every listener's one report of a refusal
+    (``ErrorsAndContext`` for gRPC, ``local_calls`` for the local socket)."""
+    code, message = grpc_status(err)
+    if isinstance(err, KvmapError):
+        log.warning("rpc_rejected", code=code.name, error=message)
+    else:
+        log.exception("rpc_crashed", code=code.name)
+    series.count(code.name)
+    if on_failure is not None:
+        # The vLLM request's id where the call is about one, else the RPC's.
+        bound = structlog.contextvars.get_contextvars()
+        request_id = bound.get("request_id") or bound.get("rpc_id", "")
+        on_failure(listener, series.method, code.name, message, str(request_id))
+    reason = err.reason if isinstance(err, KvmapError) else ""
+    # Logged, the error needs its frames no more, and they hold the request
+    # (a refused hostile list: megabytes parsed). gRPC's abort chains them to
+    # the call's context in a reference cycle, which only the cyclic
+    # collector frees, rarely: 300 refused 80 KB requests grew RSS by 55 MiB.
+    err.__traceback__ = None
+    return code, message, reason
+
+
+def new_rpc_id() -> str:
+    """An id for a call that brings none (logged as ``rpc_id``)."""
+    return f"{_ID_PREFIX}{next(_ids):08x}"
+
+
+class MethodSeries:
     """One method's latency histogram and OK counter, each looked up once (a
     ``labels`` call per RPC costs more than the observation itself); the
     OK counter only once the method first succeeds, as before, so that a
@@ -130,6 +145,13 @@ class _Series:
             self._ok = self._metrics.rpcs.labels(self.service, self.method, "OK")
         return self._ok
 
+    def count(self, code: str) -> None:
+        """A call that ended with status ``code`` (its name), OK or not."""
+        if code == "OK":
+            self.ok.inc()
+        else:
+            self._metrics.rpcs.labels(self.service, self.method, code).inc()
+
 
 class _Scope:
     """``ErrorsAndContext``'s scope of one RPC, as a plain async context
@@ -146,7 +168,7 @@ class _Scope:
     def __init__(
         self,
         owner: ErrorsAndContext,
-        series: _Series,
+        series: MethodSeries,
         context: aio.ServicerContext[Any, Any],
     ) -> None:
         self._owner = owner

@@ -29,8 +29,10 @@ from kvmap.daemon.adapters.socket_lock import PathLock, SocketLock, StateDirLock
 from kvmap.daemon.api.authorization import PeerAuthorization
 from kvmap.daemon.api.health import ObservedHealth
 from kvmap.daemon.api.limits import tcp_server_options
+from kvmap.daemon.api.local_calls import LocalCallsServer
 from kvmap.daemon.api.rpc import ErrorsAndContext
 from kvmap.daemon.api.services import (
+    TransfersService,
     add_tcp_services,
     add_unix_services,
     tcp_service_names,
@@ -76,6 +78,7 @@ class Daemon:
         self.health = ObservedHealth(self.metrics.ready, READINESS_SERVICE)
         self._unix: aio.Server | None = None
         self._tcp: aio.Server | None = None
+        self._local_calls: LocalCallsServer | None = None
         self.tcp_port = 0
         self._marking: set[asyncio.Task[None]] = set()
 
@@ -141,6 +144,8 @@ class Daemon:
         # Only owner and group (the vLLM container shares the group) may
         # register memory or start transfers.
         os.chmod(sock, 0o660)
+        if cfg.local_calls:
+            await self._start_local_calls()
         for name in ("", READINESS_SERVICE, "kvmap.v1.RegionMaps"):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if cfg.metrics_listen:
@@ -155,6 +160,20 @@ class Daemon:
             agent=self.app.agent_name,
             nixl_threads=self.app.nixl_threads,
         )
+
+    async def _start_local_calls(self) -> None:
+        """The local calls socket; without it (a path too long for a Unix
+        socket, say) clients call over gRPC, so its failure is only logged."""
+        server = LocalCallsServer(
+            TransfersService(self.app), self.metrics, self.app.activity.failed
+        )
+        path = self.config.local_calls_socket_path
+        try:
+            await server.start(path)
+        except OSError as err:
+            log.warning("local_calls_off", socket=path, error=str(err))
+            return
+        self._local_calls = server
 
     def _listener_dead(self, err: BaseException) -> None:
         """A listener died (already logged at error): liveness and readiness
@@ -177,11 +196,14 @@ class Daemon:
         # Attach streams never end by themselves: without this, stopping
         # the servers would wait out the whole grace period for them.
         self.app.table.end_streams()
+        if self._local_calls is not None:
+            self._local_calls.close()
         for server in (self._tcp, self._unix):
             if server is not None:
                 await server.stop(grace=1.0)
         await self.app.close()
-        for path in (self.config.socket_path, self.config.fd_socket_path):
+        cfg = self.config
+        for path in (cfg.socket_path, cfg.fd_socket_path, cfg.local_calls_socket_path):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         self._release_locks()

@@ -387,20 +387,29 @@ class TransfersService(transfers_pb2_grpc.TransfersServicer):
     async def Pull(
         self, request: transfers_pb2.PullRequest, context: Ctx
     ) -> AsyncIterator[transfers_pb2.PullResponse]:
-        if self.app.draining:
-            raise Unavailable(SHUTTING_DOWN)
-        req = transfer_from_spec(request.spec, self.app.config.transfer_timeout_s)
-        async for state in self._tracked(req, "pull", context):
+        async for state in self.reports(request.spec, "pull", self._parent(context)):
             yield transfers_pb2.PullResponse(status=state)
 
     async def Push(
         self, request: transfers_pb2.PushRequest, context: Ctx
     ) -> AsyncIterator[transfers_pb2.PushResponse]:
+        async for state in self.reports(request.spec, "push", self._parent(context)):
+            yield transfers_pb2.PushResponse(status=state)
+
+    def _parent(self, context: Ctx) -> str:
+        """The caller's span (``traceparent`` metadata), read only when tracing."""
+        return traceparent_in(context.invocation_metadata()) if self.app.tracer.enabled else ""
+
+    async def reports(
+        self, spec: transfers_pb2.TransferSpec, kind: Literal["pull", "push"], parent: str
+    ) -> AsyncIterator[transfers_pb2.TransferStatus]:
+        """One Pull or Push, over gRPC or the local calls socket
+        (``api.local_calls``): its statuses, or the error it fails with."""
         if self.app.draining:
             raise Unavailable(SHUTTING_DOWN)
-        req = transfer_from_spec(request.spec, self.app.config.transfer_timeout_s)
-        async for state in self._tracked(req, "push", context):
-            yield transfers_pb2.PushResponse(status=state)
+        req = transfer_from_spec(spec, self.app.config.transfer_timeout_s)
+        async for state in self._tracked(req, kind, parent):
+            yield state
 
     async def Release(
         self, request: transfers_pb2.ReleaseRequest, context: Ctx
@@ -410,7 +419,7 @@ class TransfersService(transfers_pb2_grpc.TransfersServicer):
         if self.app.draining:
             raise Unavailable(SHUTTING_DOWN)
         use = release_from_request(request, self.app.config.transfer_timeout_s)
-        async for _ in self._tracked(use, "release", context):
+        async for _ in self._tracked(use, "release", self._parent(context)):
             pass
         return transfers_pb2.ReleaseResponse()
 
@@ -418,20 +427,18 @@ class TransfersService(transfers_pb2_grpc.TransfersServicer):
         self,
         req: TransferRequest | UseRelease,
         kind: Literal["pull", "push", "release"],
-        context: Ctx,
+        parent: str,
     ) -> AsyncIterator[transfers_pb2.TransferStatus]:
         """The engine's reports of one transfer, which the live view
         (Admin.GetStatus) lists as in flight until it ends, either way.
         The RPC's log lines (and a failure among the recent errors) carry the
         transfer's request id (the one the worker's logs know it by) and its
         transfer id, which each report tells the caller too. Its span is a
-        child of the caller's (``traceparent`` metadata)."""
+        child of the caller's (``parent``, a traceparent or "")."""
         structlog.contextvars.bind_contextvars(request_id=req.request_id)
         transfer_id = new_transfer_id()
         entry = self.app.activity.begin(req, kind)
         try:
-            tracing = self.app.tracer.enabled
-            parent = traceparent_in(context.invocation_metadata()) if tracing else ""
             reports = self.app.engine.run(
                 req, write=kind == "push", transfer_id=transfer_id, traceparent=parent
             )

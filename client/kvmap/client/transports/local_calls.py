@@ -1,0 +1,194 @@
+"""Pull and Push on kvmapd's local calls socket (``<socket>.calls``,
+``protos/kvmap/v1/local_calls.proto``): the same calls as gRPC's, at what a
+Unix socket costs (the daemon's ``api/local_calls.py`` says why).
+
+``LocalCalls.call`` answers None when the daemon has no such socket (an
+older daemon, one started with ``--no-local-calls``, one down) or no room
+for another connection: the caller then makes the call over gRPC, which
+answers as it always did. Everything else is the call's own outcome: its
+statuses, or the error gRPC would have raised (``kvmap.client.errors``).
+
+Connections are kept between calls (one per thread that calls at once, up
+to ``MAX_IDLE`` idle), each checked before reuse: one whose daemon has gone
+(a restart closes it) is dropped and a new one opened, so the first call
+after a restart does not fail on the old daemon's connection.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+
+import grpc
+
+from kvmap.client.errors import from_status
+from kvmap.core.errors import KvmapError
+from kvmap.v1 import local_calls_pb2, transfers_pb2
+
+LENGTH = struct.Struct("<I")
+# Idle connections kept for later calls.
+MAX_IDLE = 16
+# The longest reply frame accepted (a status is a few hundred bytes).
+MAX_REPLY_BYTES = 1 << 20
+# How long opening a connection may take (a local socket: at once, or never).
+CONNECT_TIMEOUT_S = 1.0
+# The daemon's reason for "no room for another connection".
+FULL = "LOCAL_CALLS_FULL"
+# LocalCall's fields: pull (1) and push (2) are PullRequest / PushRequest,
+# whose only field (1) is the spec; traceparent is field 3.
+PULL_FIELD = 1
+PUSH_FIELD = 2
+_TRACEPARENT_TAG = b"\x1a"
+
+# gRPC's status names by number (google.rpc.Code), the errors' vocabulary.
+_STATUS_NAMES = {status.value[0]: status.name for status in grpc.StatusCode}
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def call_bytes(field: int, request: bytes, traceparent: str) -> bytes:
+    """A LocalCall frame around ``request`` (a serialized PullRequest or
+    PushRequest), built from bytes: the spec is not copied into messages."""
+    body = bytes([field << 3 | 2]) + _varint(len(request)) + request
+    if traceparent:
+        encoded = traceparent.encode()
+        body += _TRACEPARENT_TAG + _varint(len(encoded)) + encoded
+    return LENGTH.pack(len(body)) + body
+
+
+class LocalCalls:
+    def __init__(self, path: str, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+        self.path = path
+        self._connect_timeout_s = connect_timeout_s
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def call(self, frame: bytes, timeout: float) -> list[transfers_pb2.TransferStatus] | None:
+        """Send one call (``call_bytes``) and read its statuses to the end,
+        within ``timeout``; None when the call must go over gRPC instead."""
+        deadline = time.monotonic() + timeout
+        sock = self._connection()
+        if sock is None:
+            return None
+        try:
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            sock.sendall(frame)
+            statuses: list[transfers_pb2.TransferStatus] = []
+            while True:
+                reply = _read_reply(sock, deadline)
+                if reply.WhichOneof("reply") == "status":
+                    statuses.append(reply.status)
+                    continue
+                end = reply.end
+                if end.reason == FULL and not statuses:
+                    sock.close()
+                    return None
+                self._keep(sock)  # the call ended as the protocol says
+                if end.code == 0:
+                    return statuses
+                raise from_status(_status_name(end.code), end.message)
+        except TimeoutError:
+            sock.close()  # the daemon cancels the call, as for gRPC's deadline
+            raise from_status("DEADLINE_EXCEEDED", "Deadline Exceeded") from None
+        except (OSError, _Broken) as err:
+            sock.close()
+            raise from_status("UNAVAILABLE", f"kvmapd local calls socket: {err}") from None
+        except KvmapError:
+            raise
+        except BaseException:
+            sock.close()
+            raise
+
+    def _connection(self) -> socket.socket | None:
+        """An idle connection that still has its daemon, else a new one;
+        None when nothing accepts connections on the socket."""
+        if os.getpid() != self._pid:
+            # A forked child must not share its parent's connections.
+            self._idle, self._pid = [], os.getpid()
+        while True:
+            with self._lock:
+                sock = self._idle.pop() if self._idle else None
+            if sock is None:
+                break
+            if _alive(sock):
+                return sock
+            sock.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self._connect_timeout_s)
+        try:
+            sock.connect(self.path)
+        except OSError:
+            sock.close()
+            return None
+        return sock
+
+    def _keep(self, sock: socket.socket) -> None:
+        with self._lock:
+            if len(self._idle) < MAX_IDLE:
+                self._idle.append(sock)
+                return
+        sock.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
+
+
+class _Broken(Exception):
+    """The daemon broke the protocol or went away in the middle of a call."""
+
+
+def _alive(sock: socket.socket) -> bool:
+    """Whether an idle connection's daemon is still there (no EOF, nothing unasked)."""
+    # Non-blocking: with a timeout set, Python would wait for bytes first.
+    sock.settimeout(0.0)
+    try:
+        sock.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return True  # nothing to read: the daemon holds it open
+    except OSError:
+        return False
+    return False  # EOF, or bytes no call asked for
+
+
+def _read_reply(sock: socket.socket, deadline: float) -> local_calls_pb2.LocalReply:
+    (size,) = LENGTH.unpack(_read(sock, LENGTH.size, deadline))
+    if size > MAX_REPLY_BYTES:
+        raise _Broken(f"a reply frame of {size} bytes")
+    try:
+        return local_calls_pb2.LocalReply.FromString(_read(sock, size, deadline))
+    except Exception as err:  # protobuf's DecodeError and kin
+        raise _Broken(f"an unreadable reply: {err}") from None
+
+
+def _read(sock: socket.socket, size: int, deadline: float) -> bytes:
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        sock.settimeout(left)
+        n = sock.recv_into(view[got:], size - got)
+        if n == 0:
+            raise _Broken("the daemon closed the connection during the call")
+        got += n
+    return bytes(buf)
+
+
+def _status_name(code: int) -> str:
+    return _STATUS_NAMES.get(code, "UNKNOWN")
