@@ -108,8 +108,9 @@ def test_status_lists_peers_grants_and_recent_errors(pair: tuple[Side, Side]) ->
     ]
     assert st["stats"]["transfers"]["pulls_done"] == "1"
     mine = [e for e in st["recent_errors"] if e["request_id"] == "bad-1"]
+    # The worker's pull came on the local calls socket, which the error names.
     assert [(e["method"], e["code"], e["listener"]) for e in mine] == [
-        ("Pull", "PERMISSION_DENIED", "unix")
+        ("Pull", "PERMISSION_DENIED", "local_calls")
     ]
 
     owner = status_json(prefill.daemon, "grants")

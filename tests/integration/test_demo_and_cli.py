@@ -68,7 +68,7 @@ def test_interrupted_demo_leaves_nothing_behind(tmp_path: Path) -> None:
     workers, the torch shared-memory objects its workers' KV caches live in and its temporary
     directory are all gone."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvmap.daemon.cli.kvmapd", "demo", *SMALL, "--requests", "500"],
+        [sys.executable, "-m", "kvmap.daemon.cli.kvmapd", "demo", *SMALL, "--requests", "1000000"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=local_env(tmp_path),
     )  # fmt: skip
     assert proc.stdout is not None

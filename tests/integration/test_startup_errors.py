@@ -34,6 +34,7 @@ SERVE_CASES = [
     ("metrics_listen", None, ["--metrics-listen", "127.0.0.1:{busy}"],
      ["--metrics-listen", ":{busy}", "in use"]),
     ("fd_socket", None, ["--fd-socket", "{d}/x/y/s.fds"], ["--fd-socket", "{d}/x/y/s.fds"]),
+    ("local_calls", 'local_calls = "yes"\n', [], ['local_calls = "yes" in {cfg}', "true or false"]),
     ("drain_seconds", 'drain_seconds = "10s"\n', [],
      ['drain_seconds = "10s" in {cfg}', "expected a number"]),
     ("drain_seconds-flag", None, ["--drain-seconds", "-1"], ["--drain-seconds -1.0", "negative"]),

@@ -3,7 +3,7 @@ server (on a real Unix socket, its own event loop in a thread) and the
 client's ``transports.local_calls.LocalCalls``. The transfer behind a call
 is scripted (``Scripted``: what the socket carries, not a transfer, is what
 is tested here; real daemons' pulls over it are in
-tests/integration/test_local_calls.py). Raw sockets try what a hostile
+tests/integration/test_local_calls_pulls.py). Raw sockets try what a hostile
 socket-group member would send."""
 
 from __future__ import annotations
