@@ -1,6 +1,7 @@
 """Where RPC errors become gRPC statuses (through ``api.status``), plus
 per-RPC logging context (a request id) and RPC metrics, as an aio server
-interceptor."""
+interceptor. ``refused`` is the report of a failed call that the local
+calls socket (``api.local_calls``) shares with the interceptor."""
 
 from __future__ import annotations
 
