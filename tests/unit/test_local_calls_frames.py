@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvmap.client.errors import from_status
 from kvmap.client.transports.grpc import spec_request_bytes
@@ -374,3 +376,28 @@ def test_a_frame_left_unfinished_ends_the_connection(
 def test_the_socket_is_for_owner_and_group(served: Served) -> None:
     """The socket file is 0660, as the gRPC socket beside it."""
     assert Path(served.path).stat().st_mode & 0o777 == 0o660
+
+
+@given(
+    st.text(max_size=300),
+    st.lists(st.integers(-(2**63), 2**63 - 1), max_size=300),
+    st.sampled_from(["", TRACEPARENT]),
+    st.booleans(),
+)
+def test_a_call_built_from_bytes_is_the_message_protobuf_would_write(
+    request_id: str, ids: list[int], traceparent: str, push: bool
+) -> None:
+    """``call_bytes`` (the spec serialized once, framed by hand) is the
+    length and the bytes of the LocalCall protobuf itself would serialize,
+    for pulls and pushes, long and short fields alike."""
+    spec = transfers_pb2.TransferSpec(request_id=request_id)
+    spec.groups.add(local_block_ids=ids, remote_block_ids=ids)
+    field = PUSH_FIELD if push else PULL_FIELD
+    framed = call_bytes(field, spec_request_bytes(spec), traceparent)
+    if push:
+        call = local_calls_pb2.LocalCall(push=transfers_pb2.PushRequest(spec=spec))
+    else:
+        call = local_calls_pb2.LocalCall(pull=transfers_pb2.PullRequest(spec=spec))
+    call.traceparent = traceparent
+    body = call.SerializeToString()
+    assert framed == LENGTH.pack(len(body)) + body

@@ -12,7 +12,13 @@ import grpc.experimental
 
 from kvmap.client import fd_handoff
 from kvmap.client.errors import from_rpc_error
-from kvmap.client.transports.local_calls import PULL_FIELD, PUSH_FIELD, LocalCalls, call_bytes
+from kvmap.client.transports.local_calls import (
+    PULL_FIELD,
+    PUSH_FIELD,
+    LocalCalls,
+    call_bytes,
+    varint,
+)
 from kvmap.core.config import LOCAL_CALLS_SUFFIX
 from kvmap.core.errors import KvmapError, PermissionDenied
 from kvmap.tracing import TRACEPARENT, current
@@ -89,21 +95,12 @@ _SINGLE_THREADED_STREAMS = (grpc.experimental.ChannelOptions.SingleThreadedUnary
 _SPEC_TAG = b"\x0a"
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 def spec_request_bytes(spec: transfers_pb2.TransferSpec) -> bytes:
     """``PullRequest(spec=spec)`` (or ``PushRequest``) as serialized, the
     same bytes, without first deep-copying a spec of thousands of block ids
     into a request message only to serialize it."""
     body = spec.SerializeToString()
-    return _SPEC_TAG + _varint(len(body)) + body
+    return _SPEC_TAG + varint(len(body)) + body
 
 
 def _spec_call(

@@ -47,7 +47,8 @@ _TRACEPARENT_TAG = b"\x1a"
 _STATUS_NAMES = {status.value[0]: status.name for status in grpc.StatusCode}
 
 
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
+    """``n`` as a protobuf base-128 varint."""
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
@@ -59,10 +60,10 @@ def _varint(n: int) -> bytes:
 def call_bytes(field: int, request: bytes, traceparent: str) -> bytes:
     """A LocalCall frame around ``request`` (a serialized PullRequest or
     PushRequest), built from bytes: the spec is not copied into messages."""
-    body = bytes([field << 3 | 2]) + _varint(len(request)) + request
+    body = bytes([field << 3 | 2]) + varint(len(request)) + request
     if traceparent:
         encoded = traceparent.encode()
-        body += _TRACEPARENT_TAG + _varint(len(encoded)) + encoded
+        body += _TRACEPARENT_TAG + varint(len(encoded)) + encoded
     return LENGTH.pack(len(body)) + body
 
 
