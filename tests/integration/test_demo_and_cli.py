@@ -63,12 +63,22 @@ def test_demo_verifies_every_byte(tmp_path: Path) -> None:
     assert len(pids) == 2 and not any(_alive(p) for p in pids)
 
 
+# ``kvmapd`` with SIGINT raising KeyboardInterrupt, as in a terminal. A
+# process inherits an ignored SIGINT, and Python then leaves it ignored: a
+# suite started in the background of a non-interactive shell (`cmd &`) gave
+# the demo an ignored SIGINT, and the "interrupted" demo ran every request.
+_CTRL_C_ARMED = (
+    "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "runpy.run_module('kvmap.daemon.cli.kvmapd', run_name='__main__', alter_sys=True)"
+)
+
+
 def test_interrupted_demo_leaves_nothing_behind(tmp_path: Path) -> None:
     """A demo interrupted with SIGINT mid-pulls exits non-zero, and its two daemons, its two
     workers, the torch shared-memory objects its workers' KV caches live in and its temporary
     directory are all gone."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvmap.daemon.cli.kvmapd", "demo", *SMALL, "--requests", "1000000"],
+        [sys.executable, "-c", _CTRL_C_ARMED, "demo", *SMALL, "--requests", "1000000"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=local_env(tmp_path),
     )  # fmt: skip
     assert proc.stdout is not None
