@@ -36,10 +36,11 @@ from google.protobuf.message import DecodeError
 
 from kvmap.core.config import MAX_MESSAGE_BYTES
 from kvmap.core.errors import InvalidArgument, KvmapError, ResourceExhausted, Unavailable
-from kvmap.daemon.adapters.grpc_codes import GRPC_STATUS, status_number
+from kvmap.daemon.adapters.grpc_codes import status_number
 from kvmap.daemon.adapters.metrics import Metrics
 from kvmap.daemon.api.rpc import MethodSeries, OnFailure, new_rpc_id, refused
 from kvmap.daemon.api.services import TransfersService
+from kvmap.daemon.api.status import grpc_status
 from kvmap.tracing import traceparent_of
 from kvmap.v1 import local_calls_pb2
 
@@ -69,8 +70,10 @@ def end_frame(code: int, message: str = "", reason: str = "") -> bytes:
 
 
 def error_frame(err: KvmapError) -> bytes:
-    """The end frame of a call that fails with ``err``."""
-    return end_frame(status_number(GRPC_STATUS[err.code]), err.message, err.reason)
+    """The end frame of a call that fails with ``err`` (its status and
+    bounded message as ``api.status`` makes them for every listener)."""
+    code, message = grpc_status(err)
+    return end_frame(status_number(code), message, err.reason)
 
 
 class LocalCallsServer:
