@@ -78,6 +78,12 @@ def _bind_transfer_ids(request: peer_pb2.BeginTransferRequest, peer: str) -> Non
     )
 
 
+def _caller_span(app: DaemonApp, context: Ctx) -> str:
+    """The caller's span (its ``traceparent`` metadata); "" without reading
+    the metadata when tracing is off."""
+    return traceparent_in(context.invocation_metadata()) if app.tracer.enabled else ""
+
+
 def _span(app: DaemonApp, context: Ctx, name: str, **attributes: str | int) -> Span:
     """The span of one call, a child of the caller's (its ``traceparent``
     metadata); ``NULL_SPAN``, at the cost of this branch, when tracing is off."""
@@ -314,7 +320,7 @@ class PeerService(peer_pb2_grpc.PeerServicer):
         # Claims, leases and their quotas belong to who the connection says
         # the caller is, not to the agent name it declares.
         peer = peer_identity(context)
-        parent = traceparent_in(context.invocation_metadata()) if self.app.tracer.enabled else ""
+        parent = _caller_span(self.app, context)
         return peer_pb2.BeginTransferResponse(transfer_token=self._begin(request, peer, parent))
 
     async def BeginTransfers(
@@ -387,18 +393,14 @@ class TransfersService(transfers_pb2_grpc.TransfersServicer):
     async def Pull(
         self, request: transfers_pb2.PullRequest, context: Ctx
     ) -> AsyncIterator[transfers_pb2.PullResponse]:
-        async for state in self.reports(request.spec, "pull", self._parent(context)):
+        async for state in self.reports(request.spec, "pull", _caller_span(self.app, context)):
             yield transfers_pb2.PullResponse(status=state)
 
     async def Push(
         self, request: transfers_pb2.PushRequest, context: Ctx
     ) -> AsyncIterator[transfers_pb2.PushResponse]:
-        async for state in self.reports(request.spec, "push", self._parent(context)):
+        async for state in self.reports(request.spec, "push", _caller_span(self.app, context)):
             yield transfers_pb2.PushResponse(status=state)
-
-    def _parent(self, context: Ctx) -> str:
-        """The caller's span (``traceparent`` metadata), read only when tracing."""
-        return traceparent_in(context.invocation_metadata()) if self.app.tracer.enabled else ""
 
     async def reports(
         self, spec: transfers_pb2.TransferSpec, kind: Literal["pull", "push"], parent: str
@@ -419,7 +421,7 @@ class TransfersService(transfers_pb2_grpc.TransfersServicer):
         if self.app.draining:
             raise Unavailable(SHUTTING_DOWN)
         use = release_from_request(request, self.app.config.transfer_timeout_s)
-        async for _ in self._tracked(use, "release", self._parent(context)):
+        async for _ in self._tracked(use, "release", _caller_span(self.app, context)):
             pass
         return transfers_pb2.ReleaseResponse()
 
