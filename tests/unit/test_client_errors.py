@@ -10,7 +10,7 @@ import random
 import grpc
 import pytest
 
-from kvmap.client.errors import OtherStatus, from_status, status_name
+from kvmap.client.errors import OtherStatus, from_status, from_status_number, status_name
 from kvmap.client.session import Backoff
 from kvmap.core import errors
 from kvmap.core.retry import RetryPolicy
@@ -52,6 +52,21 @@ def test_a_name_that_is_no_status_is_unknown() -> None:
     err = from_status("NO_SUCH_STATUS", "odd")
     assert (type(err), err.message) == (errors.KvmapError, "UNKNOWN: odd")
     assert status_name(RuntimeError("bug")) == "UNKNOWN"
+
+
+@pytest.mark.parametrize("status", list(grpc.StatusCode), ids=lambda s: s.name)
+def test_a_status_by_number_is_the_status_by_name(status: grpc.StatusCode) -> None:
+    """A status carried as its number (the local calls socket's end frame)
+    raises what the same status by name does."""
+    by_number = from_status_number(status.value[0], "details")
+    by_name = from_status(status.name, "details")
+    assert (type(by_number), by_number.message) == (type(by_name), by_name.message)
+
+
+def test_a_number_that_is_no_status_is_unknown() -> None:
+    """A number gRPC does not define is UNKNOWN, as an unknown name is."""
+    err = from_status_number(99, "details")
+    assert type(err) is errors.KvmapError and err.message == "UNKNOWN: details"
 
 
 def test_backoff_is_the_retry_arithmetic_with_the_sessions_numbers() -> None:

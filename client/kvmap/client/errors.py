@@ -13,7 +13,8 @@ error tree (``kvmap.core.errors``), the same classes kvmapd raises, so
     ├── AlreadyExists, Unimplemented, InternalError
     └── OtherStatus          (a gRPC status kvmapd never sends: CANCELLED, ...)
 
-``from_rpc_error`` is the one place gRPC errors become these; an error's
+``from_rpc_error`` is the one place gRPC errors become these
+(``from_status_number`` for a status carried in a message); an error's
 message is ``"<STATUS>: <details>"``.
 """
 
@@ -45,6 +46,17 @@ def from_status(status: str, details: str) -> KvmapError:
     if code is None:
         return OtherStatus(message, status)
     return error_for(code, message)
+
+
+# gRPC's status names by number (google.rpc.Code): how a status travels in
+# a message (the local calls socket's LocalCallEnd) rather than as a status.
+_STATUS_NAMES = {status.value[0]: status.name for status in grpc.StatusCode}
+
+
+def from_status_number(code: int, details: str) -> KvmapError:
+    """``from_status`` for a status given by its number (UNKNOWN for a
+    number that names none)."""
+    return from_status(_STATUS_NAMES.get(code, ErrorCode.UNKNOWN.name), details)
 
 
 def from_rpc_error(err: grpc.RpcError) -> KvmapError:

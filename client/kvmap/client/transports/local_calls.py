@@ -22,9 +22,7 @@ import struct
 import threading
 import time
 
-import grpc
-
-from kvmap.client.errors import from_status
+from kvmap.client.errors import from_status, from_status_number
 from kvmap.core.errors import KvmapError
 from kvmap.v1 import local_calls_pb2, transfers_pb2
 
@@ -42,9 +40,6 @@ FULL = "LOCAL_CALLS_FULL"
 PULL_FIELD = 1
 PUSH_FIELD = 2
 _TRACEPARENT_TAG = b"\x1a"
-
-# gRPC's status names by number (google.rpc.Code), the errors' vocabulary.
-_STATUS_NAMES = {status.value[0]: status.name for status in grpc.StatusCode}
 
 
 def varint(n: int) -> bytes:
@@ -98,7 +93,7 @@ class LocalCalls:
                 self._keep(sock)  # the call ended as the protocol says
                 if end.code == 0:
                     return statuses
-                raise from_status(_status_name(end.code), end.message)
+                raise from_status_number(end.code, end.message)
         except TimeoutError:
             sock.close()  # the daemon cancels the call, as for gRPC's deadline
             raise from_status("DEADLINE_EXCEEDED", "Deadline Exceeded") from None
@@ -189,7 +184,3 @@ def _read(sock: socket.socket, size: int, deadline: float) -> bytes:
             raise _Broken("the daemon closed the connection during the call")
         got += n
     return bytes(buf)
-
-
-def _status_name(code: int) -> str:
-    return _STATUS_NAMES.get(code, "UNKNOWN")
