@@ -24,6 +24,7 @@ from kvmap.core.errors import (
     KvmapError,
     PermissionDenied,
     StaleGeneration,
+    Unavailable,
 )
 from kvmap.core.geometry import WorkerKey
 from kvmap.core.transfer_requests import Announcement
@@ -53,6 +54,9 @@ class Owner(peer_pb2_grpc.PeerServicer):
 
     def __init__(self, batches: bool = True) -> None:
         self.batches = batches
+        # How BeginTransfers goes wrong as a whole: "refuse" (a status for
+        # the whole request) or "short" (one result too few); "" answers.
+        self.batch_fault = ""
         self.calls: list[tuple[str, list[str], str]] = []  # (method, request ids, traceparent)
         self.ended: list[str] = []
         self.hold = asyncio.Event()
@@ -87,8 +91,10 @@ class Owner(peer_pb2_grpc.PeerServicer):
             )
         )
         await self.hold.wait()
+        if self.batch_fault == "refuse":
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many leases")
         results = []
-        for call in request.calls:
+        for call in request.calls[: -1 if self.batch_fault == "short" else None]:
             answer = _answer(call)
             if isinstance(answer, tuple):
                 code, message, reason = answer
@@ -188,6 +194,37 @@ def test_calls_behind_one_in_flight_go_as_one_batch_in_order() -> None:
         assert isinstance(got[2], PermissionDenied)
         assert "PERMISSION_DENIED: capability does not allow this transfer" in str(got[2])
         assert isinstance(got[3], StaleGeneration)
+
+    run(case)
+
+
+@pytest.mark.parametrize(
+    ("fault", "error", "words"),
+    [
+        ("refuse", Unavailable, "RESOURCE_EXHAUSTED: too many leases"),
+        ("short", Unavailable, "INTERNAL: the answer does not have one result per call"),
+    ],
+)
+def test_a_batch_that_fails_as_a_whole_fails_each_of_its_calls(
+    fault: str, error: type[KvmapError], words: str
+) -> None:
+    """A BeginTransfers refused as a whole, or answered with a result missing, fails
+    every call of the batch as its own BeginTransfer with that status would have failed
+    (naming the owner), and takes no lease; the lone first call is not touched."""
+
+    async def case(owner: Owner, client: PeerClient, target: str) -> None:
+        owner.batch_fault = fault
+        first = await _first_held(owner, client, target)
+        rest = _queue(client, target, "a", "b")
+        await asyncio.sleep(0.1)
+        owner.hold.set()
+        assert await first == "token-first"
+        got = [await r for r in rest]
+        assert [m for m, _, _ in owner.calls] == ["one", "many"]
+        for err in got:
+            assert type(err) is error, err
+            assert f"remote daemon {target}: {words}" in str(err)
+        assert owner.ended == []
 
     run(case)
 

@@ -170,11 +170,7 @@ class BeginBatches:
                 await asyncio.gather(*(self._send_alone(target, c) for c in calls))
                 return
             reason = reason_of(err.trailing_metadata())
-            for call in calls:
-                failed = self._failure(
-                    target, call.request, err.code(), err.details() or "", reason
-                )
-                self._settle(target, call, failed)
+            self._fail_each(target, calls, err.code(), err.details() or "", reason)
             return
         except KvmapError as err:  # the channel could not be had (the allow-list, say)
             for call in calls:
@@ -183,10 +179,8 @@ class BeginBatches:
         if len(answer.results) != len(calls):
             log.warning("peer_sent_wrong_results", target=target[:256],
                         calls=len(calls), results=len(answer.results))  # fmt: skip
-            for call in calls:
-                wrong = "the answer does not have one result per call"
-                failed = self._failure(target, call.request, grpc.StatusCode.INTERNAL, wrong, "")
-                self._settle(target, call, failed)
+            wrong = "the answer does not have one result per call"
+            self._fail_each(target, calls, grpc.StatusCode.INTERNAL, wrong, "")
             return
         for call, result in zip(calls, answer.results, strict=True):
             if result.code:
@@ -195,6 +189,14 @@ class BeginBatches:
                 self._settle(target, call, failed)
             else:
                 self._settle(target, call, result.transfer_token)
+
+    def _fail_each(
+        self, target: str, calls: list[_Call], status: grpc.StatusCode, details: str, reason: str
+    ) -> None:
+        """Every call of a batch that failed as a whole fails as its own
+        BeginTransfer would have with that status."""
+        for call in calls:
+            self._settle(target, call, self._failure(target, call.request, status, details, reason))
 
     def _settle(self, target: str, call: _Call, outcome: str | KvmapError) -> None:
         """Hand the call's caller its outcome; a lease granted to a caller
