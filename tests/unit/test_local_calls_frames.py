@@ -271,7 +271,8 @@ def test_a_restarted_daemon_is_reached_on_a_new_connection(tmp_path: Path) -> No
 
 def test_no_socket_or_a_full_one_means_grpc(tmp_path: Path) -> None:
     """No daemon on the path, or one whose connections are all taken:
-    ``call`` answers None (the transport then calls over gRPC) and the
+    ``call`` answers None (the transport then calls over gRPC), also when
+    the daemon closed the connection before the call was all sent, and the
     full daemon ran nothing; the refused connection heard why."""
     assert LocalCalls(str(tmp_path / "nobody.calls")).call(pull("r"), 5) is None
     s = Served(tmp_path / "d.sock.calls", max_connections=1)
@@ -281,6 +282,9 @@ def test_no_socket_or_a_full_one_means_grpc(tmp_path: Path) -> None:
         while s.connections() < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert LocalCalls(s.path).call(pull("r"), 5) is None
+        # A call too large to be sent before the daemon closes the connection
+        # (the send fails, the daemon's answer is in the socket) likewise.
+        assert LocalCalls(s.path).call(pull("r" * (4 << 20)), 5) is None
         refused = raw(s.path)
         reply = read_reply(refused)
         assert reply is not None and reply.end.reason == local_calls.FULL

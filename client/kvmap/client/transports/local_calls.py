@@ -82,7 +82,15 @@ class LocalCalls:
             return None
         try:
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            sock.sendall(frame)
+            try:
+                sock.sendall(frame)
+            except (BrokenPipeError, ConnectionResetError):
+                # A daemon with no room says so and closes at once, which
+                # can be before the call is all sent: its answer is read.
+                if _told_full(sock, deadline):
+                    sock.close()
+                    return None
+                raise
             statuses: list[transfers_pb2.TransferStatus] = []
             while True:
                 reply = _read_reply(sock, deadline)
@@ -161,6 +169,16 @@ def _alive(sock: socket.socket) -> bool:
     except OSError:
         return False
     return False  # EOF, or bytes no call asked for
+
+
+def _told_full(sock: socket.socket, deadline: float) -> bool:
+    """Whether what the daemon sent before it closed the connection is the
+    end frame of a socket with no room (``FULL``)."""
+    try:
+        reply = _read_reply(sock, deadline)
+    except (OSError, _Broken):
+        return False
+    return reply.WhichOneof("reply") == "end" and reply.end.reason == FULL
 
 
 def _read_reply(sock: socket.socket, deadline: float) -> local_calls_pb2.LocalReply:
