@@ -10,7 +10,9 @@ import threading
 from typing import Any
 
 import pytest
+import structlog
 
+from kvmap.core.errors import TransferError
 from kvmap.daemon.adapters.nixl_port import Xfer, XferOp, XferState
 from kvmap.daemon.adapters.nixl_thread import NixlThread
 from kvmap.daemon.engine import progress
@@ -162,5 +164,53 @@ def test_a_call_nobody_awaits_any_more_is_not_started() -> None:
         await kept
         assert ran == ["kept"]
         nixl.shutdown()
+
+    asyncio.run(main())
+
+
+class FailingNotifs(Agent):
+    """An agent whose notifications NIXL fails to give (for ``failing``
+    passes, then again as ever)."""
+
+    def __init__(self, failing: int) -> None:
+        super().__init__()
+        self.failing = failing
+
+    def take_notifs(self) -> dict[str, list[bytes]]:
+        notifs = super().take_notifs()
+        if self.passes <= self.failing:
+            raise TransferError("take_notifs: NIXL_ERR_BACKEND: no", "NIXL_ERR_BACKEND")
+        return notifs
+
+
+def test_a_pass_whose_notifs_fail_still_hands_over_finished_transfers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NIXL failing to give notifications (every pass, for a while) does not
+    keep a finished transfer from its waiter, which would otherwise wait out
+    its deadline with its bytes in place; the failure is logged once per
+    streak and notifications flow again when NIXL gives them."""
+    monkeypatch.setattr(progress, "IDLE_INTERVAL_S", progress.BUSY_INTERVAL_S)
+
+    async def main() -> None:
+        agent, nixl = FailingNotifs(failing=10**9), NixlThread()
+        received: list[Any] = []
+        p = pump_for(agent, nixl, received)
+        with structlog.testing.capture_logs() as logs:
+            p.start()
+            x = xfer()
+            x.state = XferState.DONE
+            assert await asyncio.wait_for(p.watch(x), 10) is XferState.DONE
+            while agent.passes < 20:
+                await asyncio.sleep(0.002)
+            agent.failing = agent.passes  # NIXL gives them again from the next pass
+            agent.notifs = {"peer": [b"done:1"]}
+            while not received:
+                await asyncio.sleep(0.002)
+            await p.stop()
+        nixl.shutdown()
+        assert received == [{"peer": [b"done:1"]}]
+        events = [e["event"] for e in logs if e["event"].startswith("take_notifs")]
+        assert events == ["take_notifs_failed", "take_notifs_back"]
 
     asyncio.run(main())

@@ -10,8 +10,13 @@ import asyncio
 import threading
 from collections.abc import Callable
 
+import structlog
+
+from kvmap.core.errors import KvmapError
 from kvmap.daemon.adapters.nixl_port import NixlPort, Xfer, XferState
 from kvmap.daemon.adapters.nixl_thread import NixlThread
+
+log = structlog.get_logger("kvmapd.progress")
 
 BUSY_INTERVAL_S = 0.0002
 IDLE_INTERVAL_S = 0.01
@@ -38,6 +43,9 @@ class Progress:
         self._lock = threading.Lock()
         self._watched: dict[int, tuple[Xfer, asyncio.Future[XferState]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Passes in a row whose notifications NIXL failed to give (NIXL
+        # thread only): logged when a streak starts and when it ends.
+        self._notif_failures = 0
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -79,12 +87,28 @@ class Progress:
             state = self._agent.poll(x)
             if state is not XferState.PROC:
                 finished[key] = state
-        notifs = self._agent.take_notifs()
+        notifs = self._take_notifs()
         loop = self._loop
         if (finished or notifs) and loop is not None:
             loop.call_soon_threadsafe(self._deliver, finished, notifs)
         busy = bool(watched) or self._busy()
         return BUSY_INTERVAL_S if busy else IDLE_INTERVAL_S
+
+    def _take_notifs(self) -> Notifs:
+        """This pass's notifications; none when NIXL fails to give them.
+        Such a failure must not lose the pass's finished transfers: their
+        waiters would wait out their deadlines while the bytes are in place."""
+        try:
+            notifs = self._agent.take_notifs()
+        except KvmapError as err:
+            if not self._notif_failures:
+                log.warning("take_notifs_failed", error=str(err))
+            self._notif_failures += 1
+            return {}
+        if self._notif_failures:
+            log.info("take_notifs_back", failed_passes=self._notif_failures)
+            self._notif_failures = 0
+        return notifs
 
     def _deliver(self, finished: dict[int, XferState], notifs: Notifs) -> None:
         """On the event loop: what a pass found."""
