@@ -43,11 +43,38 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             raise pytest.UsageError(f"{item.nodeid}: tier {tier}, but marked {marked}")
 
 
+# How much of each log a failed test shows: the end, where a hang or an
+# error is, of the last few processes it started.
+LOG_TAIL_CHARS = 6000
+LOGS_SHOWN = 6
+
+
 @pytest.fixture(autouse=True)
-def _reap_processes() -> Iterator[None]:
+def _reap_processes(request: pytest.FixtureRequest) -> Iterator[None]:
     """A test that fails halfway must not leave the daemons and workers it
     started running (they would load the machine for every later test).
     Processes of wider-scoped fixtures were started before the mark."""
     mark = launch.started_count()
+    request.node.stash[_STARTED_MARK] = mark
     yield
     launch.kill_started(since=mark)
+
+
+_STARTED_MARK = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item) -> Iterator[None]:
+    """A failed test's report ends with the logs of the daemons and workers
+    it started: a failure seen once in CI can be read from CI's output."""
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()  # type: ignore[attr-defined]
+    mark = item.stash.get(_STARTED_MARK, None)
+    if report.when != "call" or not report.failed or mark is None:
+        return
+    for path in launch.started_logs(since=mark)[-LOGS_SHOWN:]:
+        try:
+            text = path.read_text(errors="replace")
+        except OSError as err:
+            text = f"(unreadable: {err})"
+        report.sections.append((f"log {path}", text[-LOG_TAIL_CHARS:]))

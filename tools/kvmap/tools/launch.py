@@ -32,6 +32,9 @@ PEER_SECRET_FLAG = "--peer-secret-file"
 # Every process started here, in order, so that a caller that failed halfway
 # (a test assertion, an interrupted demo) can still reap what it started.
 _started: list[subprocess.Popen[Any] | ForkedProcess] = []
+# The log file of each, by the same index: a failed test shows the logs of
+# what it started (``started_logs``), a rare failure in CI included.
+_started_logs: list[Path] = []
 # Set (to 1) by a caller that starts many Python processes (the test suite):
 # they are forked from a zygote that has imported their modules
 # (``kvmap.tools.zygote``) instead of importing torch (~2 CPU-s a worker) or
@@ -42,8 +45,9 @@ _zygotes: dict[tuple[tuple[str, ...], tuple[str, ...]], Zygote] = {}
 _zygotes_lock = threading.Lock()
 
 
-def _track(proc: subprocess.Popen[Any] | ForkedProcess) -> None:
+def _track(proc: subprocess.Popen[Any] | ForkedProcess, log_path: Path) -> None:
     _started.append(proc)
+    _started_logs.append(log_path)
 
 
 def zygote_for(
@@ -90,6 +94,12 @@ def start_python(
 def started_count() -> int:
     """A mark for ``kill_started(since=...)``."""
     return len(_started)
+
+
+def started_logs(since: int = 0) -> list[Path]:
+    """The log files of the processes started through this module since
+    the mark (``started_count``), in start order."""
+    return _started_logs[since:]
 
 
 def kill_started(since: int = 0) -> int:
@@ -221,7 +231,7 @@ def start_daemon(
         proc = subprocess.Popen(
             args, stdout=log, stderr=subprocess.STDOUT, env=local_env(workdir), cwd=workdir
         )
-    _track(proc)
+    _track(proc, log_path)
     deadline = time.monotonic() + START_TIMEOUT_S
     while not ready.exists():
         if proc.poll() is not None:
@@ -318,7 +328,7 @@ def spawn_worker(
     argv = ["-m", module, "--socket", daemon.socket, *args]
     env, cwd = local_env(daemon.workdir), daemon.workdir
     proc = start_python(argv, env, cwd, log_path, zygote_for([module]))
-    _track(proc)
+    _track(proc, log_path)
     try:
         ready = json.loads(_readline(proc, timeout, log_path))
     except BaseException:
