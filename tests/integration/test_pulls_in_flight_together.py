@@ -1,6 +1,7 @@
 """Many pulls in flight at once through one decode daemon to one owner: their
 BeginTransfer calls share the owner's channel, and those that queue behind a
-call in flight go together as one Peer.BeginTransfers (``peer_batches``).
+call in flight go together as one message of the owner's
+BeginTransferStream (``peer_batches``, ``peer_stream``).
 Real daemons (separate processes, real NIXL over UCX on loopback) and
 stand-in workers on real shared memory: every pull lands byte for byte,
 the owner hears each one's completion, and no lease is left behind."""

@@ -1,5 +1,6 @@
-"""Peer.BeginTransfers against a real owner daemon, tried as an attacker
-would: each call of a batch is checked and answered as its own BeginTransfer
+"""Peer.BeginTransfers and Peer.BeginTransferStream against a real owner
+daemon, tried as an attacker would: each call of a batch (or of a stream's
+message) is checked and answered as its own BeginTransfer
 would be (a refused call, whatever it tries, gets its precise status and
 changes nothing for the calls around it), a stranger without the peer secret
 is refused before anything is read, and a batch over the call or byte limits
@@ -121,5 +122,96 @@ def test_a_batch_over_its_limits_is_refused_whole(c: Cluster, kind: str) -> None
     with pytest.raises(grpc.RpcError) as refused:
         _batch(c, calls)
     assert refused.value.code() == Code.RESOURCE_EXHAUSTED
+    assert (_leases(c), c.p.snapshot()) == before
+    c.p.assert_healthy()
+
+
+def _stream(c: Cluster, messages: list[list[peer_pb2.BeginTransferRequest]]) -> list[Any]:
+    """Each message's results, from one BeginTransferStream that sends them in turn."""
+    requests = iter([peer_pb2.BeginTransferStreamRequest(calls=calls) for calls in messages])
+    return [answer.results for answer in c.p.peer.BeginTransferStream(requests, timeout=10)]
+
+
+def test_each_call_on_the_stream_is_answered_as_its_own_begin_transfer(c: Cluster) -> None:
+    """On BeginTransferStream a message of a refused and a good call, then a message of a
+    call for a block outside the grant: each message gets one answer, in order, each call the
+    answer its own BeginTransfer would get; a refused call does not end the stream (the next
+    message is answered) and exactly one lease is taken."""
+    good = c.pw.grant("stream-good", {0: [1]})
+    before = (_leases(c), c.p.snapshot())
+    outside = [types_pb2.BlockGrant(transfer_group=0, block_ids=[3])]
+    first, second = _stream(c, [
+        [_call(c, "stream-good", "A" * 43), _call(c, "stream-good", good)],
+        [_call(c, "stream-good", good, groups=outside)],
+    ])  # fmt: skip
+    assert [(r.code, r.message) for r in first] == [
+        (Code.PERMISSION_DENIED.value[0], DENIED),
+        (0, ""),
+    ]
+    assert [(r.code, r.message) for r in second] == [(Code.PERMISSION_DENIED.value[0], DENIED)]
+    status = admin_pb2_grpc.AdminStub(c.p.unix).GetStatus(admin_pb2.GetStatusRequest(), timeout=10)
+    recent = [(e.method, e.code) for e in status.recent_errors[-2:]]
+    assert recent == [("BeginTransferStream", "PERMISSION_DENIED")] * 2
+    assert _leases(c) == before[0] + 1
+    c.p.peer.EndTransfer(
+        peer_pb2.EndTransferRequest(transfer_token=first[1].transfer_token), timeout=CALL_TIMEOUT_S
+    )
+    assert (_leases(c), c.p.snapshot()) == before
+
+
+def test_a_stranger_is_refused_before_its_stream_is_read(c: Cluster) -> None:
+    """Without the peer secret, BeginTransferStream ends PERMISSION_DENIED with the one
+    inbound message before any message is answered, a call with a real capability included;
+    no lease is taken."""
+    cap = c.pw.grant("stream-stranger", {0: [1]})
+    before = _leases(c)
+    stranger = peer_channel(c.p.daemon.tcp_target, "guess-" * 8)
+    requests = iter([peer_pb2.BeginTransferStreamRequest(calls=[_call(c, "stream-stranger", cap)])])
+    with stranger, pytest.raises(grpc.RpcError) as refused:
+        list(peer_pb2_grpc.PeerStub(stranger).BeginTransferStream(requests, timeout=10))
+    assert (refused.value.code(), refused.value.details()) == (
+        Code.PERMISSION_DENIED,
+        INBOUND_DENIED,
+    )
+    assert _leases(c) == before
+
+
+@pytest.mark.parametrize("kind", ["too many calls", "too many bytes", "not a message"])
+def test_a_stream_message_over_its_limits_ends_the_stream_changing_nothing(
+    c: Cluster, kind: str
+) -> None:
+    """A message of 65 calls, one over BeginTransfers' 352 KiB, or bytes that are no message,
+    after a good message on the same stream: the good message is answered, then the stream
+    ends RESOURCE_EXHAUSTED (INVALID_ARGUMENT for the bytes) and the bad message changes
+    nothing, its good calls included."""
+    cap = c.pw.grant(f"stream-{kind[:8]}", {0: [1]})
+    good = _call(c, f"stream-{kind[:8]}", cap)
+    bad: bytes
+    if kind == "too many calls":
+        bad = peer_pb2.BeginTransferStreamRequest(
+            calls=[good] * (MAX_BEGIN_CALLS + 1)
+        ).SerializeToString()
+    elif kind == "too many bytes":
+        filler = _call(c, "filler", "A" * 43, groups=[
+            types_pb2.BlockGrant(transfer_group=0, block_ids=list(range(2**14, 2**14 + 60_000)))
+        ])  # fmt: skip
+        bad = peer_pb2.BeginTransferStreamRequest(
+            calls=[good, filler, filler, filler]
+        ).SerializeToString()
+    else:
+        bad = b"\xff\xff\xff\xff"
+    first = peer_pb2.BeginTransferStreamRequest(calls=[_call(c, "stream-first", "A" * 43)])
+    before = (_leases(c), c.p.snapshot())
+    stream = c.p.tcp.stream_stream("/kvmap.v1.Peer/BeginTransferStream")
+    answers: list[bytes] = []
+    with pytest.raises(grpc.RpcError) as ended:
+        for answer in stream(iter([first.SerializeToString(), bad]), timeout=10):
+            answers.append(answer)
+    expected = Code.INVALID_ARGUMENT if kind == "not a message" else Code.RESOURCE_EXHAUSTED
+    assert ended.value.code() == expected, ended.value.details()
+    got = [peer_pb2.BeginTransferStreamResponse.FromString(a).results for a in answers]
+    assert [[(r.code, r.message) for r in results] for results in got] == [
+        [(Code.PERMISSION_DENIED.value[0], DENIED)]
+    ]
     assert (_leases(c), c.p.snapshot()) == before
     c.p.assert_healthy()

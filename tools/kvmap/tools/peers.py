@@ -78,6 +78,7 @@ class _Details(NamedTuple):
 class _PresentSecret(
     grpc.UnaryUnaryClientInterceptor,  # type: ignore[type-arg]  # grpc's stubs are generic here
     grpc.UnaryStreamClientInterceptor,  # type: ignore[type-arg]
+    grpc.StreamStreamClientInterceptor,  # type: ignore[type-arg]
 ):
     """Adds the peer secret to every call's metadata."""
 
@@ -103,6 +104,11 @@ class _PresentSecret(
         self, continuation: Callable[[Any, Any], Any], client_call_details: Any, request: Any
     ) -> Any:
         return continuation(self._with_secret(client_call_details), request)
+
+    def intercept_stream_stream(
+        self, continuation: Callable[[Any, Any], Any], client_call_details: Any, requests: Any
+    ) -> Any:
+        return continuation(self._with_secret(client_call_details), requests)
 
 
 def peer_channel(target: str, secret: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:

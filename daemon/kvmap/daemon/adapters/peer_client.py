@@ -51,9 +51,10 @@ from kvmap.core.peer_policy import (
 from kvmap.core.transfer_requests import Announcement, ReleaseNotice
 from kvmap.core.transfer_wire import announcement_to_proto, release_notice_to_proto
 from kvmap.daemon.adapters.config_files import read_pem
-from kvmap.daemon.adapters.grpc_codes import error_code, reason_of
+from kvmap.daemon.adapters.grpc_codes import error_code, reason_of, status_from_number
 from kvmap.daemon.adapters.peer_batches import BeginBatches
 from kvmap.daemon.adapters.peer_secret import peer_secret
+from kvmap.daemon.adapters.peer_stream import BeginStreams, StreamUnsupported
 from kvmap.tracing import TRACEPARENT
 from kvmap.v1 import peer_pb2, peer_pb2_grpc
 
@@ -203,6 +204,7 @@ class PeerClient:
         self._batches = BeginBatches(
             self._begin_alone, self._begin_many, failure=_begin_error, end=self.end
         )
+        self._streams = BeginStreams(self._open_stream, self.end)
 
     @classmethod
     def for_config(cls, config: DaemonConfig) -> PeerClient:
@@ -240,6 +242,7 @@ class PeerClient:
             oldest = next(iter(self._channels))
             stale, _ = self._channels.pop(oldest)
             self._unreached.discard(oldest)
+            self._streams.drop(oldest)
             task = asyncio.get_running_loop().create_task(stale.close(grace=None))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
@@ -313,7 +316,9 @@ class PeerClient:
 
     async def handshake(self, target: str, worker: WorkerKey) -> PeerHandshake:
         req = peer_pb2.GetAgentMetadataRequest(worker=convert.worker_id_to_proto(worker))
-        self._batches.forget(target)  # an upgraded owner may serve BeginTransfers now
+        # An upgraded owner may serve BeginTransfers and the stream now.
+        self._batches.forget(target)
+        self._streams.forget(target)
         stub = await self._stub(target)
         await self._connected(target)
         try:
@@ -362,6 +367,27 @@ class PeerClient:
     async def _begin_alone(
         self, target: str, req: peer_pb2.BeginTransferRequest, timeout_s: float
     ) -> str:
+        if self._streams.supported(target):
+            try:
+                answer = await self._streams.send(
+                    target, peer_pb2.BeginTransferStreamRequest(calls=[req]), timeout_s
+                )
+            except StreamUnsupported:
+                pass  # sent as an RPC below
+            except aio.AioRpcError as err:
+                reason = reason_of(err.trailing_metadata())
+                raise _begin_error(target, req, err.code(), err.details() or "", reason) from None
+            else:
+                if len(answer.results) != 1:
+                    log.warning("peer_sent_wrong_results", target=target[:256],
+                                calls=1, results=len(answer.results))  # fmt: skip
+                    wrong = "the answer does not have one result per call"
+                    raise _begin_error(target, req, grpc.StatusCode.INTERNAL, wrong, "")
+                result = answer.results[0]
+                if result.code:
+                    status = status_from_number(result.code)
+                    raise _begin_error(target, req, status, result.message, result.reason)
+                return result.transfer_token
         # Alone, the traceparent travels as metadata, where owners before
         # BeginTransfers read it.
         traceparent, req.traceparent = req.traceparent, ""
@@ -370,9 +396,29 @@ class PeerClient:
     async def _begin_many(
         self, target: str, req: peer_pb2.BeginTransfersRequest, timeout_s: float
     ) -> peer_pb2.BeginTransfersResponse:
-        """Peer.BeginTransfers; a failed call raises its ``AioRpcError``."""
+        """The calls on the target's stream, else as Peer.BeginTransfers; a
+        failed stream or call raises its ``AioRpcError``."""
+        if self._streams.supported(target):
+            try:
+                answer = await self._streams.send(
+                    target, peer_pb2.BeginTransferStreamRequest(calls=req.calls), timeout_s
+                )
+            except StreamUnsupported:
+                pass
+            else:
+                return peer_pb2.BeginTransfersResponse(results=answer.results)
         stub = await self._stub(target)
         return await stub.BeginTransfers(req, timeout=timeout_s, metadata=self._metadata)
+
+    async def _open_stream(
+        self, target: str
+    ) -> aio.StreamStreamCall[
+        peer_pb2.BeginTransferStreamRequest, peer_pb2.BeginTransferStreamResponse
+    ]:
+        """``target``'s BeginTransferStream, open for as long as both
+        daemons run (no deadline: each call on it has its own)."""
+        stub = await self._stub(target)
+        return stub.BeginTransferStream(None, metadata=self._metadata)
 
     async def release(self, target: str, notice: ReleaseNotice, timeout_s: float) -> None:
         """Give up a use of the owner's grant: BeginTransfer with ``release``
@@ -405,6 +451,7 @@ class PeerClient:
             )
 
     async def close(self) -> None:
+        await self._streams.close()
         await self._batches.close()
         for channel, _ in self._channels.values():
             await channel.close(grace=None)

@@ -39,7 +39,13 @@ from kvmap.core.peer_policy import (
     grpc_peer_address,
     secret_matches,
 )
-from kvmap.daemon.api.handlers import Ctx, WrappedHandlers, is_kvmap_method, read_after
+from kvmap.daemon.api.handlers import (
+    Ctx,
+    WrappedHandlers,
+    is_kvmap_method,
+    read_after,
+    read_each,
+)
 from kvmap.daemon.api.limits import tcp_request_limit
 
 log = structlog.get_logger("kvmapd.authorization")
@@ -141,12 +147,13 @@ class PeerAuthorization(_Interceptor):
         # The request is read only once the caller is authorized: a stranger's
         # bytes are neither buffered whole nor decoded (and it sees no
         # INVALID_ARGUMENT either); an authorized one's are bounded per method.
-        wrapped = read_after(handler, self._guard, tcp_request_limit(method))
+        limit = tcp_request_limit(method)
+        wrapped = read_after(handler, self._guard, limit) or read_each(handler, self._guard, limit)
         if wrapped is not None:
             return wrapped
-        # No streaming-request RPC is served on TCP: one added later must not
-        # slip through unguarded, so it is refused until it is guarded here
-        # (without reading what it was sent).
+        # A streaming-request RPC that does not stream its answers too (none
+        # is served on TCP) must not slip through unguarded: it is refused
+        # until it is guarded here (without reading what it was sent).
         return grpc.stream_unary_rpc_method_handler(self._refuse)
 
     async def _refuse(self, requests: Any, context: Ctx) -> Any:

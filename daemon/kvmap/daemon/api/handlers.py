@@ -13,7 +13,9 @@ method as a streaming-request one, so that the check runs before gRPC has
 read a single byte of the request (an aio unary handler is handed its
 request whole, already buffered: a refused stranger's 16 MiB body cost
 16 MiB of memory first). Each method's request is then bounded by its own
-size limit.
+size limit. ``read_each`` does the same for a method that streams both
+ways: the check runs once, before the first message is read, and each
+message is bounded by the method's limit.
 """
 
 from __future__ import annotations
@@ -137,6 +139,44 @@ def _wrap_reader(handler: Handler, around: Around) -> Handler | None:
     return None
 
 
+def _bounded(limit: int, parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def read(raw: bytes) -> Any:
+        if len(raw) > limit:
+            raise ResourceExhausted(
+                f"request of {len(raw)} bytes; this method takes at most {limit} bytes here"
+            )
+        return parse(raw)
+
+    return read
+
+
+def read_each(handler: Handler, around: Around, limit: int) -> Handler | None:
+    """A ``handler`` that streams both ways, served with ``around`` entered
+    once per call before its first message is read; then each message is
+    read as the handler asks for it, refused at over ``limit`` bytes and
+    parsed. None for any other handler."""
+    stream: Callable[..., Any] | None = handler.stream_stream
+    if stream is None:
+        return None
+    read = _bounded(limit, parser(handler.request_deserializer))
+
+    async def requests(context: Ctx) -> AsyncIterator[Any]:
+        while True:
+            raw = await context.read()
+            if not isinstance(raw, bytes):  # grpc.aio.EOF: the caller is done
+                return
+            yield read(raw)
+
+    async def call_stream(_: AsyncIterator[bytes], context: Ctx) -> AsyncIterator[Any]:
+        async with around(context):
+            async for item in stream(requests(context), context):
+                yield item
+
+    return grpc.stream_stream_rpc_method_handler(
+        call_stream, response_serializer=handler.response_serializer
+    )
+
+
 def read_after(handler: Handler, around: Around, limit: int) -> Handler | None:
     """A unary-request ``handler`` served as a streaming-request one: for each
     call ``around`` is entered first, and only then is the one request read
@@ -145,17 +185,13 @@ def read_after(handler: Handler, around: Around, limit: int) -> Handler | None:
     streaming-request handler."""
     if handler.request_streaming:
         return None
-    parse = parser(handler.request_deserializer)
+    read = _bounded(limit, parser(handler.request_deserializer))
 
     async def request(context: Ctx) -> Any:
         raw = await context.read()
         if not isinstance(raw, bytes):  # grpc.aio.EOF: the caller sent none
             raise InvalidArgument("", "the call carries no request message")
-        if len(raw) > limit:
-            raise ResourceExhausted(
-                f"request of {len(raw)} bytes; this method takes at most {limit} bytes here"
-            )
-        return parse(raw)
+        return read(raw)
 
     unary: Callable[..., Any] | None = handler.unary_unary
     stream: Callable[..., Any] | None = handler.unary_stream

@@ -40,6 +40,8 @@ TCP_REQUEST_LIMITS: dict[str, int] = {
     "/kvmap.v1.Peer/BeginTransfer": BEGIN_TRANSFER_BYTES,
     # Callers send at most MAX_BEGIN_CALLS_BYTES of calls (peer_batches).
     "/kvmap.v1.Peer/BeginTransfers": BEGIN_TRANSFER_BYTES,
+    # Each message of the stream, as a BeginTransfers request.
+    "/kvmap.v1.Peer/BeginTransferStream": BEGIN_TRANSFER_BYTES,
     "/kvmap.v1.Peer/EndTransfer": SMALL_REQUEST_BYTES,
     "/kvmap.v1.RegionMaps/ListWorkers": SMALL_REQUEST_BYTES,
     "/kvmap.v1.RegionMaps/GetRegionMap": SMALL_REQUEST_BYTES,

@@ -32,6 +32,7 @@ from kvmap.daemon.api.limits import tcp_server_options
 from kvmap.daemon.api.local_calls import LocalCallsServer
 from kvmap.daemon.api.rpc import ErrorsAndContext
 from kvmap.daemon.api.services import (
+    PeerService,
     TransfersService,
     add_tcp_services,
     add_unix_services,
@@ -79,6 +80,7 @@ class Daemon:
         self._unix: aio.Server | None = None
         self._tcp: aio.Server | None = None
         self._local_calls: LocalCallsServer | None = None
+        self._peer_service: PeerService | None = None
         self.tcp_port = 0
         self._marking: set[asyncio.Task[None]] = set()
 
@@ -134,7 +136,7 @@ class Daemon:
             PeerAuthorization(cfg.peer_policy, mutual_tls=cfg.mutual_tls, secret=secret),
             options=tcp_server_options(),
         )
-        add_tcp_services(self._tcp, self.app)
+        self._peer_service = add_tcp_services(self._tcp, self.app)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._tcp)
         reflection.enable_server_reflection(tcp_service_names(), self._tcp)
         self.tcp_port = _add_tcp_port(self._tcp, cfg)
@@ -196,6 +198,10 @@ class Daemon:
         # Attach streams never end by themselves: without this, stopping
         # the servers would wait out the whole grace period for them.
         self.app.table.end_streams()
+        # So do peers' BeginTransferStream calls (their next call reaches
+        # whoever serves then).
+        if self._peer_service is not None:
+            self._peer_service.end_streams()
         if self._local_calls is not None:
             self._local_calls.close()
         for server in (self._tcp, self._unix):

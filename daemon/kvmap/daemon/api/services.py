@@ -7,7 +7,8 @@ once sent)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal
 
 import structlog
@@ -277,9 +278,13 @@ def add_unix_services(server: aio.Server, app: DaemonApp) -> None:
     transfers_pb2_grpc.add_TransfersServicer_to_server(TransfersService(app), server)
 
 
-def add_tcp_services(server: aio.Server, app: DaemonApp) -> None:
+def add_tcp_services(server: aio.Server, app: DaemonApp) -> PeerService:
+    """The TCP listener's services; the Peer servicer, whose streams end
+    when the daemon stops (``PeerService.end_streams``)."""
     region_maps_pb2_grpc.add_RegionMapsServicer_to_server(RegionMapsService(app), server)
-    peer_pb2_grpc.add_PeerServicer_to_server(PeerService(app), server)
+    peer = PeerService(app)
+    peer_pb2_grpc.add_PeerServicer_to_server(peer, server)
+    return peer
 
 
 def _names(*services: str) -> tuple[str, ...]:
@@ -300,6 +305,9 @@ def tcp_service_names() -> tuple[str, ...]:
 class PeerService(peer_pb2_grpc.PeerServicer):
     def __init__(self, app: DaemonApp) -> None:
         self.app = app
+        # Done when the daemon stops (``end_streams``). Made on the loop:
+        # servicers are made in ``Daemon.start``.
+        self._ending: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     async def GetAgentMetadata(
         self, request: peer_pb2.GetAgentMetadataRequest, context: Ctx
@@ -326,18 +334,53 @@ class PeerService(peer_pb2_grpc.PeerServicer):
     async def BeginTransfers(
         self, request: peer_pb2.BeginTransfersRequest, context: Ctx
     ) -> peer_pb2.BeginTransfersResponse:
+        """Each call as its own BeginTransfer (``_begin_calls``). On TCP the
+        whole request is within one BeginTransfer's size limit
+        (``api/limits.py``)."""
+        results = self._begin_calls(request.calls, peer_identity(context), "BeginTransfers")
+        return peer_pb2.BeginTransfersResponse(results=results)
+
+    async def BeginTransferStream(
+        self, requests: AsyncIterator[peer_pb2.BeginTransferStreamRequest], context: Ctx
+    ) -> AsyncIterator[peer_pb2.BeginTransferStreamResponse]:
+        """BeginTransfers' calls as the messages of one stream: each request
+        message is answered by one response, in order, until the caller ends
+        the stream or this daemon stops (``end_streams``: the stream ends OK,
+        and the caller's next call opens one to whoever serves then). The
+        caller was checked when the stream opened (``authorization``); each
+        message is within BeginTransfers' size limit (``api/limits.py``)."""
+        peer = peer_identity(context)
+        iterator = aiter(requests)
+        while True:
+            read = asyncio.ensure_future(anext(iterator, None))
+            await asyncio.wait((read, self._ending), return_when=asyncio.FIRST_COMPLETED)
+            if not read.done():  # stopping: what was read is answered, the rest is not read
+                read.cancel()
+                return
+            request = read.result()
+            if request is None:  # the caller ended the stream
+                return
+            results = self._begin_calls(request.calls, peer, "BeginTransferStream")
+            yield peer_pb2.BeginTransferStreamResponse(results=results)
+
+    def end_streams(self) -> None:
+        """The daemon stops: open BeginTransferStream calls end once the
+        message each is answering (if any) is answered."""
+        if not self._ending.done():
+            self._ending.set_result(None)
+
+    def _begin_calls(
+        self, calls: Sequence[peer_pb2.BeginTransferRequest], peer: str, method: str
+    ) -> list[peer_pb2.BeginTransferResult]:
         """Each call as its own BeginTransfer, in order, its span a child of
         its own traceparent; a refused call's status goes in its result and
         its ``rpc_rejected`` line (as a refused BeginTransfer's, with the
-        call's index), and the next call is taken as if it came alone. On TCP the
-        whole request is within one BeginTransfer's size limit
-        (``api/limits.py``)."""
-        peer = peer_identity(context)
-        if len(request.calls) > MAX_BEGIN_CALLS:
-            raise ResourceExhausted(f"{len(request.calls)} calls; at most {MAX_BEGIN_CALLS}")
+        call's index), and the next call is taken as if it came alone."""
+        if len(calls) > MAX_BEGIN_CALLS:
+            raise ResourceExhausted(f"{len(calls)} calls; at most {MAX_BEGIN_CALLS}")
         results = []
         rpc_context = structlog.contextvars.get_contextvars()
-        for i, call in enumerate(request.calls):
+        for i, call in enumerate(calls):
             try:
                 parent = traceparent_of(call.traceparent) if self.app.tracer.enabled else ""
                 token = self._begin(call, peer, parent)
@@ -347,16 +390,14 @@ class PeerService(peer_pb2_grpc.PeerServicer):
                 # Under the call's ids, bound by _begin.
                 log.warning("rpc_rejected", code=status.name, error=message, call=i)
                 # Among the recent errors (Admin.GetStatus), as a refused RPC is.
-                self.app.activity.failed(
-                    "tcp", "BeginTransfers", status.name, message, call.request_id
-                )
+                self.app.activity.failed("tcp", method, status.name, message, call.request_id)
                 results.append(peer_pb2.BeginTransferResult(
                     code=status_number(status), message=message, reason=err.reason
                 ))  # fmt: skip
             finally:  # the next call's lines carry its own ids, not these
                 structlog.contextvars.clear_contextvars()
                 structlog.contextvars.bind_contextvars(**rpc_context)
-        return peer_pb2.BeginTransfersResponse(results=results)
+        return results
 
     def _begin(self, request: peer_pb2.BeginTransferRequest, peer: str, parent: str) -> str:
         """Claim, lease and pin for one announced transfer (its lease token),

@@ -292,6 +292,50 @@ class BeginTransfersResponse(_message.Message):
 Global___BeginTransfersResponse: _TypeAlias = BeginTransfersResponse  # noqa: Y015
 
 @_typing.final
+class BeginTransferStreamRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALLS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___BeginTransferRequest]:
+        """At most 64 calls, as in BeginTransfersRequest."""
+
+    def __init__(
+        self,
+        *,
+        calls: _abc.Iterable[Global___BeginTransferRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BeginTransferStreamRequest: _TypeAlias = BeginTransferStreamRequest  # noqa: Y015
+
+@_typing.final
+class BeginTransferStreamResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___BeginTransferResult]:
+        """One per call of the request message it answers, in the calls' order."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___BeginTransferResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BeginTransferStreamResponse: _TypeAlias = BeginTransferStreamResponse  # noqa: Y015
+
+@_typing.final
 class EndTransferRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

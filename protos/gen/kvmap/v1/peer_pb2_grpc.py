@@ -50,6 +50,11 @@ class PeerStub:
                 request_serializer=kvmap_dot_v1_dot_peer__pb2.BeginTransfersRequest.SerializeToString,
                 response_deserializer=kvmap_dot_v1_dot_peer__pb2.BeginTransfersResponse.FromString,
                 _registered_method=True)
+        self.BeginTransferStream = channel.stream_stream(
+                '/kvmap.v1.Peer/BeginTransferStream',
+                request_serializer=kvmap_dot_v1_dot_peer__pb2.BeginTransferStreamRequest.SerializeToString,
+                response_deserializer=kvmap_dot_v1_dot_peer__pb2.BeginTransferStreamResponse.FromString,
+                _registered_method=True)
         self.EndTransfer = channel.unary_unary(
                 '/kvmap.v1.Peer/EndTransfer',
                 request_serializer=kvmap_dot_v1_dot_peer__pb2.EndTransferRequest.SerializeToString,
@@ -89,6 +94,21 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BeginTransferStream(self, request_iterator, context):
+        """BeginTransfer calls as messages of one long-lived stream: a decode
+        daemon keeps one open to each owner it pulls from, so that a call costs
+        a message rather than an RPC (its set-up, the caller's check, the
+        per-call metadata). Each request message holds one or more calls, as a
+        BeginTransfers call does; each is answered by one response message, in
+        the order the requests came, its calls checked and answered as their
+        own BeginTransfer calls would be. The caller is checked once, when the
+        stream opens; each message is within BeginTransfers' size limit. The
+        owner ends the stream (OK) when it stops.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def EndTransfer(self, request, context):
         """Release a pin when the puller gave up without posting a notification.
         """
@@ -113,6 +133,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.BeginTransfers,
                     request_deserializer=kvmap_dot_v1_dot_peer__pb2.BeginTransfersRequest.FromString,
                     response_serializer=kvmap_dot_v1_dot_peer__pb2.BeginTransfersResponse.SerializeToString,
+            ),
+            'BeginTransferStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.BeginTransferStream,
+                    request_deserializer=kvmap_dot_v1_dot_peer__pb2.BeginTransferStreamRequest.FromString,
+                    response_serializer=kvmap_dot_v1_dot_peer__pb2.BeginTransferStreamResponse.SerializeToString,
             ),
             'EndTransfer': grpc.unary_unary_rpc_method_handler(
                     servicer.EndTransfer,
@@ -202,6 +227,33 @@ class Peer:
             '/kvmap.v1.Peer/BeginTransfers',
             kvmap_dot_v1_dot_peer__pb2.BeginTransfersRequest.SerializeToString,
             kvmap_dot_v1_dot_peer__pb2.BeginTransfersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginTransferStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvmap.v1.Peer/BeginTransferStream',
+            kvmap_dot_v1_dot_peer__pb2.BeginTransferStreamRequest.SerializeToString,
+            kvmap_dot_v1_dot_peer__pb2.BeginTransferStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

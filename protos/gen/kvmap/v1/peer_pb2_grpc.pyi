@@ -48,6 +48,17 @@ class PeerStub:
     and a refused one changes nothing for the others. At most 64 calls,
     each within BeginTransfer's size limit.
     """
+    BeginTransferStream: _grpc.StreamStreamMultiCallable[_peer_pb2.BeginTransferStreamRequest, _peer_pb2.BeginTransferStreamResponse]
+    """BeginTransfer calls as messages of one long-lived stream: a decode
+    daemon keeps one open to each owner it pulls from, so that a call costs
+    a message rather than an RPC (its set-up, the caller's check, the
+    per-call metadata). Each request message holds one or more calls, as a
+    BeginTransfers call does; each is answered by one response message, in
+    the order the requests came, its calls checked and answered as their
+    own BeginTransfer calls would be. The caller is checked once, when the
+    stream opens; each message is within BeginTransfers' size limit. The
+    owner ends the stream (OK) when it stops.
+    """
     EndTransfer: _grpc.UnaryUnaryMultiCallable[_peer_pb2.EndTransferRequest, _peer_pb2.EndTransferResponse]
     """Release a pin when the puller gave up without posting a notification."""
 
@@ -70,6 +81,17 @@ class PeerAsyncStub(PeerStub):
     is checked and answered as its own BeginTransfer would be, in order,
     and a refused one changes nothing for the others. At most 64 calls,
     each within BeginTransfer's size limit.
+    """
+    BeginTransferStream: _aio.StreamStreamMultiCallable[_peer_pb2.BeginTransferStreamRequest, _peer_pb2.BeginTransferStreamResponse]  # type: ignore[assignment]
+    """BeginTransfer calls as messages of one long-lived stream: a decode
+    daemon keeps one open to each owner it pulls from, so that a call costs
+    a message rather than an RPC (its set-up, the caller's check, the
+    per-call metadata). Each request message holds one or more calls, as a
+    BeginTransfers call does; each is answered by one response message, in
+    the order the requests came, its calls checked and answered as their
+    own BeginTransfer calls would be. The caller is checked once, when the
+    stream opens; each message is within BeginTransfers' size limit. The
+    owner ends the stream (OK) when it stops.
     """
     EndTransfer: _aio.UnaryUnaryMultiCallable[_peer_pb2.EndTransferRequest, _peer_pb2.EndTransferResponse]  # type: ignore[assignment]
     """Release a pin when the puller gave up without posting a notification."""
@@ -108,6 +130,23 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
         is checked and answered as its own BeginTransfer would be, in order,
         and a refused one changes nothing for the others. At most 64 calls,
         each within BeginTransfer's size limit.
+        """
+
+    @_abc_1.abstractmethod
+    def BeginTransferStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_peer_pb2.BeginTransferStreamRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_peer_pb2.BeginTransferStreamResponse], _abc.AsyncIterator[_peer_pb2.BeginTransferStreamResponse]]:
+        """BeginTransfer calls as messages of one long-lived stream: a decode
+        daemon keeps one open to each owner it pulls from, so that a call costs
+        a message rather than an RPC (its set-up, the caller's check, the
+        per-call metadata). Each request message holds one or more calls, as a
+        BeginTransfers call does; each is answered by one response message, in
+        the order the requests came, its calls checked and answered as their
+        own BeginTransfer calls would be. The caller is checked once, when the
+        stream opens; each message is within BeginTransfers' size limit. The
+        owner ends the stream (OK) when it stops.
         """
 
     @_abc_1.abstractmethod
