@@ -124,11 +124,15 @@ ALLOWED: dict[str, frozenset[Code]] = {
     # A refused call's status goes in its result; the RPC itself fails only
     # whole (more than MAX_BEGIN_CALLS calls, undecodable bytes).
     "/kvmap.v1.Peer/BeginTransfers": frozenset({OK, INVALID, EXHAUSTED}),
+    # The same, per message of the stream.
+    "/kvmap.v1.Peer/BeginTransferStream": frozenset({OK, INVALID, EXHAUSTED}),
     "/kvmap.v1.Peer/EndTransfer": frozenset({OK, INVALID, NOT_FOUND}),
 }
 UNIX_METHODS = [m for m in ALLOWED if not m.startswith("/kvmap.v1.Peer/")]
 TCP_METHODS = [m for m in ALLOWED if m.startswith(("/kvmap.v1.Peer/", "/kvmap.v1.RegionMaps/"))]
 STREAMING = {"/kvmap.v1.Registry/Attach", "/kvmap.v1.Transfers/Pull", "/kvmap.v1.Transfers/Push"}
+# Methods that stream both ways.
+BIDI = {"/kvmap.v1.Peer/BeginTransferStream"}
 
 
 @dataclass
@@ -222,6 +226,12 @@ class Live:
     def raw_stream(self, method: str, tcp: bool = False) -> Any:
         ch = self.tcp if tcp else self.unix
         return ch.unary_stream(method, request_serializer=None, response_deserializer=None)
+
+    def raw_bidi(self, method: str, tcp: bool = False) -> Any:
+        """A method that streams both ways, called with one request message."""
+        ch = self.tcp if tcp else self.unix
+        stream = ch.stream_stream(method, request_serializer=None, response_deserializer=None)
+        return lambda request, timeout: stream(iter([request]), timeout=timeout)
 
     # Observable state -------------------------------------------------------
 

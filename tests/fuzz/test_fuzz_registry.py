@@ -32,6 +32,7 @@ import grpc
 import pytest
 from fuzz_support import (
     ALLOWED,
+    BIDI,
     DENIED,
     INVALID,
     OK,
@@ -779,6 +780,9 @@ def _seed_requests() -> dict[str, bytes]:
     begin = msgs["/kvmap.v1.Peer/BeginTransfer"]
     assert isinstance(begin, peer_pb2.BeginTransferRequest)
     msgs["/kvmap.v1.Peer/BeginTransfers"] = peer_pb2.BeginTransfersRequest(calls=[begin, begin])
+    msgs["/kvmap.v1.Peer/BeginTransferStream"] = peer_pb2.BeginTransferStreamRequest(
+        calls=[begin, begin]
+    )
     return {m: msg.SerializeToString() for m, msg in msgs.items()}
 
 
@@ -816,6 +820,8 @@ def _decodes(method: str, data: bytes) -> bool:
 def _raw_call(live: Live, method: str, tcp: bool, data: bytes) -> Any:
     if method in STREAMING:
         return call_stream(live.raw_stream(method, tcp), data, method, first_only=True)
+    if method in BIDI:
+        return call_stream(live.raw_bidi(method, tcp), data, method)
     return call(live.raw_unary(method, tcp), data, method)
 
 
@@ -835,11 +841,12 @@ def test_raw_bytes_that_decode(env: Env, raw: tuple[str, bool, bytes]) -> None:
     if method == "/kvmap.v1.Peer/BeginTransfer" and out.code is OK:
         token = peer_pb2.BeginTransferResponse.FromString(out.response).transfer_token
         call(live.peer.EndTransfer, peer_pb2.EndTransferRequest(transfer_token=token), "End")
-    if method == "/kvmap.v1.Peer/BeginTransfers" and out.code is OK:
-        for result in peer_pb2.BeginTransfersResponse.FromString(out.response).results:
-            end = peer_pb2.EndTransferRequest(transfer_token=result.transfer_token)
-            if result.transfer_token:
-                call(live.peer.EndTransfer, end, "End")
+    if method in ("/kvmap.v1.Peer/BeginTransfers", "/kvmap.v1.Peer/BeginTransferStream"):
+        for answer in out.responses if out.code is OK else []:
+            for result in peer_pb2.BeginTransfersResponse.FromString(answer).results:
+                end = peer_pb2.EndTransferRequest(transfer_token=result.transfer_token)
+                if result.transfer_token:
+                    call(live.peer.EndTransfer, end, "End")
     if method in ("/kvmap.v1.Registry/RegisterWorker", "/kvmap.v1.Registry/DeregisterWorker"):
         assert out.code is not OK, f"{method} accepted raw bytes {data!r}"
     live.assert_healthy()
