@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -212,5 +213,42 @@ def test_a_pass_whose_notifs_fail_still_hands_over_finished_transfers(
         assert received == [{"peer": [b"done:1"]}]
         events = [e["event"] for e in logs if e["event"].startswith("take_notifs")]
         assert events == ["take_notifs_failed", "take_notifs_back"]
+
+    asyncio.run(main())
+
+
+class Stuck(Agent):
+    """An agent whose transfers never complete."""
+
+    def poll(self, xfer: Xfer) -> XferState:
+        return XferState.PROC
+
+
+def test_a_transfer_nixl_does_not_complete_is_logged_once_as_slow(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A watched transfer still in progress SLOW_TRANSFER_S after its post is logged
+    once (``transfer_slow``, naming the peer agent and the descriptors) however many
+    passes see it, and one posted just now is not."""
+    monkeypatch.setattr(progress, "IDLE_INTERVAL_S", progress.BUSY_INTERVAL_S)
+
+    async def main() -> None:
+        agent, nixl = Stuck(), NixlThread()
+        p = pump_for(agent, nixl)
+        old = Xfer(
+            XferOp.READ, "owner-agent", 7, time.monotonic() - progress.SLOW_TRANSFER_S - 1, object()
+        )
+        new = Xfer(XferOp.READ, "other-agent", 3, time.monotonic(), object())
+        with structlog.testing.capture_logs() as logs:
+            p.start()
+            p.watch(old)
+            p.watch(new)
+            start = agent.passes
+            while agent.passes < start + 50:
+                await asyncio.sleep(0.002)
+            await p.stop()
+        nixl.shutdown()
+        slow = [e for e in logs if e["event"] == "transfer_slow"]
+        assert [(e["peer_agent"], e["descriptors"]) for e in slow] == [("owner-agent", 7)]
 
     asyncio.run(main())

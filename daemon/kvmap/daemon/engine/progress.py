@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 
 import structlog
@@ -20,6 +21,9 @@ log = structlog.get_logger("kvmapd.progress")
 
 BUSY_INTERVAL_S = 0.0002
 IDLE_INTERVAL_S = 0.01
+# A transfer NIXL has not completed this long after its post is logged
+# (once): a pull that then runs out of time says where it waited.
+SLOW_TRANSFER_S = 5.0
 
 Notifs = dict[str, list[bytes]]
 
@@ -46,6 +50,8 @@ class Progress:
         # Passes in a row whose notifications NIXL failed to give (NIXL
         # thread only): logged when a streak starts and when it ends.
         self._notif_failures = 0
+        # Watched transfers already logged as slow (NIXL thread only).
+        self._told_slow: set[int] = set()
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -83,16 +89,32 @@ class Progress:
         with self._lock:
             watched = [(key, x) for key, (x, _) in self._watched.items()]
         finished: dict[int, XferState] = {}
+        now = time.monotonic()
         for key, x in watched:
             state = self._agent.poll(x)
             if state is not XferState.PROC:
                 finished[key] = state
+            elif now - x.posted_at > SLOW_TRANSFER_S and key not in self._told_slow:
+                self._told_slow.add(key)
+                self._tell_slow(x, now)
+        if self._told_slow:  # only those still waited for
+            self._told_slow.intersection_update(k for k, _ in watched if k not in finished)
         notifs = self._take_notifs()
         loop = self._loop
         if (finished or notifs) and loop is not None:
             loop.call_soon_threadsafe(self._deliver, finished, notifs)
         busy = bool(watched) or self._busy()
         return BUSY_INTERVAL_S if busy else IDLE_INTERVAL_S
+
+    @staticmethod
+    def _tell_slow(x: Xfer, now: float) -> None:
+        log.warning(
+            "transfer_slow",
+            op=x.op.value,
+            peer_agent=x.remote_agent,
+            descriptors=x.num_descs,
+            after_s=round(now - x.posted_at, 1),
+        )
 
     def _take_notifs(self) -> Notifs:
         """This pass's notifications; none when NIXL fails to give them.
