@@ -353,9 +353,13 @@ class PeerService(peer_pb2_grpc.PeerServicer):
         iterator = aiter(requests)
         while True:
             read = asyncio.ensure_future(anext(iterator, None))
-            await asyncio.wait((read, self._ending), return_when=asyncio.FIRST_COMPLETED)
-            if not read.done():  # stopping: what was read is answered, the rest is not read
-                read.cancel()
+            try:
+                await asyncio.wait((read, self._ending), return_when=asyncio.FIRST_COMPLETED)
+            finally:  # stopping, or the call cancelled: the rest is not read
+                stopping = not read.done()
+                if stopping:
+                    read.cancel()
+            if stopping:  # what was read is answered
                 return
             request = read.result()
             if request is None:  # the caller ended the stream
