@@ -45,6 +45,10 @@ WATCHDOG_GRACE_S = 5.0
 # pod's kvmapd restarted under it: a restart's gap is about a second, and a
 # try against the local socket while it is down costs a refused connect.
 PULL_RETRY_MAX_S = 0.25
+# The time left that an attempt after such a pause needs: one started closer
+# to the deadline could only end DEADLINE_EXCEEDED, which hides why the load
+# failed (the daemon's own pull retries leave the same room).
+PULL_ATTEMPT_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -289,7 +293,11 @@ class WorkerCore:
         # Asking this pod's own kvmapd again is cheap, and every second of
         # pause past its return is latency the request pays: a short cap.
         initial = min(opts.reconnect_initial_s, PULL_RETRY_MAX_S)
-        policy = RetryPolicy(initial, max(min(opts.reconnect_max_s, PULL_RETRY_MAX_S), initial))
+        policy = RetryPolicy(
+            initial,
+            max(min(opts.reconnect_max_s, PULL_RETRY_MAX_S), initial),
+            attempt_s=PULL_ATTEMPT_S,
+        )
         attempt = 0
         while True:
             before = self._daemon_instance()
