@@ -49,7 +49,7 @@ class StreamUnsupported(Exception):
 
 
 class _Stream:
-    __slots__ = ("call", "ended", "outbox", "reader", "waiting", "writer")
+    __slots__ = ("call", "outbox", "reader", "waiting", "writer")
 
     def __init__(self, call: aio.StreamStreamCall[Request, Answer]) -> None:
         self.call = call
@@ -61,8 +61,6 @@ class _Stream:
         self.outbox: asyncio.Queue[Request] = asyncio.Queue()
         self.reader: asyncio.Task[None] | None = None
         self.writer: asyncio.Task[None] | None = None
-        # Why the stream is over, once it is: what a call sent after fails with.
-        self.ended: BaseException | None = None
 
 
 class BeginStreams:
@@ -86,9 +84,9 @@ class BeginStreams:
         raises the stream's ``AioRpcError`` where it failed, ``Unavailable``
         where it ended, ``DeadlineExceeded`` after ``timeout_s``, and
         ``StreamUnsupported`` where the owner does not serve it."""
+        # A stream leaves ``_streams`` the moment it is over (``_over``), and
+        # nothing below awaits before the call is queued on it.
         stream = self._streams.get(target) or await self._start(target)
-        if stream.ended is not None:
-            raise stream.ended
         answer: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         stream.waiting.append(answer)
         stream.outbox.put_nowait(request)
@@ -153,7 +151,6 @@ class BeginStreams:
 
     def _over(self, target: str, stream: _Stream, ended: BaseException) -> None:
         """The stream is over: whoever still waits on it fails with ``ended``."""
-        stream.ended = ended
         if stream.writer is not None:
             stream.writer.cancel()
         if self._streams.get(target) is stream:
