@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 import grpc
@@ -47,6 +47,29 @@ SendMany = Callable[
 Failure = Callable[[str, peer_pb2.BeginTransferRequest, grpc.StatusCode, str, str], KvmapError]
 # Ends a lease nobody waits for any more (EndTransfer, best effort).
 EndLease = Callable[[str, str], Coroutine[Any, Any, None]]
+
+
+def outcomes(
+    target: str,
+    requests: Sequence[peer_pb2.BeginTransferRequest],
+    results: Sequence[peer_pb2.BeginTransferResult],
+    failure: Failure,
+) -> list[str | KvmapError]:
+    """Each call's outcome from the owner's answer to the calls sent together
+    (a BeginTransfers call, or a message of the stream): its lease token, or
+    the error its own BeginTransfer would have raised; every call fails
+    INTERNAL when the answer does not have one result per call."""
+    if len(results) != len(requests):
+        log.warning("peer_sent_wrong_results", target=target[:256],
+                    calls=len(requests), results=len(results))  # fmt: skip
+        wrong = "the answer does not have one result per call"
+        return [failure(target, r, grpc.StatusCode.INTERNAL, wrong, "") for r in requests]
+    return [
+        failure(target, request, status_from_number(r.code), r.message, r.reason)
+        if r.code
+        else r.transfer_token
+        for request, r in zip(requests, results, strict=True)
+    ]
 
 
 class _Call:
@@ -176,19 +199,10 @@ class BeginBatches:
             for call in calls:
                 self._settle(target, call, err)
             return
-        if len(answer.results) != len(calls):
-            log.warning("peer_sent_wrong_results", target=target[:256],
-                        calls=len(calls), results=len(answer.results))  # fmt: skip
-            wrong = "the answer does not have one result per call"
-            self._fail_each(target, calls, grpc.StatusCode.INTERNAL, wrong, "")
-            return
-        for call, result in zip(calls, answer.results, strict=True):
-            if result.code:
-                status = status_from_number(result.code)
-                failed = self._failure(target, call.request, status, result.message, result.reason)
-                self._settle(target, call, failed)
-            else:
-                self._settle(target, call, result.transfer_token)
+        requests = [c.request for c in calls]
+        got = outcomes(target, requests, answer.results, self._failure)
+        for call, outcome in zip(calls, got, strict=True):
+            self._settle(target, call, outcome)
 
     def _fail_each(
         self, target: str, calls: list[_Call], status: grpc.StatusCode, details: str, reason: str

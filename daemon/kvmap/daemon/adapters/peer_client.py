@@ -51,8 +51,8 @@ from kvmap.core.peer_policy import (
 from kvmap.core.transfer_requests import Announcement, ReleaseNotice
 from kvmap.core.transfer_wire import announcement_to_proto, release_notice_to_proto
 from kvmap.daemon.adapters.config_files import read_pem
-from kvmap.daemon.adapters.grpc_codes import error_code, reason_of, status_from_number
-from kvmap.daemon.adapters.peer_batches import BeginBatches
+from kvmap.daemon.adapters.grpc_codes import error_code, reason_of
+from kvmap.daemon.adapters.peer_batches import BeginBatches, outcomes
 from kvmap.daemon.adapters.peer_secret import peer_secret
 from kvmap.daemon.adapters.peer_stream import BeginStreams, StreamUnsupported
 from kvmap.tracing import TRACEPARENT
@@ -378,16 +378,10 @@ class PeerClient:
                 reason = reason_of(err.trailing_metadata())
                 raise _begin_error(target, req, err.code(), err.details() or "", reason) from None
             else:
-                if len(answer.results) != 1:
-                    log.warning("peer_sent_wrong_results", target=target[:256],
-                                calls=1, results=len(answer.results))  # fmt: skip
-                    wrong = "the answer does not have one result per call"
-                    raise _begin_error(target, req, grpc.StatusCode.INTERNAL, wrong, "")
-                result = answer.results[0]
-                if result.code:
-                    status = status_from_number(result.code)
-                    raise _begin_error(target, req, status, result.message, result.reason)
-                return result.transfer_token
+                (outcome,) = outcomes(target, [req], answer.results, _begin_error)
+                if isinstance(outcome, KvmapError):
+                    raise outcome
+                return outcome
         # Alone, the traceparent travels as metadata, where owners before
         # BeginTransfers read it.
         traceparent, req.traceparent = req.traceparent, ""
