@@ -17,8 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 import structlog
@@ -45,8 +44,9 @@ SendMany = Callable[
 # (target, call, status, details, kvmap-reason): a refused call's result, or
 # the failed BeginTransfers call, for each of its calls.
 Failure = Callable[[str, peer_pb2.BeginTransferRequest, grpc.StatusCode, str, str], KvmapError]
-# Ends a lease nobody waits for any more (EndTransfer, best effort).
-EndLease = Callable[[str, str], Coroutine[Any, Any, None]]
+# Ends a lease nobody waits for any more (EndTransfer, best effort), off the
+# caller's path: (target, lease token).
+EndLease = Callable[[str, str], None]
 
 
 def outcomes(
@@ -222,9 +222,7 @@ class BeginBatches:
                 call.future.set_result(outcome)
             return
         if isinstance(outcome, str) and outcome:
-            task = asyncio.get_running_loop().create_task(self._end(target, outcome))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._end(target, outcome)
 
     async def close(self) -> None:
         """Wait for the calls in flight (their callers are answered)."""

@@ -201,10 +201,12 @@ class PeerClient:
         self._metadata: tuple[tuple[str, str], ...] = (
             ((PEER_SECRET_METADATA, secret.decode("ascii")),) if secret else ()
         )
+        # Leases granted to callers that gave up, being ended (_end_later).
+        self._ending: set[asyncio.Task[None]] = set()
         self._batches = BeginBatches(
-            self._begin_alone, self._begin_many, failure=_begin_error, end=self.end
+            self._begin_alone, self._begin_many, failure=_begin_error, end=self._end_later
         )
-        self._streams = BeginStreams(self._open_stream, self.end)
+        self._streams = BeginStreams(self._open_stream, self._end_later)
 
     @classmethod
     def for_config(cls, config: DaemonConfig) -> PeerClient:
@@ -444,9 +446,17 @@ class PeerClient:
                 metadata=self._metadata,
             )
 
+    def _end_later(self, target: str, token: str) -> None:
+        """End a lease granted to a caller that gave up (``end``), off the
+        path of whoever found it; ``close`` waits for it."""
+        task = asyncio.get_running_loop().create_task(self.end(target, token))
+        self._ending.add(task)
+        task.add_done_callback(self._ending.discard)
+
     async def close(self) -> None:
         await self._streams.close()
         await self._batches.close()
+        await asyncio.gather(*self._ending, return_exceptions=True)
         for channel, _ in self._channels.values():
             await channel.close(grace=None)
         self._channels.clear()

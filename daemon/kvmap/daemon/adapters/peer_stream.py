@@ -24,14 +24,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 import grpc
 import structlog
 from grpc import aio
 
 from kvmap.core.errors import DeadlineExceeded, Unavailable
+from kvmap.daemon.adapters.peer_batches import EndLease
 from kvmap.v1 import peer_pb2
 
 log = structlog.get_logger("kvmapd.peers")
@@ -40,8 +40,6 @@ Request = peer_pb2.BeginTransferStreamRequest
 Answer = peer_pb2.BeginTransferStreamResponse
 # Opens ``target``'s stream (its channel's, with the peers' metadata).
 Open = Callable[[str], Awaitable["aio.StreamStreamCall[Request, Answer]"]]
-# Ends a lease nobody waits for any more (EndTransfer, best effort).
-EndLease = Callable[[str, str], Coroutine[Any, Any, None]]
 
 
 class StreamUnsupported(Exception):
@@ -69,7 +67,6 @@ class BeginStreams:
         self._end = end
         self._streams: dict[str, _Stream] = {}
         self._unsupported: set[str] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
 
     def supported(self, target: str) -> bool:
         """Whether calls to ``target`` go on its stream (not known otherwise)."""
@@ -164,11 +161,7 @@ class BeginStreams:
         """Leases granted to a caller that gave up: ended now."""
         for result in answer.results:
             if not result.code and result.transfer_token:
-                task = asyncio.get_running_loop().create_task(
-                    self._end(target, result.transfer_token)
-                )
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._end(target, result.transfer_token)
 
     def drop(self, target: str) -> None:
         """``target``'s channel is closed: so is its stream."""
@@ -185,5 +178,3 @@ class BeginStreams:
             if stream.reader is not None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await stream.reader
-        for task in list(self._tasks):
-            task.cancel()
