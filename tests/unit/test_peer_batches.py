@@ -30,6 +30,7 @@ from kvmap.core.geometry import WorkerKey
 from kvmap.core.transfer_requests import Announcement
 from kvmap.core.transfer_wire import MAX_BATCHED_CALL_BYTES
 from kvmap.daemon.adapters.grpc_codes import REASON_KEY
+from kvmap.daemon.adapters.peer_batches import BeginBatches
 from kvmap.daemon.adapters.peer_client import PeerClient
 from kvmap.tracing import TRACEPARENT
 from kvmap.v1 import peer_pb2, peer_pb2_grpc
@@ -321,3 +322,49 @@ def test_a_large_call_goes_alone() -> None:
         ]  # fmt: skip
 
     run(case)
+
+
+def test_a_queued_call_whose_send_fails_unexpectedly_is_answered_at_once() -> None:
+    """A call queued behind one in flight whose own send then raises an
+    error that is no status (a bug, an error type nobody expected) fails
+    UNAVAILABLE as soon as it is sent (its transfer tries again), instead of
+    leaving its caller to wait out its 30 s deadline."""
+
+    async def main() -> None:
+        release = asyncio.Event()
+        sent: list[str] = []
+
+        async def send_one(target: str, req: peer_pb2.BeginTransferRequest, timeout: float) -> str:
+            sent.append(req.request_id)
+            if req.request_id == "held":
+                await release.wait()
+                return "token-held"
+            raise RuntimeError("a bug in the sender")
+
+        async def send_many(
+            target: str, req: peer_pb2.BeginTransfersRequest, timeout: float
+        ) -> peer_pb2.BeginTransfersResponse:
+            raise AssertionError("one queued call goes alone")
+
+        def failure(
+            target: str, req: peer_pb2.BeginTransferRequest, code: grpc.StatusCode, m: str, r: str
+        ) -> KvmapError:
+            raise AssertionError("no status came back")
+
+        batches = BeginBatches(send_one, send_many, failure=failure, end=lambda t, tok: None)
+        held = asyncio.ensure_future(
+            batches.begin("owner:1", peer_pb2.BeginTransferRequest(request_id="held"), 30.0)
+        )
+        await asyncio.sleep(0.05)
+        queued = asyncio.ensure_future(
+            batches.begin("owner:1", peer_pb2.BeginTransferRequest(request_id="queued"), 30.0)
+        )
+        await asyncio.sleep(0.05)
+        release.set()
+        assert await asyncio.wait_for(held, 5.0) == "token-held"
+        with pytest.raises(Unavailable, match="the call failed"):
+            await asyncio.wait_for(queued, 5.0)
+        assert sent == ["held", "queued"]
+        await batches.close()
+
+    asyncio.run(main())

@@ -231,3 +231,27 @@ def test_an_owner_without_the_stream_gets_rpcs_until_the_next_handshake() -> Non
         assert owner.unary == ["one", "two", "three"]
 
     run(case, stream=False)
+
+
+def test_a_write_that_fails_unexpectedly_fails_its_caller_at_once() -> None:
+    """A write that fails for a reason that is not the stream ending (an
+    error gRPC does not raise for an ended call) fails its caller UNAVAILABLE
+    at once, not after its deadline; the stream is dropped, and the next
+    call opens a new one and gets its token."""
+
+    async def case(owner: Owner, client: PeerClient, target: str) -> None:
+        assert await _outcome(client, target, "one") == "token-one"
+
+        async def broken(request: object) -> None:
+            raise RuntimeError("a write that fails unexpectedly")
+
+        client._streams._streams[target].call.write = broken  # type: ignore[method-assign]
+        started = asyncio.get_running_loop().time()
+        got = await _outcome(client, target, "lost")
+        assert isinstance(got, Unavailable), got
+        assert asyncio.get_running_loop().time() - started < 5.0
+        await _eventually(lambda: client._streams._streams.get(target) is None)
+        assert await _outcome(client, target, "next") == "token-next"
+        assert owner.streams == 2
+
+    run(case)

@@ -23,7 +23,7 @@ import grpc
 import structlog
 from grpc import aio
 
-from kvmap.core.errors import DeadlineExceeded, KvmapError
+from kvmap.core.errors import DeadlineExceeded, KvmapError, Unavailable
 from kvmap.core.transfer_wire import (
     MAX_BATCHED_CALL_BYTES,
     MAX_BEGIN_CALLS,
@@ -170,6 +170,14 @@ class BeginBatches:
                 await asyncio.gather(*(self._send_alone(target, c) for c in calls))
             else:
                 await self._send_batch(target, calls)
+        except Exception as err:
+            # Not a status (a bug, or an error type nothing here expected):
+            # its callers still hear at once, UNAVAILABLE so that their
+            # transfers try again, instead of waiting out their deadlines.
+            log.exception("peer_calls_lost", target=target[:256], calls=len(calls))
+            lost = Unavailable(f"remote daemon {target}: the call failed ({type(err).__name__})")
+            for call in calls:
+                self._settle(target, call, lost)
         finally:
             self._done(target)
 

@@ -116,6 +116,13 @@ class BeginStreams:
                 await stream.call.write(request)
             except (asyncio.InvalidStateError, aio.AioRpcError):
                 return  # the stream is over: its reader fails whoever waits
+            except Exception:
+                # Not the stream ending: without its writer the stream would
+                # leave every later caller to wait out its deadline. Cancelled,
+                # its reader fails them at once (UNAVAILABLE: they try again).
+                log.exception("peer_stream_write_failed")
+                stream.call.cancel()
+                return
 
     async def _read(self, target: str, stream: _Stream) -> None:
         ended: BaseException = Unavailable(f"remote daemon {target}: it ended the stream")
