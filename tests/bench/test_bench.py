@@ -50,6 +50,7 @@ def test_json_schema(tiny: tuple[dict[str, Any], Path]) -> None:
     assert result["schema"] == results.SCHEMA
     assert result["memcpy_gbps"] > 0
     assert result["nixl_threads"] == DEFAULT_NIXL_THREADS  # the daemon's default, both sides
+    assert result["check_before_read"] is True  # the daemon's default
     assert set(result["profiles"]) == {"tiny"}
     planners_run = list(result["profiles"]["tiny"])
     assert planners_run[0] == "baseline"
@@ -349,3 +350,27 @@ def test_throughput_and_restart_figures(tiny: tuple[dict[str, Any], Path]) -> No
     # The text report shows both.
     rendered = report.render(results.BenchResult.from_json(result))
     assert "pod throughput, 2 ranks" in rendered and "restart: kvmapd serve ready" in rendered
+
+
+@pytest.mark.integration
+def test_pulls_that_read_while_the_owner_checks_verify(tmp_path: Path) -> None:
+    """``--no-check-before-read`` starts the daemons with reads that do not
+    wait for the owner: every pulled byte of every series still verifies
+    (the exit status), and the JSON says which order was measured."""
+    args = ["--profile", "tiny", "--planner", "coalesce", "--repeats", "2", "--json", "--quiet"]
+    args += ["--memcpy-mib", "16", "--concurrency", "1,4", "--concurrency-mib", "16"]
+    args += ["--tp8-profile", "none", "--throughput-profile", "none", "--restart-rounds", "0"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvmap.daemon.cli.kvmapd", "bench", *args, "--no-check-before-read"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    result = json.loads(proc.stdout)
+    assert result["check_before_read"] is False
+    coalesce = result["profiles"]["tiny"]["coalesce"]
+    assert coalesce["verified"] and coalesce["bytes_verified"] > 0
+    assert set(coalesce["concurrency"]) == {"1", "4"}

@@ -80,10 +80,19 @@ class FakePeers:
         # Targets whose handshakes wait until their event is set (a silent
         # peer: never set).
         self._held: dict[str, asyncio.Event] = {}
+        # Targets whose BeginTransfer answers wait until their event is set
+        # (an owner slow to check a pull); ``begins_asked`` counts the calls.
+        self._begins_held: dict[str, asyncio.Event] = {}
+        self.begins_asked = 0
 
     def hold(self, target: str) -> asyncio.Event:
         """Handshakes with ``target`` wait until the returned event is set."""
         return self._held.setdefault(target, asyncio.Event())
+
+    def hold_begins(self, target: str) -> asyncio.Event:
+        """BeginTransfer calls to ``target`` are answered only once the
+        returned event is set (the owner checks them as they were sent)."""
+        return self._begins_held.setdefault(target, asyncio.Event())
 
     async def until_asked(self, count: int) -> None:
         """Wait until ``count`` handshakes have been asked for in all."""
@@ -117,9 +126,13 @@ class FakePeers:
 
     async def begin(self, target: str, announcement: Announcement, timeout_s: float) -> str:
         self.call_timeouts.append(timeout_s)
-        app = self._app(target)
+        self.begins_asked += 1
         # Over the wire form and back, as PeerClient sends it.
         req = announcement_to_proto(announcement)
+        held = self._begins_held.get(target)
+        if held is not None:
+            await held.wait()
+        app = self._app(target)
         self.begun.append(req)
         try:
             lease = begin_transfer(app, req)

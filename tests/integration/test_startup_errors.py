@@ -47,6 +47,8 @@ SERVE_CASES = [
     ("attach_grace_s", "attach_grace_s = 0\n", [], ["attach_grace_s = 0 in {cfg}", "positive"]),
     ("max_workers", None, ["--max-workers", "0"], ["--max-workers 0", "positive integer"]),
     ("nixl_threads", "nixl_threads = 65\n", [], ["{cfg}", "nixl_threads", "between 0 and 64"]),
+    ("check_before_read", 'check_before_read = "yes"\n', [],
+     ['check_before_read = "yes" in {cfg}', "true or false"]),
     ("max_registered_bytes", 'max_registered_bytes = "2TiB"\n', [],
      ['max_registered_bytes = "2TiB" in {cfg}', "expected an integer"]),
     ("shm_path_prefix", None, ["--shm-path-prefix", "dev/shm"],

@@ -417,14 +417,19 @@ def announcement(c: Cluster, capability: str, **kw: Any) -> peer_pb2.BeginTransf
 
 
 def start_cluster(
-    tmp: Path, p_blocks: int = 32, d_blocks: int = 24, prefill_listen: str = "127.0.0.1:0"
+    tmp: Path,
+    p_blocks: int = 32,
+    d_blocks: int = 24,
+    prefill_listen: str = "127.0.0.1:0",
+    decode_flags: tuple[str, ...] = (),
 ) -> Iterator[Cluster]:
-    """Generator body of a module fixture: yields a cluster, then stops it."""
+    """Generator body of a module fixture: yields a cluster (the decode
+    daemon started with ``decode_flags`` too), then stops it."""
     p = start_daemon(tmp / "p", "--planner", "coalesce", name="p", listen=prefill_listen)
     d = None
     workers: list[ShmWorker] = []
     try:
-        d = start_daemon(tmp / "d", "--planner", "baseline", name="d")
+        d = start_daemon(tmp / "d", "--planner", "baseline", *decode_flags, name="d")
         pl, dl = Live(p), Live(d)
         pw = ShmWorker(pl, "prefill", p_blocks, seed=1)
         workers.append(pw)

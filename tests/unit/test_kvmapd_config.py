@@ -157,3 +157,19 @@ def test_nixl_threads_default_and_flag() -> None:
     assert DaemonConfig(socket="/s").validated().nixl_threads == 2
     args = _serve_parser().parse_args(["--nixl-threads", "0"])
     assert args.nixl_threads == 0
+
+
+def test_check_before_read_is_on_by_default_and_turned_off_by_file_or_flag(
+    tmp_path: Path,
+) -> None:
+    """Pulls wait for the owner's answer unless told otherwise: the default
+    is on; ``check_before_read = false`` in the file or
+    ``--no-check-before-read`` turns it off, and the flag wins over the file."""
+    assert DaemonConfig(socket="/s").validated().check_before_read is True
+    cfg = tmp_path / "kvmapd.toml"
+    cfg.write_text("check_before_read = false\n")
+    assert load_config(str(cfg), {"socket": "/s"}).check_before_read is False
+    args = _serve_parser().parse_args(["--no-check-before-read"])
+    assert args.check_before_read is False
+    flags = {"socket": "/s", "check_before_read": True}
+    assert load_config(str(cfg), flags).check_before_read is True

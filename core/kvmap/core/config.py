@@ -65,6 +65,13 @@ class DaemonConfig:
     # are posted and progressed by this many threads at once, so one daemon
     # moves a pod's pulls on more than one core (0: the NIXL thread alone).
     nixl_threads: int = DEFAULT_NIXL_THREADS
+    # A pull's read waits for the owner to accept its BeginTransfer, so a
+    # refused pull moves no byte. Off (opt-in), the read runs while the owner
+    # checks, and the pull is DONE only once both are: the owner's round trip
+    # leaves every pull's latency, but a refused pull's bytes may reach its
+    # destination blocks (docs/security.md, "Reading while the owner
+    # checks"). A push always waits: it writes the owner's memory.
+    check_before_read: bool = True
     # A worker restored from the state store whose client has not re-attached
     # by then is taken for dead and released.
     restore_attach_grace_s: float = 60.0

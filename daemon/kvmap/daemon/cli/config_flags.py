@@ -27,6 +27,9 @@ KEY_HELP = {
     "connect_timeout_s": "seconds to wait for a peer daemon's handshake before UNAVAILABLE",
     "nixl_threads": "UCX threads that post and progress a large transfer's descriptors at "
     "once (0: the daemon's one NIXL thread alone)",
+    "check_before_read": "start a pull's read only once the owner accepted it; "
+    "--no-check-before-read reads while the owner checks (faster; a refused pull's bytes "
+    "may reach its destination blocks, never reported loaded)",
     "restore_attach_grace_s": "release a worker restored after a restart whose client has "
     "not attached by then",
     "attach_grace_s": "release a registration whose worker has not attached by then",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from kvmap.core.errors import TransferError
 from kvmap.core.transfer_pieces import Side
@@ -68,7 +68,7 @@ class Posting:
             return xfers, time.perf_counter() - start
 
         with current().child("kvmap.post", descriptors=plan.descriptors):
-            xfers, post_s = await self._nixl(post)
+            xfers, post_s = await self._posted(self._nixl(post))
         start = time.perf_counter()
         try:
             with current().child("kvmap.wait"):
@@ -82,6 +82,24 @@ class Posting:
             await self.release(xfers, None)
             raise failed[0].error or TransferError("NIXL reported a failed transfer", "ERR")
         return xfers, post_s, done_s
+
+    async def _posted(
+        self, posting: Awaitable[tuple[list[Xfer], float]]
+    ) -> tuple[list[Xfer], float]:
+        """The post's handles. A caller cancelled while the NIXL thread
+        posts (its deadline; its owner refusing a pull read meanwhile) waits
+        for the post to return and releases what it made: the transfers run
+        on regardless, and handles nobody holds are never released."""
+        job = asyncio.ensure_future(posting)
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            try:
+                xfers, _ = await asyncio.shield(job)
+            except BaseException:  # nothing was posted, or cancelled once more
+                raise asyncio.CancelledError from None
+            await self.release(xfers, None)
+            raise
 
     async def release(self, xfers: list[Xfer], then: Callable[[], None] | None) -> None:
         """Release ``xfers`` (and run ``then``) in one NIXL call. Shielded: a

@@ -1,7 +1,8 @@
 """Pull and push: handshake with the remote daemon (cached per target,
 worker and generation), plan descriptors from the common refinement of both
-region maps, announce the transfer to the owner, post it, wait for NIXL to
-complete it, report DONE, then release it and notify the owner.
+region maps, announce the transfer to the owner, post it (a pull, with
+``check_before_read`` off, while the owner checks the announcement), wait
+for NIXL to complete it, report DONE, then release it and notify the owner.
 
 The engine takes checked requests (``core.transfer_requests``; their wire
 forms are ``core.transfer_wire``) and yields reports. Its only state is
@@ -26,7 +27,7 @@ import asyncio
 import itertools
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from functools import partial
 from typing import Protocol
 
@@ -358,17 +359,14 @@ class TransferEngine:
                     f"handshake with {req.target}",
                     remote_generation=hs.generation,
                 )
-            begun = await self._begin(
+            moved = await self._move(
                 req, record, hs, write, retry=attempt == 0, transfer_id=transfer_id
             )
-            if begun is not None:
+            if moved is not None:
                 break
         else:  # pragma: no cover - the loop always breaks or raises
             raise Unavailable("transfer could not be planned")
-        prepared, plan, token = begun
-        post_s, done_s = await self._carry_out(
-            req, record, hs, prepared, plan, token=token, write=write
-        )
+        plan, post_s, done_s = moved
         self._account(plan, post_s, done_s)
         current().set(blocks=plan.blocks, bytes=plan.bytes, descriptors=plan.descriptors)
         self._metrics.transfer_moved(
@@ -385,7 +383,7 @@ class TransferEngine:
             handshaked=handshaked,
         )
 
-    async def _begin(
+    async def _move(
         self,
         req: TransferRequest,
         record: WorkerRecord,
@@ -394,28 +392,54 @@ class TransferEngine:
         *,
         retry: bool,
         transfer_id: str,
-    ) -> tuple[Prepared, TransferPlan, str] | None:
-        """Plan the transfer and announce it to the owner: the lists, the
-        plan and the owner's lease token; None when the owner reports a stale
-        generation and ``retry`` allows one more handshake."""
+    ) -> tuple[TransferPlan, float, float] | None:
+        """Plan the transfer, have the owner begin it and carry it out: the
+        plan and the post's and the wait's seconds; None when the owner
+        reports a stale generation and ``retry`` allows one more handshake.
+
+        With ``check_before_read`` off, a pull reads while the owner checks
+        its BeginTransfer, so the owner's round trip is not added to the
+        pull. Its caller hears DONE only once the owner said yes; a refused
+        pull fails, and what its read left in its destination blocks is
+        never reported loaded. A push writes the owner's memory, so it
+        always waits for the owner's answer first, as a pull does by default."""
         if req.expected_generation and req.expected_generation != hs.generation:
             raise RequestedGenerationGone(str(req.remote), req.expected_generation, hs.generation)
         # Ended however it ends: a refused or failed preparation too.
         with current().child("kvmap.plan") as planning:
             prepared, plan = await self._prepared_plan(record, hs, req, write)
             planning.set(descriptors=plan.descriptors, bytes=plan.bytes)
-        try:
-            # The whole transfer's time (it is bounded by its deadline anyway).
-            token = await self.peers.begin(
-                req.target, self._announcement(req, hs, plan, write, transfer_id), req.timeout_s
+        announcement = self._announcement(req, hs, plan, write, transfer_id)
+        # The whole transfer's time (it is bounded by its deadline anyway).
+        begin: Awaitable[str] = self.peers.begin(req.target, announcement, req.timeout_s)
+        moving = None
+        if not write and not self._config.check_before_read:
+            begin = asyncio.ensure_future(begin)  # sent first: the owner checks meanwhile
+            moving = asyncio.ensure_future(
+                self._posting.post_and_wait(prepared, plan, hs.agent_name, write)
             )
+        try:
+            token = await begin
         except BaseException as err:
+            if moving is not None:
+                await self._give_up(moving)
             await self._caches.done_with(prepared)
             if not isinstance(err, StaleGeneration) or not retry:
                 raise
             log.info("stale_remote_generation", generation=hs.generation)
             return None  # re-handshake once, then plan again
-        return prepared, plan, token
+        if moving is None:
+            moving = asyncio.ensure_future(
+                self._posting.post_and_wait(prepared, plan, hs.agent_name, write)
+            )
+        try:
+            xfers, post_s, done_s = await moving
+        except BaseException:
+            await self._caches.done_with(prepared)
+            await self.peers.end(req.target, token)
+            raise
+        self._finish_later(record, prepared, xfers, hs, token)
+        return plan, post_s, done_s
 
     async def _prepared_plan(
         self, record: WorkerRecord, hs: PeerHandshake, req: TransferRequest, write: bool
@@ -493,35 +517,31 @@ class TransferEngine:
             traceparent=current().traceparent(),
         )
 
-    async def _carry_out(
+    async def _give_up(self, moving: asyncio.Future[tuple[list[Xfer], float, float]]) -> None:
+        """A read the owner did not agree to: stopped (a wait stopped
+        releases what it posted), or released if it had already finished."""
+        moving.cancel()
+        await asyncio.wait({moving})
+        if moving.cancelled() or moving.exception() is not None:
+            return  # its error does not count: the owner's does
+        xfers, _, _ = moving.result()
+        await self._posting.release(xfers, None)
+
+    def _finish_later(
         self,
-        req: TransferRequest,
         record: WorkerRecord,
-        hs: PeerHandshake,
         prepared: Prepared,
-        plan: TransferPlan,
-        *,
+        xfers: list[Xfer],
+        hs: PeerHandshake,
         token: str,
-        write: bool,
-    ) -> tuple[float, float]:
-        """Post and wait; the owner is told by EndTransfer when the transfer
-        failed, and by NIXL notification once it is released (``_finish``)."""
-        try:
-            xfers, post_s, done_s = await self._posting.post_and_wait(
-                prepared, plan, hs.agent_name, write
-            )
-        except BaseException:
-            await self._caches.done_with(prepared)
-            await self.peers.end(req.target, token)
-            raise
-        # The bytes are in place: the caller hears DONE now. Releasing the
-        # handles and the owner's notification (one NIXL call, ~1 ms on a
-        # busy loop) follow off the reply's path.
+    ) -> None:
+        """The bytes are in place: the caller hears DONE now. Releasing the
+        handles and the owner's notification (one NIXL call, ~1 ms on a
+        busy loop) follow off the reply's path."""
         record.pin()  # the handles' memory stays registered until released
         finish = asyncio.ensure_future(self._finish(record, prepared, xfers, hs, token))
         self._finishing.add(finish)
         finish.add_done_callback(self._finishing.discard)
-        return post_s, done_s
 
     async def _finish(
         self,

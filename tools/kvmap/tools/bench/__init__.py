@@ -80,6 +80,7 @@ def main(argv: Sequence[str]) -> int:
     )
     p.add_argument("--memcpy-mib", type=int, default=256, help="memcpy buffer (default 256)")
     _add_new_series_args(p)
+    _add_daemon_args(p)
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return run(p.parse_args(argv))
 
@@ -132,12 +133,23 @@ def _add_new_series_args(p: argparse.ArgumentParser) -> None:
         default=3,
         help="samples of each restart figure (default 3; 0: skip)",
     )
+
+
+def _add_daemon_args(p: argparse.ArgumentParser) -> None:
+    """How the run's daemons (and raw NIXL's agents) are set up."""
     p.add_argument(
         "--nixl-threads",
         type=int,
         default=DEFAULT_NIXL_THREADS,
         help="UCX threads of every NIXL agent, the daemons' (--nixl-threads) and raw "
         f"NIXL's alike (default {DEFAULT_NIXL_THREADS}, the daemon's default)",
+    )
+    p.add_argument(
+        "--check-before-read",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the daemons' check_before_read (default: on, the daemon's default; "
+        "--no-check-before-read measures pulls that read while the owner checks)",
     )
 
 
@@ -184,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
         throughput_pulls=args.throughput_pulls,
         restart_rounds=args.restart_rounds,
         nixl_threads=args.nixl_threads,
+        check_before_read=args.check_before_read,
         progress=progress,
     )
     try:

@@ -85,7 +85,7 @@ def _start_pairs(
 ) -> list[PlannerRun]:
     """Every planner's daemons and bench workers, in ``opts.planners`` order."""
     t0 = time.perf_counter()
-    daemons = start_daemons(workdir, opts.planners, opts.nixl_threads)
+    daemons = start_daemons(workdir, opts.planners, opts.daemon_flags())
     runs = [PlannerRun(Pair(stack, p, daemons[p])) for p in opts.planners]
     opts.progress(f"{pp.profile.name}: {2 * len(runs)} daemons and workers up in "
                   f"{time.perf_counter() - t0:.1f}s")  # fmt: skip

@@ -44,7 +44,15 @@ class Options:
     # UCX threads of every agent: the daemons' and raw NIXL's (the same lists
     # posted the same way).
     nixl_threads: int = DEFAULT_NIXL_THREADS
+    # The daemons' check_before_read (False: pulls read while the owner
+    # checks their BeginTransfer).
+    check_before_read: bool = True
     progress: Callable[[str], None] = field(default=lambda line: None)
+
+    def daemon_flags(self) -> tuple[str, ...]:
+        """The flags every daemon of the run starts with, beyond its planner."""
+        flags = ("--nixl-threads", str(self.nixl_threads))
+        return flags if self.check_before_read else (*flags, "--no-check-before-read")
 
     def single_planner(self) -> str:
         """The planner of the series that run one planner only (the TP pod,

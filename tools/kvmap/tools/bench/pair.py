@@ -22,10 +22,10 @@ WORKER_TIMEOUT_S = 180.0
 
 
 def start_daemons(
-    workdir: Path, planners_: list[str], nixl_threads: int
+    workdir: Path, planners_: list[str], flags: tuple[str, ...]
 ) -> dict[str, tuple[DaemonProc, DaemonProc]]:
     """Start a prefill and a decode daemon per planner, all at once, each
-    agent with ``nixl_threads`` UCX threads."""
+    with ``flags`` (``Options.daemon_flags``)."""
     out: dict[tuple[str, str], DaemonProc] = {}
     errors: list[BaseException] = []
     lock = threading.Lock()
@@ -34,7 +34,7 @@ def start_daemons(
         try:
             d = start_daemon(
                 workdir / planner / side,
-                *("--planner", planner, "--nixl-threads", str(nixl_threads)),
+                *("--planner", planner, *flags),
                 name=side,
             )
         except BaseException as err:

@@ -43,7 +43,7 @@ def _measure(opts: Options, profile_name: str, workdir: Path) -> Tp8:
     planner = opts.single_planner()
     names = [f"tp{i}" for i in range(opts.tp8_workers)]
     with contextlib.ExitStack() as stack:
-        daemons = start_daemons(workdir, [planner], opts.nixl_threads)
+        daemons = start_daemons(workdir, [planner], opts.daemon_flags())
         pair = Pair(stack, planner, daemons[planner])
         cmds = [
             {

@@ -391,6 +391,9 @@ class BenchResult:
     # UCX threads of every agent of the run (daemons and raw NIXL alike);
     # None in results from before it was recorded.
     nixl_threads: int | None = None
+    # The daemons' check_before_read; None in results from before it was
+    # recorded (they checked first).
+    check_before_read: bool | None = None
 
     @property
     def verified(self) -> bool:

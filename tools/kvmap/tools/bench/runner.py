@@ -96,4 +96,5 @@ def run_bench(opts: Options) -> BenchResult:
         throughput=throughput,
         restart=restart,
         nixl_threads=opts.nixl_threads,
+        check_before_read=opts.check_before_read,
     )

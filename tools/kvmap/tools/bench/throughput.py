@@ -91,7 +91,7 @@ def _kvmap_rate(pp: ProfilePlan, request: Request, opts: Options, cores: set[int
         contextlib.ExitStack() as stack,
     ):
         with pinned(cores):
-            daemons = start_daemons(Path(tmp), [planner], opts.nixl_threads)
+            daemons = start_daemons(Path(tmp), [planner], opts.daemon_flags())
             pair = Pair(stack, planner, daemons[planner])
         for name in names:
             for side in ("prefill", "decode"):
