@@ -36,12 +36,25 @@ def measure_profile(pp: ProfilePlan, opts: Options) -> dict[str, PlannerResult]:
             raise RuntimeError(f"{pp.profile.name}: {err}{_log_tails(Path(tmp))}") from err
 
 
-def _log_tails(workdir: Path, n: int = 1500) -> str:
+# A daemon's log lines at these levels say where a failed run went wrong;
+# its tail is mostly the shutdown that followed.
+_NOTABLE = ('"level": "warning"', '"level": "error"', '"level": "critical"')
+
+
+def _log_tails(workdir: Path, n: int = 1500, notable: int = 30) -> str:
+    """Each log's warnings and errors (the last ``notable``), then its last
+    ``n`` characters: the temporary directory goes with the failure."""
     out = []
     for log in sorted(workdir.glob("*/*/*.log")):
         with contextlib.suppress(OSError):
-            out.append(f"\n--- {log.parent.parent.name}/{log.name} (last {n} chars) ---\n")
-            out.append(log.read_text(errors="replace")[-n:])
+            text = log.read_text(errors="replace")
+            name = f"{log.parent.parent.name}/{log.name}"
+            lines = [line for line in text.splitlines() if any(k in line for k in _NOTABLE)]
+            if lines:
+                out.append(f"\n--- {name} (warnings and errors, last {notable}) ---\n")
+                out.append("\n".join(lines[-notable:]) + "\n")
+            out.append(f"\n--- {name} (last {n} chars) ---\n")
+            out.append(text[-n:])
     return "".join(out)
 
 
