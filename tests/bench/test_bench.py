@@ -30,16 +30,23 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path
     args += ["--concurrency-mib", "16", "--tp8-profile", "tiny"]
     args += ["--throughput-profile", "tiny", "--throughput-ranks", "2", "--throughput-pulls", "3"]
     args += ["--restart-rounds", "1"]
+    return bench_json([*args, "--plot", str(png)], out), png
+
+
+def bench_json(args: list[str], cwd: Path) -> dict[str, Any]:
+    """``kvmapd bench ARGS`` (with ``--json``): its result, which must have
+    exited 0 (every pulled byte verified)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "kvmap.daemon.cli.kvmapd", "bench", *args, "--plot", str(png)],
+        [sys.executable, "-m", "kvmap.daemon.cli.kvmapd", "bench", *args],
         capture_output=True,
         text=True,
         timeout=240,
-        cwd=out,
+        cwd=cwd,
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads(proc.stdout), png
+    result: dict[str, Any] = json.loads(proc.stdout)
+    return result
 
 
 @pytest.mark.integration
@@ -360,16 +367,7 @@ def test_pulls_that_read_while_the_owner_checks_verify(tmp_path: Path) -> None:
     args = ["--profile", "tiny", "--planner", "coalesce", "--repeats", "2", "--json", "--quiet"]
     args += ["--memcpy-mib", "16", "--concurrency", "1,4", "--concurrency-mib", "16"]
     args += ["--tp8-profile", "none", "--throughput-profile", "none", "--restart-rounds", "0"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvmap.daemon.cli.kvmapd", "bench", *args, "--no-check-before-read"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=tmp_path,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    result = json.loads(proc.stdout)
+    result = bench_json([*args, "--no-check-before-read"], tmp_path)
     assert result["check_before_read"] is False
     coalesce = result["profiles"]["tiny"]["coalesce"]
     assert coalesce["verified"] and coalesce["bytes_verified"] > 0

@@ -21,6 +21,7 @@ import json
 import mmap
 import os
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,6 +213,37 @@ class ShmWorker:
         transfer group) of this worker for ``request_id`` (``open_uses``: its
         first claim fixes the count; ``unread_release``: the worker's word on
         a release declaring no readers)."""
+        return str(
+            self._granted(
+                request_id,
+                blocks,
+                ttl_ms=ttl_ms,
+                max_uses=max_uses,
+                open_uses=open_uses,
+                unread_release=unread_release,
+            ).capability
+        )
+
+    def expired_grant(self, request_id: str, blocks: Mapping[int, Sequence[int]]) -> str:
+        """A capability for ``blocks`` of ``request_id`` whose expiry, as the
+        daemon stated it, the wall clock has passed."""
+        resp = self._granted(request_id, blocks, ttl_ms=1)
+        while time.time_ns() // 1_000_000 <= resp.expires_unix_ms:
+            time.sleep(0.001)  # the wall clock passing the stated expiry, not synchronisation
+        return str(resp.capability)
+
+    def _granted(
+        self,
+        request_id: str,
+        blocks: Mapping[int, Sequence[int]],
+        *,
+        ttl_ms: int,
+        max_uses: int = 0,
+        open_uses: bool = False,
+        unread_release: registry_pb2.UnreadRelease.ValueType = (
+            registry_pb2.UNREAD_RELEASE_UNSPECIFIED
+        ),
+    ) -> registry_pb2.GrantTransferResponse:
         resp = self.live.registry.GrantTransfer(
             registry_pb2.GrantTransferRequest(
                 worker=self.worker_id,
@@ -228,7 +260,7 @@ class ShmWorker:
             timeout=CALL_TIMEOUT_S,
         )
         assert resp.unread_release == unread_release, "the grant must keep the worker's word"
-        return str(resp.capability)
+        return resp
 
     def grantable(self, groups: Sequence[dict[str, Any]]) -> dict[int, list[int]]:
         """The ``remote`` ids of ``groups`` this worker has, per group, each

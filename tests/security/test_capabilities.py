@@ -145,25 +145,15 @@ def test_an_expired_capability_is_failed_precondition(c: Cluster, events: Events
     """Pins the expiry: once the wall clock passes the expiry the daemon
     stated, its capability is FAILED_PRECONDITION and makes no lease."""
     before, leases = c.p.snapshot(), stats(c).leases
-    resp = c.p.registry.GrantTransfer(
-        registry_pb2.GrantTransferRequest(
-            worker=c.pw.worker_id,
-            request_id="req",
-            groups=[types_pb2.BlockGrant(transfer_group=0, block_ids=[1])],
-            ttl_ms=1,
-        ),
-        timeout=10,
-    )
-    while time.time_ns() // 1_000_000 <= resp.expires_unix_ms:
-        time.sleep(0.001)  # the wall clock passing the stated expiry, not synchronisation
-    code, details, _ = begin(c, resp.capability)
+    capability = c.pw.expired_grant("req", {0: [1]})
+    code, details, _ = begin(c, capability)
     assert code is Code.FAILED_PRECONDITION, details
     assert "expired" in details, details
     assert_unchanged(c, before, leases)
     # Through a decode daemon the expiry reaches the caller as it is: not
     # mistaken for a stale region map (which a new handshake would cure).
     spec = c.spec([{"group": 0, "local": [0], "remote": [1]}], request_id="req",
-                  capability=resp.capability)  # fmt: skip
+                  capability=capability)  # fmt: skip
     code, details = c.transfer(spec, write=False)
     assert code is Code.FAILED_PRECONDITION, details
     assert "expired" in details and "stale" not in details, details

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from security_support import Cluster, Code, expect_transfer, start_cluster
 
-from kvmap.v1 import admin_pb2, admin_pb2_grpc, registry_pb2, types_pb2
+from kvmap.v1 import admin_pb2, admin_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -33,22 +33,6 @@ def c(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 def leases(c: Cluster) -> int:
     stub = admin_pb2_grpc.AdminStub(c.p.unix)
     return int(stub.GetStats(admin_pb2.GetStatsRequest(), timeout=10).leases)
-
-
-def expired(c: Cluster) -> str:
-    """A capability for block 5 whose expiry has passed."""
-    resp = c.p.registry.GrantTransfer(
-        registry_pb2.GrantTransferRequest(
-            worker=c.pw.worker_id,
-            request_id="req",
-            groups=[types_pb2.BlockGrant(transfer_group=0, block_ids=[5])],
-            ttl_ms=1,
-        ),
-        timeout=10,
-    )
-    while time.time_ns() // 1_000_000 <= resp.expires_unix_ms:
-        time.sleep(0.001)  # the wall clock passing the stated expiry
-    return str(resp.capability)
 
 
 def accept_destination(c: Cluster, block: int) -> None:
@@ -73,7 +57,11 @@ REFUSED: dict[str, tuple[Callable[[Cluster], str], Code, str]] = {
         DENIED,
     ),
     "a made-up capability": (lambda c: "A" * 43, Code.PERMISSION_DENIED, DENIED),
-    "an expired capability": (expired, Code.FAILED_PRECONDITION, "expired"),
+    "an expired capability": (
+        lambda c: c.pw.expired_grant("req", {0: [5]}),
+        Code.FAILED_PRECONDITION,
+        "expired",
+    ),
 }
 
 
