@@ -51,9 +51,12 @@ class Owner(peer_pb2_grpc.PeerServicer):
     async def BeginTransferStream(  # noqa: N802  (the gRPC method's name)
         self, requests: AsyncIterator[peer_pb2.BeginTransferStreamRequest], context: Any
     ) -> AsyncIterator[peer_pb2.BeginTransferStreamResponse]:
-        if not self.stream:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
         self.streams += 1
+        if not self.stream:
+            # Once the first message is in: the caller's write cannot race
+            # the answer (gRPC's client would then report INTERNAL).
+            await anext(aiter(requests), None)
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
         async for request in requests:
             ids = [c.request_id for c in request.calls]
             self.messages.append(ids)
@@ -103,26 +106,30 @@ def _announcement(request_id: str) -> Announcement:
 Case = Callable[[Owner, PeerClient, str], Awaitable[None]]
 
 
-def run(case: Case, stream: bool = True) -> None:
-    """``case`` against an owner on 127.0.0.1 and the daemon's peer client."""
+def run(case: Case, stream: bool = True, listed: bool = True) -> None:
+    """``case`` against an owner on 127.0.0.1 (serving the stream or not)
+    and the daemon's peer client, told (as a handshake tells it) that the
+    owner serves the stream or not (``listed``)."""
 
     async def main() -> None:
-        async with _setup(stream) as (owner, client, target):
+        async with _setup(stream, listed) as (owner, client, target):
             await case(owner, client, target)
 
     asyncio.run(main())
 
 
 @contextlib.asynccontextmanager
-async def _setup(stream: bool) -> AsyncIterator[tuple[Owner, PeerClient, str]]:
+async def _setup(stream: bool, listed: bool) -> AsyncIterator[tuple[Owner, PeerClient, str]]:
     owner = Owner(stream)
     server = aio.server()
     peer_pb2_grpc.add_PeerServicer_to_server(owner, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     client = PeerClient(5.0)
+    target = f"127.0.0.1:{port}"
+    client._streams.learn(target, listed)
     try:
-        yield owner, client, f"127.0.0.1:{port}"
+        yield owner, client, target
     finally:
         await client.close()
         await server.stop(None)
@@ -217,20 +224,34 @@ def test_a_stream_that_fails_or_ends_fails_its_caller_and_the_next_call_opens_on
 
 
 def test_an_owner_without_the_stream_gets_rpcs_until_the_next_handshake() -> None:
-    """UNIMPLEMENTED (an owner before the stream): the call goes as a BeginTransfer
-    and so do later ones, without trying the stream again; a handshake with the
-    owner (it may have been upgraded) lets the next call try it once more."""
+    """An owner listed as serving the stream (its last handshake said so) that
+    answers UNIMPLEMENTED (replaced by an older release since): the call goes
+    as a BeginTransfer and so do later ones, without trying the stream again;
+    a handshake listing the stream again lets the next call try it once more."""
 
     async def case(owner: Owner, client: PeerClient, target: str) -> None:
         assert await _outcome(client, target, "one") == "token-one"
         assert await _outcome(client, target, "two") == "token-two"
-        assert owner.unary == ["one", "two"] and owner.messages == []
+        assert owner.unary == ["one", "two"] and owner.streams == 1
         assert not client._streams.supported(target)
-        client._streams.forget(target)
+        client._streams.learn(target, True)
         assert await _outcome(client, target, "three") == "token-three"
-        assert owner.unary == ["one", "two", "three"]
+        assert owner.unary == ["one", "two", "three"] and owner.streams == 2
 
     run(case, stream=False)
+
+
+def test_an_owner_whose_handshake_does_not_list_the_stream_gets_only_rpcs() -> None:
+    """An owner that does not list the stream in its handshake (a release
+    before it) is never sent one, even one that would serve it: every call
+    goes as a BeginTransfer RPC."""
+
+    async def case(owner: Owner, client: PeerClient, target: str) -> None:
+        assert await _outcome(client, target, "one") == "token-one"
+        assert await _outcome(client, target, "two") == "token-two"
+        assert owner.unary == ["one", "two"] and owner.streams == 0
+
+    run(case, listed=False)
 
 
 def test_a_write_that_fails_unexpectedly_fails_its_caller_at_once() -> None:

@@ -318,9 +318,8 @@ class PeerClient:
 
     async def handshake(self, target: str, worker: WorkerKey) -> PeerHandshake:
         req = peer_pb2.GetAgentMetadataRequest(worker=convert.worker_id_to_proto(worker))
-        # An upgraded owner may serve BeginTransfers and the stream now.
+        # An upgraded owner may serve BeginTransfers now.
         self._batches.forget(target)
-        self._streams.forget(target)
         stub = await self._stub(target)
         await self._connected(target)
         try:
@@ -331,6 +330,8 @@ class PeerClient:
             )
         except aio.AioRpcError as err:
             raise _peer_error(target, err) from None
+        # Its calls go on the stream only if it says it serves one.
+        self._streams.learn(target, peer_pb2.PEER_FEATURE_BEGIN_TRANSFER_STREAM in resp.features)
         try:
             return PeerHandshake(resp)
         except InvalidArgument as err:

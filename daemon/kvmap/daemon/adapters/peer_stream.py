@@ -13,10 +13,14 @@ pinning the owner's blocks until they expire.
 
 A stream that fails or ends fails every call still waiting on it (with the
 stream's status, or UNAVAILABLE where it ended without one: the owner
-stopped); the next call opens a new stream. An owner that does not serve
-the stream (UNIMPLEMENTED: a release before it) is remembered, and its
-calls go as BeginTransfer and BeginTransfers RPCs until the next handshake
-with it (``forget``).
+stopped); the next call opens a new stream. Calls go on a stream only to an
+owner whose last handshake listed ``PEER_FEATURE_BEGIN_TRANSFER_STREAM``
+(``learn``): an owner without the method may end the stream's first message
+with INTERNAL instead of UNIMPLEMENTED when the write races its answer
+(gRPC's client then reports its own failed write), and the call would fail
+for good. Every other owner gets BeginTransfer and BeginTransfers RPCs. An
+owner that listed it and then answers UNIMPLEMENTED (replaced by an older
+release since) gets RPCs until its next handshake.
 """
 
 from __future__ import annotations
@@ -66,15 +70,19 @@ class BeginStreams:
         self._open = open_stream
         self._end = end
         self._streams: dict[str, _Stream] = {}
-        self._unsupported: set[str] = set()
+        # Owners whose last handshake listed the stream.
+        self._served: set[str] = set()
 
     def supported(self, target: str) -> bool:
-        """Whether calls to ``target`` go on its stream (not known otherwise)."""
-        return target not in self._unsupported
+        """Whether calls to ``target`` go on its stream."""
+        return target in self._served
 
-    def forget(self, target: str) -> None:
-        """A new handshake with ``target``: it may serve the stream now."""
-        self._unsupported.discard(target)
+    def learn(self, target: str, served: bool) -> None:
+        """A handshake with ``target`` said whether it serves the stream."""
+        if served:
+            self._served.add(target)
+        else:
+            self._served.discard(target)
 
     async def send(self, target: str, request: Request, timeout_s: float) -> Answer:
         """The owner's answer to ``request`` (its results, one per call);
@@ -145,7 +153,7 @@ class BeginStreams:
             ended = err
             if err.code() is grpc.StatusCode.UNIMPLEMENTED:
                 log.info("peer_without_begin_stream", target=target[:256])
-                self._unsupported.add(target)
+                self._served.discard(target)
                 ended = StreamUnsupported(target)
         except asyncio.CancelledError:
             ended = Unavailable(f"remote daemon {target}: the stream was closed")

@@ -302,6 +302,11 @@ def tcp_service_names() -> tuple[str, ...]:
     return _names("kvmap.v1.RegionMaps", "kvmap.v1.Peer")
 
 
+# What this daemon's Peer service serves beyond every release's methods
+# (GetAgentMetadataResponse.features).
+PEER_FEATURES = (peer_pb2.PEER_FEATURE_BEGIN_TRANSFER_STREAM,)
+
+
 class PeerService(peer_pb2_grpc.PeerServicer):
     def __init__(self, app: DaemonApp) -> None:
         self.app = app
@@ -320,6 +325,7 @@ class PeerService(peer_pb2_grpc.PeerServicer):
             # Deprecated (region_map.generation), still sent for older callers.
             generation=record.generation,
             daemon_instance=self.app.instance,
+            features=PEER_FEATURES,
         )
 
     async def BeginTransfer(

@@ -7,6 +7,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from kvmap.v1 import types_pb2 as _types_pb2
 import builtins as _builtins
 import sys
@@ -23,6 +24,24 @@ else:
     from typing_extensions import deprecated as _deprecated
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _PeerFeature:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PeerFeatureEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PeerFeature.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PEER_FEATURE_UNSPECIFIED: _PeerFeature.ValueType  # 0
+    PEER_FEATURE_BEGIN_TRANSFER_STREAM: _PeerFeature.ValueType  # 1
+    """BeginTransferStream."""
+
+class PeerFeature(_PeerFeature, metaclass=_PeerFeatureEnumTypeWrapper):
+    """Peer methods a daemon serves that some releases do not."""
+
+PEER_FEATURE_UNSPECIFIED: PeerFeature.ValueType  # 0
+PEER_FEATURE_BEGIN_TRANSFER_STREAM: PeerFeature.ValueType  # 1
+"""BeginTransferStream."""
+Global___PeerFeature: _TypeAlias = PeerFeature  # noqa: Y015
 
 @_typing.final
 class GetAgentMetadataRequest(_message.Message):
@@ -53,6 +72,7 @@ class GetAgentMetadataResponse(_message.Message):
     REGION_MAP_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
     DAEMON_INSTANCE_FIELD_NUMBER: _builtins.int
+    FEATURES_FIELD_NUMBER: _builtins.int
     agent_name: _builtins.str
     agent_metadata: _builtins.bytes
     @_builtins.property
@@ -72,6 +92,15 @@ class GetAgentMetadataResponse(_message.Message):
     daemon_instance: _builtins.str
     @_builtins.property
     def region_map(self) -> _types_pb2.RegionMap: ...
+    @_builtins.property
+    def features(self) -> _containers.RepeatedScalarFieldContainer[Global___PeerFeature.ValueType]:
+        """What this daemon's Peer service serves beyond the methods of every
+        release: a caller uses BeginTransferStream only with an owner that
+        lists it here (an owner without it may end a stream's first message
+        with INTERNAL rather than UNIMPLEMENTED when the caller's write races
+        its answer).
+        """
+
     def __init__(
         self,
         *,
@@ -80,10 +109,11 @@ class GetAgentMetadataResponse(_message.Message):
         region_map: _types_pb2.RegionMap | None = ...,
         generation: _builtins.int = ...,
         daemon_instance: _builtins.str = ...,
+        features: _abc.Iterable[Global___PeerFeature.ValueType] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["region_map", b"region_map"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_metadata", b"agent_metadata", "agent_name", b"agent_name", "daemon_instance", b"daemon_instance", "generation", b"generation", "region_map", b"region_map"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_metadata", b"agent_metadata", "agent_name", b"agent_name", "daemon_instance", b"daemon_instance", "features", b"features", "generation", b"generation", "region_map", b"region_map"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
