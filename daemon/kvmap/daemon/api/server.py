@@ -161,6 +161,7 @@ class Daemon:
             planner=cfg.planner,
             agent=self.app.agent_name,
             nixl_threads=self.app.nixl_threads,
+            check_before_read=cfg.check_before_read,
         )
 
     async def _start_local_calls(self) -> None:
