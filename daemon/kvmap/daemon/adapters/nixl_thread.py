@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import queue
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
@@ -65,6 +67,11 @@ class NixlThread:
         self._due = 0.0  # time.monotonic() of the next pump pass
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        # The call or pump pass running now: (time.monotonic() it started,
+        # its name), (0.0, "") between them. One tuple, so that the event
+        # loop reads both halves of the same call (``tell_if_stuck``).
+        self._running: tuple[float, str] = (0.0, "")
+        self._told = 0.0  # the start of the call last logged as stuck
 
     def __call__(self, fn: Callable[[], T], /) -> Awaitable[T]:
         loop = asyncio.get_running_loop()
@@ -84,6 +91,25 @@ class NixlThread:
         """A pump pass as soon as the call now running (if any) returns."""
         self._started()
         self._jobs.put(_WAKE)
+
+    def tell_if_stuck(self, limit_s: float) -> None:
+        """From the event loop: a NIXL call (or progress pass) that has run
+        ``limit_s`` or more is logged once, with the NIXL thread's stack.
+        While it runs no other NIXL call and no progress pass does, so every
+        transfer of the daemon waits; the stack says in which NIXL call."""
+        started, name = self._running
+        if not started or started == self._told or time.monotonic() - started < limit_s:
+            return
+        self._told = started
+        thread = self._thread
+        frame = sys._current_frames().get(thread.ident) if thread and thread.ident else None
+        stack = "".join(traceback.format_stack(frame)[-6:]) if frame is not None else ""
+        log.warning(
+            "nixl_call_slow",
+            call=name,
+            after_s=round(time.monotonic() - started, 1),
+            stack=stack,
+        )
 
     def shutdown(self) -> None:
         """Finish the calls already queued, then end the thread."""
@@ -111,12 +137,16 @@ class NixlThread:
             if item is _STOP:
                 return
             if isinstance(item, _Job):
+                self._running = (time.monotonic(), _name(item.fn))
                 self._run(item)
+                self._running = (0.0, "")
             elif item is _WAKE:
                 self._due = 0.0
             pump = self._pump
             if pump is not None and time.monotonic() >= self._due:
+                self._running = (time.monotonic(), "progress pass")
                 self._due = time.monotonic() + self._pass(pump)
+                self._running = (0.0, "")
 
     def _next(self, jobs: queue.SimpleQueue[object]) -> object:
         """The next queued item; a plain pump turn when none came in time."""
@@ -148,3 +178,9 @@ class NixlThread:
         except Exception:
             log.exception("progress_pass_failed")
             return 0.01
+
+
+def _name(fn: Callable[[], Any]) -> str:
+    """What a queued call is, for a log line (``Posting.post_and_wait.<locals>.post``)."""
+    inner = getattr(fn, "func", fn)  # a functools.partial's function
+    return str(getattr(inner, "__qualname__", None) or type(inner).__name__)

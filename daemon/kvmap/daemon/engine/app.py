@@ -53,6 +53,10 @@ from kvmap.v1 import admin_pb2
 
 log = structlog.get_logger("kvmapd")
 
+# A NIXL call (or progress pass) running this long holds up every transfer
+# of the daemon: it is logged with the NIXL thread's stack (nixl_call_slow).
+NIXL_CALL_SLOW_S = 5.0
+
 
 @dataclass(frozen=True)
 class Adapters:
@@ -213,6 +217,7 @@ class DaemonApp:
             max_registered_bytes=self.config.max_registered_bytes,
         )
         self._spawn(self._expire_leases())
+        self._spawn(self._watch_nixl_thread())
         await self.lifecycle.restore(self.planner)
 
     def _wake_progress(self) -> None:
@@ -228,6 +233,11 @@ class DaemonApp:
         while True:
             await asyncio.sleep(0.5)
             self.owner.expire()
+
+    async def _watch_nixl_thread(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self.nixl.tell_if_stuck(NIXL_CALL_SLOW_S)
 
     def _transfers_in_flight(self) -> bool:
         return bool(self._engine and self._engine.busy) or len(self.leases) > 0
