@@ -88,12 +88,12 @@ class Progress:
         the next one."""
         with self._lock:
             watched = [(key, x) for key, (x, _) in self._watched.items()]
-        finished: dict[int, XferState] = {}
+        finished: dict[int, tuple[Xfer, XferState]] = {}
         now = time.monotonic()
         for key, x in watched:
             state = self._agent.poll(x)
             if state is not XferState.PROC:
-                finished[key] = state
+                finished[key] = (x, state)
             elif now - x.posted_at > SLOW_TRANSFER_S and key not in self._told_slow:
                 self._told_slow.add(key)
                 self._tell_slow(x, now)
@@ -132,12 +132,18 @@ class Progress:
             self._notif_failures = 0
         return notifs
 
-    def _deliver(self, finished: dict[int, XferState], notifs: Notifs) -> None:
-        """On the event loop: what a pass found."""
-        for key, state in finished.items():
+    def _deliver(self, finished: dict[int, tuple[Xfer, XferState]], notifs: Notifs) -> None:
+        """On the event loop: what a pass found. A transfer forgotten since
+        the pass (its waiter gave up) may have left its ``id`` to a new one
+        watched meanwhile: only the transfer the pass polled is handed over,
+        never the new one, which is still in flight."""
+        for key, (x, state) in finished.items():
             with self._lock:
-                entry = self._watched.pop(key, None)
-            if entry is not None and not entry[1].done():
+                entry = self._watched.get(key)
+                if entry is None or entry[0] is not x:
+                    continue
+                del self._watched[key]
+            if not entry[1].done():
                 entry[1].set_result(state)
         if notifs:
             self._on_notifs(notifs)
