@@ -173,7 +173,7 @@ def test_a_deadline_while_the_owner_checks_fails_the_pull_and_releases_its_read(
             a.peers.hold_begins(b.target)
             request = spec(wa, b, wb, [(0, 5)])
             request.timeout_ms = 300
-            with pytest.raises(DeadlineExceeded):
+            with pytest.raises(DeadlineExceeded, match="waiting for the owner's BeginTransfer"):
                 await collected(run_spec(a.app, request))
             assert c.network.posts == 1 and a.agent.in_flight == ()
             assert a.app.table.get(wa.key).pins == 0 and not a.app.engine.busy
@@ -208,6 +208,37 @@ def test_a_deadline_inside_the_post_still_releases_what_the_post_made() -> None:
                 await collected(run_spec(a.app, request))
             assert gate.is_set() and c.network.posts == 1
             assert agent.in_flight == () and a.app.table.get(wa.key).pins == 0
+            c.network.release_held()
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    ("held", "where"),
+    [
+        ("handshake", "waiting for the owner's handshake"),
+        ("answer", "waiting for the owner's BeginTransfer answer"),
+        ("nixl", "waiting for NIXL to complete it"),
+    ],
+)
+def test_a_pull_that_runs_out_of_time_says_where_it_waited(held: str, where: str) -> None:
+    """In the default order, a pull whose handshake, owner's answer or NIXL
+    transfer never comes ends DEADLINE_EXCEEDED naming that step, so a log
+    line or a failed load says where the time went."""
+
+    async def main() -> None:
+        async with cluster() as c:
+            a, wa, b, wb = await two(c, check_first=True)
+            if held == "handshake":
+                a.peers.hold(b.target)
+            elif held == "answer":
+                a.peers.hold_begins(b.target)
+            else:
+                c.network.hold()
+            request = spec(wa, b, wb, [(0, 5)])
+            request.timeout_ms = 300
+            with pytest.raises(DeadlineExceeded, match=rf"no completion in 0\.3s, {where}$"):
+                await collected(run_spec(a.app, request))
             c.network.release_held()
 
     run(main())

@@ -32,10 +32,13 @@ class Posting:
         plan: TransferPlan,
         remote_agent: str,
         write: bool,
+        stage: Callable[[str], None] = lambda now: None,
     ) -> tuple[list[Xfer], float, float]:
         """Post the plan's transfers and wait for them: the completed
         handles (the caller releases them), the post's and the wait's
-        seconds. Handles of a failed or cancelled wait are released here."""
+        seconds. Handles of a failed or cancelled wait are released here.
+        ``stage`` is told where it is (a transfer that runs out of time
+        says where it waited)."""
         op = XferOp.WRITE if write else XferOp.READ
 
         def post() -> tuple[list[Xfer], float]:
@@ -67,8 +70,10 @@ class Posting:
                 )
             return xfers, time.perf_counter() - start
 
+        stage("posting it on the NIXL thread")
         with current().child("kvmap.post", descriptors=plan.descriptors):
             xfers, post_s = await self._posted(self._nixl(post))
+        stage("waiting for NIXL to complete it")
         start = time.perf_counter()
         try:
             with current().child("kvmap.wait"):

@@ -24,6 +24,7 @@ is first re-handshaken at once, without waiting: the owner is up.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import secrets
 import time
@@ -82,6 +83,25 @@ MAX_LEASE_MS = 2**32 - 1
 # daemons and restarts without a urandom read per transfer.
 _TRANSFER_ID_PREFIX = secrets.token_hex(4)
 _transfer_ids = itertools.count(1)
+
+
+class Stage:
+    """Where a transfer is now, in words: a transfer that runs out of time
+    says where it waited ("no completion in 30.0s, waiting for NIXL to
+    complete it"). One per transfer, shared with the tasks it starts."""
+
+    __slots__ = ("now",)
+
+    def __init__(self) -> None:
+        self.now = "starting"
+
+    def set(self, now: str) -> None:
+        self.now = now
+
+
+# The running transfer's Stage (set by ``TransferEngine.run``; tasks it
+# starts inherit it).
+_STAGE: contextvars.ContextVar[Stage] = contextvars.ContextVar("kvmap_transfer_stage")
 
 
 def new_transfer_id() -> str:
@@ -195,6 +215,7 @@ class TransferEngine:
             or refresh
             or (req.expected_generation and req.expected_generation != hs.generation)
         ):
+            _STAGE.get(Stage()).set("waiting for the owner's handshake")
             hs = await self._handshaking.run(key, partial(self._handshake, key))
             return hs, True
         return hs, False
@@ -229,6 +250,8 @@ class TransferEngine:
         if span.trace_id():  # traced: the log lines name the trace too
             structlog.contextvars.bind_contextvars(trace_id=span.trace_id())
         record = self._table.get(req.local)
+        stage = Stage()
+        _STAGE.set(stage)
         record.pin()
         self.in_flight += 1
         self._metrics.transfers_in_flight.inc()
@@ -248,7 +271,9 @@ class TransferEngine:
             else:
                 self._counters.pulls_done += 1
         except TimeoutError:
-            late = DeadlineExceeded(f"transfer {req.request_id}: no completion in {req.timeout_s}s")
+            late = DeadlineExceeded(
+                f"transfer {req.request_id}: no completion in {req.timeout_s}s, {stage.now}"
+            )
             self._failed(direction, req.target, late, span)
             raise late from None
         except BaseException as err:
@@ -405,6 +430,8 @@ class TransferEngine:
         always waits for the owner's answer first, as a pull does by default."""
         if req.expected_generation and req.expected_generation != hs.generation:
             raise RequestedGenerationGone(str(req.remote), req.expected_generation, hs.generation)
+        stage = _STAGE.get(Stage())
+        stage.set("planning")
         # Ended however it ends: a refused or failed preparation too.
         with current().child("kvmap.plan") as planning:
             prepared, plan = await self._prepared_plan(record, hs, req, write)
@@ -418,6 +445,7 @@ class TransferEngine:
             moving = asyncio.ensure_future(
                 self._posting.post_and_wait(prepared, plan, hs.agent_name, write)
             )
+        stage.set("waiting for the owner's BeginTransfer answer")
         try:
             token = await begin
         except BaseException as err:
@@ -430,8 +458,10 @@ class TransferEngine:
             return None  # re-handshake once, then plan again
         if moving is None:
             moving = asyncio.ensure_future(
-                self._posting.post_and_wait(prepared, plan, hs.agent_name, write)
+                self._posting.post_and_wait(prepared, plan, hs.agent_name, write, stage.set)
             )
+        else:
+            stage.set("waiting for NIXL to complete it")
         try:
             xfers, post_s, done_s = await moving
         except BaseException:
@@ -485,6 +515,7 @@ class TransferEngine:
             transfer_id=transfer_id,
             traceparent=current().traceparent(),
         )
+        _STAGE.get(Stage()).set("waiting for the owner's answer to the release")
         await self.peers.release(req.target, notice, req.timeout_s)
         return TransferReport(Phase.DONE, "released")
 
