@@ -36,9 +36,8 @@ class Posting:
     ) -> tuple[list[Xfer], float, float]:
         """Post the plan's transfers and wait for them: the completed
         handles (the caller releases them), the post's and the wait's
-        seconds. Handles of a failed or cancelled wait are released here.
-        ``stage`` is told where it is (a transfer that runs out of time
-        says where it waited)."""
+        seconds (``stage`` hears which). Handles of a failed or cancelled
+        wait are released here."""
         op = XferOp.WRITE if write else XferOp.READ
 
         def post() -> tuple[list[Xfer], float]:

@@ -24,7 +24,6 @@ is first re-handshaken at once, without waiting: the owner is up.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import itertools
 import secrets
 import time
@@ -65,6 +64,7 @@ from kvmap.daemon.engine.pacing import Pacing, within
 from kvmap.daemon.engine.posting import Posting
 from kvmap.daemon.engine.prepared import HandshakeKey, Prepared, TransferCaches, side_memory
 from kvmap.daemon.engine.progress import Progress
+from kvmap.daemon.engine.stage import new_stage, stage
 from kvmap.daemon.engine.workers import WorkerRecord, WorkerTable
 from kvmap.tracing import NULL_SPAN, OFF, Span, Tracer, code_name, current, use
 from kvmap.v1 import admin_pb2
@@ -83,25 +83,6 @@ MAX_LEASE_MS = 2**32 - 1
 # daemons and restarts without a urandom read per transfer.
 _TRANSFER_ID_PREFIX = secrets.token_hex(4)
 _transfer_ids = itertools.count(1)
-
-
-class Stage:
-    """Where a transfer is now, in words: a transfer that runs out of time
-    says where it waited ("no completion in 30.0s, waiting for NIXL to
-    complete it"). One per transfer, shared with the tasks it starts."""
-
-    __slots__ = ("now",)
-
-    def __init__(self) -> None:
-        self.now = "starting"
-
-    def set(self, now: str) -> None:
-        self.now = now
-
-
-# The running transfer's Stage (set by ``TransferEngine.run``; tasks it
-# starts inherit it).
-_STAGE: contextvars.ContextVar[Stage] = contextvars.ContextVar("kvmap_transfer_stage")
 
 
 def new_transfer_id() -> str:
@@ -215,7 +196,7 @@ class TransferEngine:
             or refresh
             or (req.expected_generation and req.expected_generation != hs.generation)
         ):
-            _STAGE.get(Stage()).set("waiting for the owner's handshake")
+            stage().set("waiting for the owner's handshake")
             hs = await self._handshaking.run(key, partial(self._handshake, key))
             return hs, True
         return hs, False
@@ -250,8 +231,7 @@ class TransferEngine:
         if span.trace_id():  # traced: the log lines name the trace too
             structlog.contextvars.bind_contextvars(trace_id=span.trace_id())
         record = self._table.get(req.local)
-        stage = Stage()
-        _STAGE.set(stage)
+        where = new_stage()
         record.pin()
         self.in_flight += 1
         self._metrics.transfers_in_flight.inc()
@@ -261,18 +241,10 @@ class TransferEngine:
             attempts = self._retried(req, record, write, deadline, transfer_id)
             async for item in within(req.timeout_s, attempts):
                 yield item
-            seconds = time.perf_counter() - started
-            self._metrics.labelled(self._metrics.transfers, direction, "OK").inc()
-            self._metrics.transfer_ended(direction, req.target, "OK", seconds)
-            # Debug: one line per transfer would cost the hot path at info.
-            log.debug("transfer_done", direction=direction, seconds=round(seconds, 6))
-            if write:
-                self._counters.pushes_done += 1
-            else:
-                self._counters.pulls_done += 1
+            self._succeeded(direction, req.target, time.perf_counter() - started)
         except TimeoutError:
             late = DeadlineExceeded(
-                f"transfer {req.request_id}: no completion in {req.timeout_s}s, {stage.now}"
+                f"transfer {req.request_id}: no completion in {req.timeout_s}s, {where.now}"
             )
             self._failed(direction, req.target, late, span)
             raise late from None
@@ -285,6 +257,16 @@ class TransferEngine:
             self.in_flight -= 1
             self._metrics.transfers_in_flight.dec()
             record.unpin()
+
+    def _succeeded(self, direction: str, target: str, seconds: float) -> None:
+        self._metrics.labelled(self._metrics.transfers, direction, "OK").inc()
+        self._metrics.transfer_ended(direction, target, "OK", seconds)
+        # Debug: one line per transfer would cost the hot path at info.
+        log.debug("transfer_done", direction=direction, seconds=round(seconds, 6))
+        if direction == "push":
+            self._counters.pushes_done += 1
+        else:
+            self._counters.pulls_done += 1
 
     def _failed(self, direction: str, target: str, err: BaseException, span: Span) -> None:
         """Count a failed transfer, under the code its caller gets."""
@@ -421,17 +403,14 @@ class TransferEngine:
         """Plan the transfer, have the owner begin it and carry it out: the
         plan and the post's and the wait's seconds; None when the owner
         reports a stale generation and ``retry`` allows one more handshake.
-
         With ``check_before_read`` off, a pull reads while the owner checks
-        its BeginTransfer, so the owner's round trip is not added to the
-        pull. Its caller hears DONE only once the owner said yes; a refused
-        pull fails, and what its read left in its destination blocks is
-        never reported loaded. A push writes the owner's memory, so it
-        always waits for the owner's answer first, as a pull does by default."""
+        its BeginTransfer (not after it) and is DONE only once the owner said
+        yes; a refused pull fails, what its read left never reported loaded.
+        A push writes the owner's memory: it always waits for the answer."""
         if req.expected_generation and req.expected_generation != hs.generation:
             raise RequestedGenerationGone(str(req.remote), req.expected_generation, hs.generation)
-        stage = _STAGE.get(Stage())
-        stage.set("planning")
+        where = stage()
+        where.set("planning")
         # Ended however it ends: a refused or failed preparation too.
         with current().child("kvmap.plan") as planning:
             prepared, plan = await self._prepared_plan(record, hs, req, write)
@@ -445,7 +424,7 @@ class TransferEngine:
             moving = asyncio.ensure_future(
                 self._posting.post_and_wait(prepared, plan, hs.agent_name, write)
             )
-        stage.set("waiting for the owner's BeginTransfer answer")
+        where.set("waiting for the owner's BeginTransfer answer")
         try:
             token = await begin
         except BaseException as err:
@@ -458,10 +437,10 @@ class TransferEngine:
             return None  # re-handshake once, then plan again
         if moving is None:
             moving = asyncio.ensure_future(
-                self._posting.post_and_wait(prepared, plan, hs.agent_name, write, stage.set)
+                self._posting.post_and_wait(prepared, plan, hs.agent_name, write, where.set)
             )
         else:
-            stage.set("waiting for NIXL to complete it")
+            where.set("waiting for NIXL to complete it")
         try:
             xfers, post_s, done_s = await moving
         except BaseException:
@@ -515,7 +494,7 @@ class TransferEngine:
             transfer_id=transfer_id,
             traceparent=current().traceparent(),
         )
-        _STAGE.get(Stage()).set("waiting for the owner's answer to the release")
+        stage().set("waiting for the owner's answer to the release")
         await self.peers.release(req.target, notice, req.timeout_s)
         return TransferReport(Phase.DONE, "released")
 
