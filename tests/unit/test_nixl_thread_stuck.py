@@ -18,6 +18,11 @@ def held_in_nixl(gate: threading.Event) -> str:
     return "returned"
 
 
+def quick_call() -> int:
+    """A NIXL call that returns at once."""
+    return 2
+
+
 def test_a_call_that_holds_the_nixl_thread_is_logged_once_with_its_stack() -> None:
     """A call running past the limit is logged once (however often the loop
     asks), naming the call and showing the frame it is held in; a call that
@@ -31,14 +36,18 @@ def test_a_call_that_holds_the_nixl_thread_is_logged_once_with_its_stack() -> No
             with capture_logs() as logs:
                 nixl.tell_if_stuck(0.0)  # idle: nothing runs
                 call = asyncio.ensure_future(nixl(lambda: held_in_nixl(gate)))
-                await asyncio.sleep(0.3)
-                for _ in range(5):
+                for _ in range(500):  # until the held call has run 0.2 s
+                    nixl.tell_if_stuck(0.2)
+                    if logs:
+                        break
+                    await asyncio.sleep(0.01)
+                for _ in range(5):  # asked again: already told
                     nixl.tell_if_stuck(0.2)
                     await asyncio.sleep(0.02)
                 gate.set()
                 assert await call == "returned"
-                quick = await nixl(lambda: 2)
-                nixl.tell_if_stuck(0.2)
+                quick = await nixl(quick_call)
+                nixl.tell_if_stuck(0.0)  # a call that returned is not running
             slow = [e for e in logs if e["event"] == "nixl_call_slow"]
             assert quick == 2 and len(slow) == 1, logs
             assert "test_a_call_that_holds" in slow[0]["call"]

@@ -137,9 +137,7 @@ class NixlThread:
             if item is _STOP:
                 return
             if isinstance(item, _Job):
-                self._running = (time.monotonic(), _name(item.fn))
                 self._run(item)
-                self._running = (0.0, "")
             elif item is _WAKE:
                 self._due = 0.0
             pump = self._pump
@@ -158,16 +156,19 @@ class NixlThread:
         except queue.Empty:
             return None
 
-    @staticmethod
-    def _run(job: _Job) -> None:
+    def _run(self, job: _Job) -> None:
         if job.future.cancelled():
             return  # as an executor does: a call nobody awaits any more is not started
         result: Any = None
         error: BaseException | None = None
+        self._running = (time.monotonic(), _name(job.fn))
         try:
             result = job.fn()
         except BaseException as err:  # handed to the awaiting caller
             error = err
+        # Over before its caller hears of it: the loop never finds a call
+        # that has returned still running (tell_if_stuck).
+        self._running = (0.0, "")
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to tell
             job.loop.call_soon_threadsafe(_settle, job.future, result, error)
 
