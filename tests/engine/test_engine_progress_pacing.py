@@ -256,9 +256,10 @@ def test_a_transfer_nixl_does_not_complete_is_logged_once_as_slow(
 
 def test_a_pass_result_for_a_forgotten_transfer_never_finishes_the_one_now_watched() -> None:
     """A pass saw transfer A done; before its result reached the loop A was
-    forgotten (its waiter gave up) and B is watched under the same key (an
-    ``id`` Python may reuse). The result is A's, not B's: B's future stays
-    pending, still watched, and a later pass that sees B done finishes it."""
+    forgotten (its waiter gave up) and B is watched (it could have reused
+    A's ``id``, by which transfers were once filed). The result is A's, not
+    B's: B's future stays pending, still watched, and a later pass that sees
+    B done finishes it."""
 
     async def main() -> None:
         nixl = NixlThread()
@@ -267,10 +268,9 @@ def test_a_pass_result_for_a_forgotten_transfer_never_finishes_the_one_now_watch
             a, b = xfer(), xfer()
             b.state = XferState.PROC
             fut_b = p.watch(b)
-            # A pass's result for A filed under B's key, as after an id reuse.
-            p._deliver({id(b): (a, XferState.DONE)}, {})
-            assert not fut_b.done() and id(b) in p._watched
-            p._deliver({id(b): (b, XferState.DONE)}, {})
+            p._deliver({a: XferState.DONE}, {})  # A's result, A forgotten
+            assert not fut_b.done() and b in p._watched
+            p._deliver({b: XferState.DONE}, {})
             assert await asyncio.wait_for(fut_b, 5) is XferState.DONE
         finally:
             await p.stop()

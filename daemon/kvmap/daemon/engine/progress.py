@@ -45,13 +45,16 @@ class Progress:
         self._busy = busy
         # Read by the pump on the NIXL thread, changed on the event loop.
         self._lock = threading.Lock()
-        self._watched: dict[int, tuple[Xfer, asyncio.Future[XferState]]] = {}
+        # Keyed by the transfer itself (an Xfer compares by identity), never
+        # by its id(): a pass's results and the slow ones it told of hold
+        # their transfers, so a new transfer cannot take an old one's place.
+        self._watched: dict[Xfer, asyncio.Future[XferState]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         # Passes in a row whose notifications NIXL failed to give (NIXL
         # thread only): logged when a streak starts and when it ends.
         self._notif_failures = 0
         # Watched transfers already logged as slow (NIXL thread only).
-        self._told_slow: set[int] = set()
+        self._told_slow: set[Xfer] = set()
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -61,14 +64,14 @@ class Progress:
         self._nixl.set_pump(None)
         with self._lock:
             watched, self._watched = self._watched, {}
-        for _, fut in watched.values():
+        for fut in watched.values():
             if not fut.done():
                 fut.cancel()
 
     def watch(self, xfer: Xfer) -> asyncio.Future[XferState]:
         fut: asyncio.Future[XferState] = asyncio.get_running_loop().create_future()
         with self._lock:
-            self._watched[id(xfer)] = (xfer, fut)
+            self._watched[xfer] = fut
         self.wake()
         return fut
 
@@ -81,24 +84,24 @@ class Progress:
 
     def forget(self, xfer: Xfer) -> None:
         with self._lock:
-            self._watched.pop(id(xfer), None)
+            self._watched.pop(xfer, None)
 
     def _pass(self) -> float:
         """Runs on the NIXL thread: one progress pass; the seconds until
         the next one."""
         with self._lock:
-            watched = [(key, x) for key, (x, _) in self._watched.items()]
-        finished: dict[int, tuple[Xfer, XferState]] = {}
+            watched = list(self._watched)
+        finished: dict[Xfer, XferState] = {}
         now = time.monotonic()
-        for key, x in watched:
+        for x in watched:
             state = self._agent.poll(x)
             if state is not XferState.PROC:
-                finished[key] = (x, state)
-            elif now - x.posted_at > SLOW_TRANSFER_S and key not in self._told_slow:
-                self._told_slow.add(key)
+                finished[x] = state
+            elif now - x.posted_at > SLOW_TRANSFER_S and x not in self._told_slow:
+                self._told_slow.add(x)
                 self._tell_slow(x, now)
         if self._told_slow:  # only those still waited for
-            self._told_slow.intersection_update(k for k, _ in watched if k not in finished)
+            self._told_slow.intersection_update(x for x in watched if x not in finished)
         notifs = self._take_notifs()
         loop = self._loop
         if (finished or notifs) and loop is not None:
@@ -132,18 +135,13 @@ class Progress:
             self._notif_failures = 0
         return notifs
 
-    def _deliver(self, finished: dict[int, tuple[Xfer, XferState]], notifs: Notifs) -> None:
-        """On the event loop: what a pass found. A transfer forgotten since
-        the pass (its waiter gave up) may have left its ``id`` to a new one
-        watched meanwhile: only the transfer the pass polled is handed over,
-        never the new one, which is still in flight."""
-        for key, (x, state) in finished.items():
+    def _deliver(self, finished: dict[Xfer, XferState], notifs: Notifs) -> None:
+        """On the event loop: what a pass found (a transfer forgotten since,
+        its waiter gone, is skipped)."""
+        for x, state in finished.items():
             with self._lock:
-                entry = self._watched.get(key)
-                if entry is None or entry[0] is not x:
-                    continue
-                del self._watched[key]
-            if not entry[1].done():
-                entry[1].set_result(state)
+                fut = self._watched.pop(x, None)
+            if fut is not None and not fut.done():
+                fut.set_result(state)
         if notifs:
             self._on_notifs(notifs)
