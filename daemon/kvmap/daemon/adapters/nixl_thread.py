@@ -98,7 +98,8 @@ class NixlThread:
         While it runs no other NIXL call and no progress pass does, so every
         transfer of the daemon waits; the stack says in which NIXL call."""
         started, name = self._running
-        if not started or started == self._told or time.monotonic() - started < limit_s:
+        held_s = time.monotonic() - started
+        if not started or started == self._told or held_s < limit_s:
             return
         self._told = started
         thread = self._thread
@@ -107,7 +108,7 @@ class NixlThread:
         log.warning(
             "nixl_call_slow",
             call=name,
-            after_s=round(time.monotonic() - started, 1),
+            after_s=round(held_s, 1),
             stack=stack,
         )
 

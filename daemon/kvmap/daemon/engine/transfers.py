@@ -435,14 +435,13 @@ class TransferEngine:
                 raise
             log.info("stale_remote_generation", generation=hs.generation)
             return None  # re-handshake once, then plan again
-        if moving is None:
-            moving = asyncio.ensure_future(
-                self._posting.post_and_wait(prepared, plan, hs.agent_name, write, where.set)
-            )
-        else:
-            where.set("waiting for NIXL to complete it")
         try:
-            xfers, post_s, done_s = await moving
+            if moving is None:  # in order: no task of its own needed
+                post = self._posting.post_and_wait(prepared, plan, hs.agent_name, write, where.set)
+                xfers, post_s, done_s = await post
+            else:
+                where.set("waiting for NIXL to complete it")
+                xfers, post_s, done_s = await moving
         except BaseException:
             await self._caches.done_with(prepared)
             await self.peers.end(req.target, token)
