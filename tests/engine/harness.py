@@ -444,6 +444,25 @@ class Cluster:
             shutil.rmtree(d, ignore_errors=True)
 
 
+async def two(
+    c: Cluster,
+    *,
+    pacing: Pacing | None = None,
+    decode_seed: int = 5,
+    owner: dict[str, Any] | None = None,
+    **decode_config: float,
+) -> tuple[Node, Worker, Node, Worker]:
+    """Daemon a (``decode_config``, retrying on ``pacing``) with decode
+    worker wa (filled from ``decode_seed``; 0: zeros), daemon b (``owner``'s
+    config) with prefill worker wb (seed 3), both registered."""
+    a = await c.node("a", pacing=pacing, **decode_config)
+    b = await c.node("b", **(owner or {}))
+    wa, wb = c.worker("decode", seed=decode_seed), c.worker("prefill", seed=3)
+    await a.register(wa)
+    await b.register(wb)
+    return a, wa, b, wb
+
+
 @asynccontextmanager
 async def cluster() -> AsyncIterator[Cluster]:
     c = Cluster()

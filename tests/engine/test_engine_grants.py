@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 from harness import (
     HARNESS_PEER,
-    Cluster,
     Node,
     Worker,
     begin_transfer,
@@ -22,6 +21,7 @@ from harness import (
     next_event,
     run,
     spec,
+    two,
 )
 
 from kvmap.core.errors import PermissionDenied
@@ -29,14 +29,6 @@ from kvmap.daemon.engine.leases import notification
 from kvmap.v1 import peer_pb2, transfers_pb2
 
 pytestmark = pytest.mark.timeout(60)
-
-
-async def two(c: Cluster) -> tuple[Node, Worker, Node, Worker]:
-    a, b = await c.node("a"), await c.node("b")
-    wa, wb = c.worker("decode"), c.worker("prefill", seed=3)
-    await a.register(wa)
-    await b.register(wb)
-    return a, wa, b, wb
 
 
 def announce(
@@ -62,7 +54,7 @@ def test_a_spec_without_capability_is_refused_before_any_peer_is_dialled() -> No
 
     async def main() -> None:
         async with cluster() as c:
-            a, wa, b, wb = await two(c)
+            a, wa, b, wb = await two(c, decode_seed=0)
             with pytest.raises(PermissionDenied):
                 await a.transfer(spec(wa, b, wb, [(0, 1)], capability=""))
             assert a.peers.begun == [] and a.app.engine.remote_agent_count == 0
@@ -77,7 +69,7 @@ def test_a_completed_pull_consumes_the_capability() -> None:
 
     async def main() -> None:
         async with cluster() as c:
-            a, wa, b, wb = await two(c)
+            a, wa, b, wb = await two(c, decode_seed=0)
             s = spec(wa, b, wb, [(0, 1)])
             await a.transfer(s)
             assert wa.block(0) == wb.block(1) and len(b.app.grants) == 0
@@ -97,7 +89,7 @@ def test_only_the_lease_holders_notification_frees_the_request() -> None:
 
     async def main() -> None:
         async with cluster() as c:
-            a, wa, b, wb = await two(c)
+            a, wa, b, wb = await two(c, decode_seed=0)
             net = a.agent.network
             net.hold()
             events = b.app.table.subscribe(wb.key)
@@ -124,7 +116,7 @@ def test_a_claim_excludes_other_agents_until_released() -> None:
 
     async def main() -> None:
         async with cluster() as c:
-            _, _, b, wb = await two(c)
+            _, _, b, wb = await two(c, decode_seed=0)
             cap = b.grant(wb, "r", {0: [1, 2]})
             first = begin_transfer(b.app, announce(b, wb, cap, peer="agent-x", blocks=[1]))
             with pytest.raises(PermissionDenied):
@@ -148,7 +140,7 @@ def test_the_capability_binds_request_blocks_and_worker() -> None:
 
     async def main() -> None:
         async with cluster() as c:
-            _, _, b, wb = await two(c)
+            _, _, b, wb = await two(c, decode_seed=0)
             other = c.worker("other", seed=5)
             await b.register(other)
             cap = b.grant(wb, "r", {0: [1, 2]})
@@ -176,7 +168,7 @@ def test_replan_keeps_grants_and_reregistration_drops_them() -> None:
 
     async def main() -> None:
         async with cluster() as c:
-            a, wa, b, wb = await two(c)
+            a, wa, b, wb = await two(c, decode_seed=0)
             before = spec(wa, b, wb, [(0, 1)], request_id="before-replan")
             await b.app.replan("coalesce")
             assert b.app.table.get(wb.key).generation == 2
@@ -201,7 +193,7 @@ def test_a_grant_made_before_a_replan_admits_its_pull_while_the_old_plan_retires
 
     async def main() -> None:
         async with cluster() as c:
-            a, wa, b, wb = await two(c)
+            a, wa, b, wb = await two(c, decode_seed=0)
             before = spec(wa, b, wb, [(0, 1)], request_id="before-replan")
             old = b.app.table.get(wb.key)
             old.pin()  # a transfer still reading the old plan: the re-plan waits for it

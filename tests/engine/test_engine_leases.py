@@ -10,19 +10,11 @@ import math
 from typing import Literal
 
 import pytest
-from harness import Cluster, Node, Worker, cluster, next_event, run, run_spec, spec
+from harness import Node, cluster, next_event, run, run_spec, spec, two
 
 from kvmap.v1 import registry_pb2, transfers_pb2
 
 pytestmark = pytest.mark.timeout(60)
-
-
-async def two(c: Cluster) -> tuple[Node, Worker, Node, Worker]:
-    a, b = await c.node("a"), await c.node("b")
-    wa, wb = c.worker("decode"), c.worker("prefill", seed=3)
-    await a.register(wa)
-    await b.register(wb)
-    return a, wa, b, wb
 
 
 class WatchedEvent(asyncio.Event):
@@ -49,7 +41,7 @@ def test_notification_ends_the_lease_and_is_persisted_for_the_worker() -> None:
 
     async def main() -> None:
         async with cluster() as c:
-            a, wa, b, wb = await two(c)
+            a, wa, b, wb = await two(c, decode_seed=0)
             net = a.agent.network
             net.hold()
             pull = asyncio.create_task(a.transfer(spec(wa, b, wb, [(0, 1)])))
@@ -76,7 +68,7 @@ def test_expired_lease_unpins_and_its_late_notification_is_ignored() -> None:
 
     async def main() -> None:
         async with cluster() as c:
-            a, wa, b, wb = await two(c)
+            a, wa, b, wb = await two(c, decode_seed=0)
             net = a.agent.network
             net.hold()
             events = b.app.table.subscribe(wb.key)
@@ -100,7 +92,7 @@ def test_deregistration_waits_for_the_transfer_pinning_the_worker() -> None:
 
     async def main() -> None:
         async with cluster() as c:
-            a, wa, b, wb = await two(c)
+            a, wa, b, wb = await two(c, decode_seed=0)
             net = a.agent.network
             net.hold()
             pull = asyncio.create_task(a.transfer(spec(wa, b, wb, [(0, 4)])))

@@ -8,11 +8,9 @@ worker hears like a finished pull, with the grant's count."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 from harness import (
-    Cluster,
     Node,
     Worker,
     begin_transfer,
@@ -22,6 +20,7 @@ from harness import (
     run,
     run_spec,
     spec,
+    two,
 )
 
 from kvmap.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied
@@ -32,15 +31,6 @@ from kvmap.v1 import peer_pb2, registry_pb2, transfers_pb2
 
 pytestmark = pytest.mark.timeout(60)
 DONE = transfers_pb2.TRANSFER_STATE_DONE
-
-
-async def two(c: Cluster, state: Any = None) -> tuple[Node, Worker, Node, Worker]:
-    a = await c.node("a")
-    b = await c.node("b", state_dir=state) if state else await c.node("b")
-    wa, wb = c.worker("decode"), c.worker("prefill", seed=3)
-    await a.register(wa)
-    await b.register(wb)
-    return a, wa, b, wb
 
 
 def pull(
@@ -83,7 +73,7 @@ def test_the_first_claim_fixes_an_open_grant_and_another_count_is_refused() -> N
 
     async def main() -> None:
         async with cluster() as c:
-            a, wa, b, wb = await two(c)
+            a, wa, b, wb = await two(c, decode_seed=0)
             cap = b.grant(wb, "req-1", {0: [1]}, open_uses=True)
             assert uses(b) == [(0, 0)]
             events = b.app.table.subscribe(wb.key)
@@ -108,7 +98,7 @@ def test_an_open_grant_claimed_without_a_count_admits_one_pull() -> None:
 
     async def main() -> None:
         async with cluster() as c:
-            a, wa, b, wb = await two(c)
+            a, wa, b, wb = await two(c, decode_seed=0)
             cap = b.grant(wb, "req-1", {0: [1]}, open_uses=True)
             events = b.app.table.subscribe(wb.key)
             await a.transfer(pull(wa, b, wb, cap, 0))
@@ -126,7 +116,7 @@ def test_a_fixed_grant_refuses_another_declared_count() -> None:
 
     async def main() -> None:
         async with cluster() as c:
-            a, wa, b, wb = await two(c)
+            a, wa, b, wb = await two(c, decode_seed=0)
             cap = b.grant(wb, "req-1", {0: [1]}, max_uses=2)
             with pytest.raises(FailedPrecondition, match="admits 2 readers; the caller declared 1"):
                 await a.transfer(pull(wa, b, wb, cap, 1))
@@ -144,7 +134,7 @@ def test_open_uses_and_readers_are_bounded() -> None:
 
     async def main() -> None:
         async with cluster() as c:
-            a, wa, b, wb = await two(c)
+            a, wa, b, wb = await two(c, decode_seed=0)
             with pytest.raises(InvalidArgument, match="must be 0 for an open grant"):
                 b.grant(wb, "req-1", {0: [1]}, max_uses=2, open_uses=True)
             cap = b.grant(wb, "req-1", {0: [1]}, open_uses=True)
@@ -170,7 +160,7 @@ def test_a_fixed_count_survives_an_owner_restart(tmp_path: Path) -> None:
     async def main() -> None:
         async with cluster() as c:
             state = str(tmp_path / "b")
-            a, wa, b, wb = await two(c, state)
+            a, wa, b, wb = await two(c, decode_seed=0, owner={"state_dir": state})
             cap = b.grant(wb, "req-1", {0: [1]}, open_uses=True)
             await a.transfer(pull(wa, b, wb, cap, 2))
             c.crash(b)
@@ -191,7 +181,7 @@ def test_a_release_spends_one_use_and_a_replay_is_refused() -> None:
 
     async def main() -> None:
         async with cluster() as c:
-            a, wa, b, wb = await two(c)
+            a, wa, b, wb = await two(c, decode_seed=0)
             cap = b.grant(wb, "req-1", {0: [1]}, open_uses=True)
             events = b.app.table.subscribe(wb.key)
             before = wa.block(0)
@@ -217,7 +207,7 @@ def test_a_release_request_spends_a_use_as_the_old_flag_does() -> None:
 
     async def main() -> None:
         async with cluster() as c:
-            a, wa, b, wb = await two(c)
+            a, wa, b, wb = await two(c, decode_seed=0)
             cap = b.grant(wb, "req-1", {0: [1]}, open_uses=True)
             events = b.app.table.subscribe(wb.key)
             before = wa.block(0)
@@ -276,7 +266,7 @@ def test_a_release_without_the_capability_changes_nothing(case: str) -> None:
 
     async def main() -> None:
         async with cluster() as c:
-            _, _, b, wb = await two(c)
+            _, _, b, wb = await two(c, decode_seed=0)
             cap = b.grant(wb, "req-1", {0: [1]}, open_uses=True)
             events = b.app.table.subscribe(wb.key)
             req = peer_pb2.BeginTransferRequest(
@@ -304,7 +294,7 @@ def test_an_expired_grant_refuses_a_release() -> None:
 
     async def main() -> None:
         async with cluster() as c:
-            _, _, b, wb = await two(c)
+            _, _, b, wb = await two(c, decode_seed=0)
             cap = b.grant(wb, "req-1", {0: [1]}, open_uses=True)
             grant = b.app.grants.find(cap)
             b.app.grants._clock = lambda: grant.expires_unix_ms  # its last moment passed

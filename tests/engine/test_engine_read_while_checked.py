@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from harness import Cluster, Node, Worker, cluster, run, run_spec, spec
+from harness import cluster, run, run_spec, spec, two
 
 from kvmap.core.errors import DeadlineExceeded, PermissionDenied
 from kvmap.v1 import transfers_pb2
@@ -21,16 +21,6 @@ from kvmap.v1 import transfers_pb2
 pytestmark = pytest.mark.timeout(60)
 
 DONE = transfers_pb2.TRANSFER_STATE_DONE
-
-
-async def two(c: Cluster, *, check_first: bool = False) -> tuple[Node, Worker, Node, Worker]:
-    """Decode daemon a with worker wa (reading while the owner checks unless
-    ``check_first``), owner b with worker wb."""
-    a, b = await c.node("a", check_before_read=check_first), await c.node("b")
-    wa, wb = c.worker("decode", seed=5), c.worker("prefill", seed=3)
-    await a.register(wa)
-    await b.register(wb)
-    return a, wa, b, wb
 
 
 async def until(condition: Callable[[], bool], seconds: float = 10.0) -> None:
@@ -53,7 +43,7 @@ def test_a_pull_reads_while_the_owner_checks_and_is_done_only_once_it_agrees() -
 
     async def main() -> None:
         async with cluster() as c:
-            a, wa, b, wb = await two(c)
+            a, wa, b, wb = await two(c, check_before_read=False)
             answer = a.peers.hold_begins(b.target)
             pull = asyncio.ensure_future(collected(run_spec(a.app, spec(wa, b, wb, [(0, 5)]))))
             await until(lambda: wa.block(0) == wb.block(5))
@@ -75,7 +65,7 @@ def test_by_default_nothing_moves_until_the_owner_agrees() -> None:
 
     async def main() -> None:
         async with cluster() as c:
-            a, wa, b, wb = await two(c, check_first=True)
+            a, wa, b, wb = await two(c, check_before_read=True)
             before = wa.block(0)
             answer = a.peers.hold_begins(b.target)
             pull = asyncio.ensure_future(collected(run_spec(a.app, spec(wa, b, wb, [(0, 5)]))))
@@ -95,7 +85,7 @@ def test_a_push_never_writes_the_owner_before_it_agrees() -> None:
 
     async def main() -> None:
         async with cluster() as c:
-            a, wa, b, wb = await two(c)
+            a, wa, b, wb = await two(c, check_before_read=False)
             before = wb.block(2)
             answer = a.peers.hold_begins(b.target)
             push = asyncio.ensure_future(
@@ -119,7 +109,7 @@ def test_a_pull_refused_after_its_read_fails_and_leaves_nothing_behind() -> None
 
     async def main() -> None:
         async with cluster() as c:
-            a, wa, b, wb = await two(c)
+            a, wa, b, wb = await two(c, check_before_read=False)
             other = b.grant(wb, "req-1", {0: [6]})
             answer = a.peers.hold_begins(b.target)
             statuses: list[transfers_pb2.TransferStatus] = []
@@ -147,7 +137,7 @@ def test_a_refused_pull_does_not_wait_for_a_read_still_in_flight() -> None:
 
     async def main() -> None:
         async with cluster() as c:
-            a, wa, b, wb = await two(c)
+            a, wa, b, wb = await two(c, check_before_read=False)
             other = b.grant(wb, "req-1", {0: [6]})
             c.network.hold()
             request = spec(wa, b, wb, [(0, 5)], capability=other)
@@ -169,7 +159,7 @@ def test_a_deadline_while_the_owner_checks_fails_the_pull_and_releases_its_read(
 
     async def main() -> None:
         async with cluster() as c:
-            a, wa, b, wb = await two(c)
+            a, wa, b, wb = await two(c, check_before_read=False)
             a.peers.hold_begins(b.target)
             request = spec(wa, b, wb, [(0, 5)])
             request.timeout_ms = 300
@@ -189,7 +179,7 @@ def test_a_deadline_inside_the_post_still_releases_what_the_post_made() -> None:
 
     async def main() -> None:
         async with cluster() as c:
-            a, wa, b, wb = await two(c)
+            a, wa, b, wb = await two(c, check_before_read=False)
             gate = threading.Event()
             agent = a.agent
             for name in ("post_descs", "post_prepped"):
@@ -228,7 +218,7 @@ def test_a_pull_that_runs_out_of_time_says_where_it_waited(held: str, where: str
 
     async def main() -> None:
         async with cluster() as c:
-            a, wa, b, wb = await two(c, check_first=True)
+            a, wa, b, wb = await two(c, check_before_read=True)
             if held == "handshake":
                 a.peers.hold(b.target)
             elif held == "answer":

@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
-from harness import BLOCKS, SIZE, Cluster, Node, Worker, cluster, run, run_spec, spec
+from harness import BLOCKS, SIZE, Node, cluster, run, run_spec, spec, two
 
 from kvmap.core.errors import InvalidArgument, ResourceExhausted, Unavailable
 from kvmap.core.retry import RetryPolicy
@@ -21,16 +21,6 @@ pytestmark = pytest.mark.timeout(60)
 
 DONE = transfers_pb2.TRANSFER_STATE_DONE
 HANDSHAKING = transfers_pb2.TRANSFER_STATE_HANDSHAKING
-
-
-async def two(
-    c: Cluster, pacing: transfers.Pacing | None = None
-) -> tuple[Node, Worker, Node, Worker]:
-    a, b = await c.node("a", pacing=pacing), await c.node("b")
-    wa, wb = c.worker("decode", seed=5), c.worker("prefill", seed=3)
-    await a.register(wa)
-    await b.register(wb)
-    return a, wa, b, wb
 
 
 async def drain(it: AsyncIterator[transfers_pb2.TransferStatus]) -> list[int]:
@@ -121,7 +111,7 @@ def test_a_failed_handshake_is_shared_but_not_kept() -> None:
 
     async def main() -> None:
         async with cluster() as c:
-            a, wa, b, wb = await two(c, no_time_to_retry)
+            a, wa, b, wb = await two(c, pacing=no_time_to_retry)
             release = a.peers.hold("late:1")
             failing = [
                 pull_to(a, spec(wa, b, wb, [(i, i)], request_id=f"f{i}"), "late:1")

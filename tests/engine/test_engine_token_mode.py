@@ -5,7 +5,7 @@ token-mode input is INVALID_ARGUMENT before any peer is asked."""
 from __future__ import annotations
 
 import pytest
-from harness import BLOCKS, PAGE, Cluster, Node, Worker, cluster, run, spec
+from harness import BLOCKS, PAGE, Node, Worker, cluster, run, spec, two
 
 from kvmap.core.errors import InvalidArgument
 from kvmap.v1 import transfers_pb2
@@ -14,14 +14,6 @@ pytestmark = pytest.mark.timeout(60)
 
 TOKENS_PER_BLOCK = 16  # the harness registers block_size_tokens=16
 TOKEN = PAGE // TOKENS_PER_BLOCK  # an MLA page holds one latent per token
-
-
-async def two(c: Cluster) -> tuple[Node, Worker, Node, Worker]:
-    a, b = await c.node("a"), await c.node("b")
-    wa, wb = c.worker("decode", seed=5), c.worker("prefill", seed=3)
-    await a.register(wa)
-    await b.register(wb)
-    return a, wa, b, wb
 
 
 def token_spec(

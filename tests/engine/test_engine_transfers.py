@@ -11,8 +11,6 @@ import pytest
 from harness import (
     BLOCKS,
     ROW,
-    Cluster,
-    Node,
     VirtualClock,
     Worker,
     cluster,
@@ -20,26 +18,16 @@ from harness import (
     run,
     run_spec,
     spec,
+    two,
 )
 
 from kvmap.core.errors import DeadlineExceeded, NotFound, StaleGeneration, Unavailable
-from kvmap.daemon.engine.transfers import Pacing
 from kvmap.v1 import registry_pb2, transfers_pb2
 
 pytestmark = pytest.mark.timeout(60)
 
 DONE = transfers_pb2.TRANSFER_STATE_DONE
 HANDSHAKING = transfers_pb2.TRANSFER_STATE_HANDSHAKING
-
-
-async def two(c: Cluster, pacing: Pacing | None = None) -> tuple[Node, Worker, Node, Worker]:
-    """Daemon a (retrying on ``pacing``) with decode worker wa (seed 5), daemon
-    b with prefill worker wb (seed 3)."""
-    a, b = await c.node("a", pacing=pacing), await c.node("b")
-    wa, wb = c.worker("decode", seed=5), c.worker("prefill", seed=3)
-    await a.register(wa)
-    await b.register(wb)
-    return a, wa, b, wb
 
 
 def test_a_deadline_past_the_lease_field_still_pulls() -> None:
@@ -297,7 +285,7 @@ def test_remote_that_died_in_flight_fails_and_ends_the_lease() -> None:
     async def main() -> None:
         async with cluster() as c:
             clock = VirtualClock()
-            a, wa, b, wb = await two(c, clock.pacing())
+            a, wa, b, wb = await two(c, pacing=clock.pacing())
             net = a.agent.network
             net.hold()
             pull = asyncio.create_task(a.transfer(spec(wa, b, wb, [(0, 1)])))
