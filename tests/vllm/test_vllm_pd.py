@@ -12,7 +12,6 @@ the pulled blocks (the decode side loaded rather than recomputed).
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,12 +19,14 @@ from typing import Any
 
 import pytest
 from vllm_harness import (
+    PD_MAX_TOKENS,
     EngineProc,
     blocks_of,
     build_model,
     generate,
     kvmap_args,
     load_of,
+    pd_prompts,
     prefill_outputs,
     print_timings,
     served_stats,
@@ -38,9 +39,7 @@ from kvmap.v1 import admin_pb2
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]
 
-MAX_TOKENS = 12
-# One whole block, many whole blocks, a partial last block, less than a block.
-PROMPT_LENGTHS = {"one-block": 32, "many-blocks": 160, "partial-last": 77, "short": 9}
+MAX_TOKENS = PD_MAX_TOKENS
 
 
 @dataclass
@@ -69,11 +68,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     t0 = time.monotonic()
     tmp = tmp_path_factory.mktemp("vllm-pd")
     model = build_model(tmp)
-    rng = random.Random(4)
-    prompts = {k: [rng.randrange(3, 1000) for _ in range(n)] for k, n in PROMPT_LENGTHS.items()}
+    prompts, spare = pd_prompts()
     names = list(prompts)
-    # For a later test: a prompt the decode engine has not seen (no prefix hit).
-    spare = [rng.randrange(3, 1000) for _ in range(100)]
     timings: dict[str, float] = {"build_model_s": time.monotonic() - t0}
 
     # The single engine without the connector, first and alone (2 cores).

@@ -8,14 +8,15 @@ notification of a pull it agreed to)."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 from vllm_harness import (
+    PD_MAX_TOKENS,
     build_model,
     kvmap_args,
     kvmapd_pair,
+    pd_prompts,
     run_pd,
     served_stats,
     single_engine,
@@ -24,20 +25,14 @@ from vllm_harness import (
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]
 
-# test_vllm_pd's prompts and length, so the single engine's golden output
-# is the one recorded for it.
-MAX_TOKENS = 12
-PROMPT_LENGTHS = {"one-block": 32, "many-blocks": 160, "partial-last": 77, "short": 9}
-
 
 def test_pd_with_reads_while_the_owner_checks_loads_every_prompt(tmp_path: Path) -> None:
     """Every prompt loads and decodes to the single engine's tokens."""
     model = build_model(tmp_path)
-    rng = random.Random(4)
-    prompts = {k: [rng.randrange(3, 1000) for _ in range(n)] for k, n in PROMPT_LENGTHS.items()}
-    spare = [rng.randrange(3, 1000) for _ in range(100)]
+    # test_vllm_pd's prompts: the single engine's output is recorded for them.
+    prompts, spare = pd_prompts()
     names = list(prompts)
-    outs = single_engine(tmp_path, model, [*(prompts[k] for k in names), spare], MAX_TOKENS)
+    outs = single_engine(tmp_path, model, [*(prompts[k] for k in names), spare], PD_MAX_TOKENS)
     reference = dict(zip(names, outs[:-1], strict=True))
     with kvmapd_pair(
         tmp_path / "kvmapd-prefill",
@@ -48,7 +43,7 @@ def test_pd_with_reads_while_the_owner_checks_loads_every_prompt(tmp_path: Path)
         p_args, d_args = kvmap_args(pdd, ddd)
         prefill, decode = start_pair(tmp_path, "overlap", model, p_args, d_args)
         try:
-            pd = run_pd(prefill, decode, prompts, MAX_TOKENS, kvmap=True)
+            pd = run_pd(prefill, decode, prompts, PD_MAX_TOKENS, kvmap=True)
             served = served_stats(pdd, len(prompts))
         finally:
             decode.stop()

@@ -12,6 +12,7 @@ skips the test module that does.
 from __future__ import annotations
 
 import json
+import random
 import select
 import socket
 import subprocess
@@ -162,6 +163,21 @@ def served_stats(d: DaemonProc, served: int, timeout: float = 15) -> admin_pb2.G
         if got.transfers.served_done >= served or time.monotonic() > deadline:
             return got
         time.sleep(0.05)
+
+
+# test_vllm_pd's prompts (their single engine's output is a golden
+# reference, so every test that reuses them reuses it): one whole block, many
+# whole blocks, a partial last block, less than a block; and a spare prompt
+# the decode engine has not seen (no prefix hit).
+PD_MAX_TOKENS = 12
+PD_PROMPT_LENGTHS = {"one-block": 32, "many-blocks": 160, "partial-last": 77, "short": 9}
+
+
+def pd_prompts() -> tuple[dict[str, list[int]], list[int]]:
+    """test_vllm_pd's prompts by name, and its spare prompt."""
+    rng = random.Random(4)
+    prompts = {k: [rng.randrange(3, 1000) for _ in range(n)] for k, n in PD_PROMPT_LENGTHS.items()}
+    return prompts, [rng.randrange(3, 1000) for _ in range(100)]
 
 
 def blocks_of(n_tokens: int) -> int:
