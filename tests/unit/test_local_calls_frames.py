@@ -49,6 +49,10 @@ class Scripted:
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, str]] = []
         self.cancelled = threading.Event()
+        # "held": DONE was taken from the transfer, which then waits for
+        # ``release`` before it ends.
+        self.done_taken = threading.Event()
+        self.release = threading.Event()
 
     async def reports(
         self, spec: transfers_pb2.TransferSpec, kind: str, parent: str
@@ -68,9 +72,17 @@ class Scripted:
             except asyncio.CancelledError:
                 self.cancelled.set()
                 raise
+        if rid in ("held", "fails-after-done"):
+            yield transfers_pb2.TransferStatus(state=transfers_pb2.TRANSFER_STATE_HANDSHAKING)
         yield transfers_pb2.TransferStatus(
             state=transfers_pb2.TRANSFER_STATE_DONE, transfer_id=f"t-{rid}"
         )
+        if rid == "held":
+            self.done_taken.set()
+            while not self.release.is_set():
+                await asyncio.sleep(0.01)
+        if rid == "fails-after-done":
+            raise Unavailable("the owner went away after DONE")
 
 
 class Served:
@@ -405,3 +417,43 @@ def test_a_call_built_from_bytes_is_the_message_protobuf_would_write(
     call.traceparent = traceparent
     body = call.SerializeToString()
     assert framed == LENGTH.pack(len(body)) + body
+
+
+def test_done_goes_out_with_the_end_frame_other_statuses_at_once(served: Served) -> None:
+    """A status before DONE reaches the caller while the transfer runs;
+    DONE is held until the call ends and goes out with the end frame, so
+    the caller reads both at one wake-up."""
+    sock = raw(served.path)
+    sock.sendall(pull("held"))
+    first = read_reply(sock)
+    assert first is not None and first.status.state == transfers_pb2.TRANSFER_STATE_HANDSHAKING
+    assert served.script.done_taken.wait(5)
+    time.sleep(0.05)  # what the daemon would have written by now, it has
+    sock.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        sock.recv(1)  # DONE is not out yet
+    sock.settimeout(5)
+    served.script.release.set()
+    done, end = read_reply(sock), read_reply(sock)
+    assert done is not None and done.status.state == transfers_pb2.TRANSFER_STATE_DONE
+    assert done.status.transfer_id == "t-held"
+    assert end is not None and end.WhichOneof("reply") == "end" and end.end.code == 0
+    sock.close()
+
+
+def test_a_failure_after_done_sends_done_then_the_failure(served: Served) -> None:
+    """A transfer that fails after it reported DONE: the caller still gets
+    every status, DONE included, then the failure's status, as over gRPC."""
+    sock = raw(served.path)
+    sock.sendall(pull("fails-after-done"))
+    replies = [read_reply(sock) for _ in range(3)]
+    states = [r.status.state for r in replies[:2] if r is not None]
+    assert states == [
+        transfers_pb2.TRANSFER_STATE_HANDSHAKING,
+        transfers_pb2.TRANSFER_STATE_DONE,
+    ]
+    end = replies[2]
+    assert end is not None and end.WhichOneof("reply") == "end"
+    assert end.end.code == 14  # UNAVAILABLE
+    assert served.rpcs("Pull", "UNAVAILABLE") == 1
+    sock.close()

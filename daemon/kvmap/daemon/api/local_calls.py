@@ -42,7 +42,7 @@ from kvmap.daemon.api.rpc import MethodSeries, OnFailure, new_rpc_id, refused
 from kvmap.daemon.api.services import TransfersService
 from kvmap.daemon.api.status import grpc_status
 from kvmap.tracing import traceparent_of
-from kvmap.v1 import local_calls_pb2
+from kvmap.v1 import local_calls_pb2, transfers_pb2
 
 log = structlog.get_logger("kvmapd.local_calls")
 
@@ -209,6 +209,9 @@ class _Connection(asyncio.Protocol):
         kind: Kind = "pull"
         structlog.contextvars.bind_contextvars(rpc="Pull", rpc_id=new_rpc_id(), listener=LISTENER)
         started = time.perf_counter()
+        # DONE goes out with the end frame, in one write: the caller reads
+        # both at one wake-up instead of being woken for each.
+        held = b""
         try:
             call = _parsed(body)
             kind = "push" if call.WhichOneof("call") == "push" else "pull"
@@ -216,13 +219,20 @@ class _Connection(asyncio.Protocol):
             parent = traceparent_of(call.traceparent) if call.traceparent else ""
             structlog.contextvars.bind_contextvars(rpc=kind.capitalize())
             async for state in server.transfers.reports(spec, kind, parent):
-                transport.write(frame(local_calls_pb2.LocalReply(status=state)))
-            transport.write(end_frame(0))
+                if held:  # a status after DONE: nothing is held back any more
+                    transport.write(held)
+                    held = b""
+                reply = frame(local_calls_pb2.LocalReply(status=state))
+                if state.state == transfers_pb2.TRANSFER_STATE_DONE:
+                    held = reply
+                else:
+                    transport.write(reply)
+            transport.write(held + end_frame(0))
             server.series[kind].count("OK")
         except Exception as err:  # every failure becomes its status, as in rpc
             code, message, reason = refused(err, server.series[kind], LISTENER, server.on_failure)
             del err
-            transport.write(end_frame(status_number(code), message, reason))
+            transport.write(held + end_frame(status_number(code), message, reason))
         finally:
             server.series[kind].seconds.observe(time.perf_counter() - started)
             self._call = None
