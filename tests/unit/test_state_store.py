@@ -111,6 +111,36 @@ def test_an_ack_the_store_cannot_take_is_logged_and_the_event_stays(tmp_path: Pa
     store.close()
 
 
+def test_only_acks_are_written_without_a_disk_sync(tmp_path: Path) -> None:
+    """An ack (delivery is at least once) is the one write made with
+    ``synchronous=NORMAL``; every other write, the next use and event
+    included, is synced (FULL), and a failed ack leaves FULL in force."""
+    store = _saved(tmp_path)
+    seen: list[str] = []
+    store._db.set_trace_callback(seen.append)
+
+    def level() -> int:
+        return int(store._db.execute("PRAGMA synchronous").fetchone()[0])
+
+    first = store.add_event(W1, registry_pb2.AttachResponse())
+    seen.clear()
+    store.ack_event(first)
+    assert [s.split(" WHERE")[0] for s in seen] == [
+        "PRAGMA synchronous=NORMAL",
+        "DELETE FROM pending_events",
+        "PRAGMA synchronous=FULL",
+    ]
+    assert level() == 2  # FULL for what follows
+    seen.clear()
+    store.record_use(None, W1, registry_pb2.AttachResponse())
+    assert not any("synchronous" in s for s in seen)
+    assert level() == 2
+    store._db.execute("PRAGMA query_only=1")
+    store.ack_event(first + 1)  # refused: logged, as before
+    assert level() == 2
+    store.close()
+
+
 def test_bugs_are_not_mapped_to_faults(tmp_path: Path) -> None:
     """A constraint violation is a bug, not a fault of the disk: store_error leaves it alone (it
     reports INTERNAL as any bug does)."""
