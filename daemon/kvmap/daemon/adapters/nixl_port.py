@@ -85,6 +85,9 @@ class Xfer:
     state: XferState = XferState.PROC
     error: TransferError | Unavailable | None = None
     released: bool = False
+    # Progress passes that polled it (written by the NIXL thread only): a
+    # transfer that outlives its deadline says whether it was polled at all.
+    polls: int = 0
 
 
 class NixlPort(Protocol):

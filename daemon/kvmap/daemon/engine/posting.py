@@ -5,10 +5,11 @@ to NIXL (``engine.transfers`` runs the rest)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 
-from kvmap.core.errors import TransferError
+from kvmap.core.errors import KvmapError, TransferError
 from kvmap.core.transfer_pieces import Side
 from kvmap.core.transfer_plan import TransferPlan, run_dlist_rows
 from kvmap.daemon.adapters.nixl_port import NixlPort, Xfer, XferOp, XferState
@@ -38,11 +39,59 @@ class Posting:
         handles (the caller releases them), the post's and the wait's
         seconds (``stage`` hears which). Handles of a failed or cancelled
         wait are released here."""
-        op = XferOp.WRITE if write else XferOp.READ
+        loop = asyncio.get_running_loop()
+        # One per transfer a post can make (the prepared lists' and the
+        # merged runs'): the post hands them to the pump on the NIXL thread.
+        outcomes = [loop.create_future(), loop.create_future()]
 
         def post() -> tuple[list[Xfer], float]:
             start = time.perf_counter()
-            xfers = []
+            xfers = self._post(prepared, plan, remote_agent, write)
+            for x, outcome in zip(xfers, outcomes, strict=False):
+                self._progress.adopt(x, outcome)
+            return xfers, time.perf_counter() - start
+
+        stage("posting it on the NIXL thread")
+        with current().child("kvmap.post", descriptors=plan.descriptors):
+            xfers, post_s = await self._posted(self._nixl(post))
+        stage("waiting for NIXL to complete it")
+        start = time.perf_counter()
+        try:
+            with current().child("kvmap.wait"):
+                states = await asyncio.gather(*outcomes[: len(xfers)])
+        except BaseException:
+            # A deadline's message names the step it came in: say what the
+            # pump knew of each transfer before they are released.
+            stage(f"waiting for NIXL to complete it ({self._waited_on(xfers)})")
+            await self.release(xfers, None)
+            raise
+        done_s = time.perf_counter() - start
+        failed = [x for x, state in zip(xfers, states, strict=True) if state is not XferState.DONE]
+        if failed:
+            await self.release(xfers, None)
+            raise failed[0].error or TransferError("NIXL reported a failed transfer", "ERR")
+        return xfers, post_s, done_s
+
+    def _waited_on(self, xfers: list[Xfer]) -> str:
+        """What was known of transfers still waited for: NIXL reporting them
+        in progress pass after pass, or a pump that never polled them."""
+        now = time.monotonic()
+        return "; ".join(
+            f"{x.op.value} of {x.num_descs} descriptors posted {now - x.posted_at:.1f}s ago, "
+            f"{x.state.value} after {x.polls} polls, "
+            + ("still watched" if self._progress.watching(x) else "no longer watched")
+            for x in xfers
+        )
+
+    def _post(
+        self, prepared: Prepared, plan: TransferPlan, remote_agent: str, write: bool
+    ) -> list[Xfer]:
+        """On the NIXL thread: post the plan's transfers. When the second
+        post fails, the first transfer is released before the error goes
+        up: nobody would hold its handle."""
+        op = XferOp.WRITE if write else XferOp.READ
+        xfers: list[Xfer] = []
+        try:
             if len(plan.local_indices):
                 if prepared.local_dlist is None or prepared.remote_dlist is None:
                     # Only piece-table plans index prepared lists.
@@ -67,25 +116,12 @@ class Posting:
                         remote_mem_type=prepared.remote_mem[1],
                     )
                 )
-            return xfers, time.perf_counter() - start
-
-        stage("posting it on the NIXL thread")
-        with current().child("kvmap.post", descriptors=plan.descriptors):
-            xfers, post_s = await self._posted(self._nixl(post))
-        stage("waiting for NIXL to complete it")
-        start = time.perf_counter()
-        try:
-            with current().child("kvmap.wait"):
-                states = await asyncio.gather(*(self._progress.watch(x) for x in xfers))
         except BaseException:
-            await self.release(xfers, None)
+            for x in xfers:
+                with contextlib.suppress(KvmapError):
+                    self._agent.release(x)
             raise
-        done_s = time.perf_counter() - start
-        failed = [x for x, state in zip(xfers, states, strict=True) if state is not XferState.DONE]
-        if failed:
-            await self.release(xfers, None)
-            raise failed[0].error or TransferError("NIXL reported a failed transfer", "ERR")
-        return xfers, post_s, done_s
+        return xfers
 
     async def _posted(
         self, posting: Awaitable[tuple[list[Xfer], float]]

@@ -75,12 +75,28 @@ class Progress:
         self.wake()
         return fut
 
+    def adopt(self, xfer: Xfer, fut: asyncio.Future[XferState]) -> None:
+        """On the NIXL thread, right after ``xfer`` was posted: watch it,
+        its state going to ``fut`` (made on the event loop). The pump's next
+        pass polls it without the event loop taking a turn in between: the
+        loop is woken once per transfer, when it is over, not also to start
+        watching it (on a busy machine that turn waited for a core)."""
+        with self._lock:
+            self._watched[xfer] = fut
+        self._nixl.wake()
+
     def wake(self) -> None:
         """Start a pass now and poll at the busy pace: a peer is about to
         move bytes through this agent (a lease began), and UCX moves them
         only while this side calls in. Waiting out the idle interval would
         add up to that interval to the peer's transfer."""
         self._nixl.wake()
+
+    def watching(self, xfer: Xfer) -> bool:
+        """Whether the pump polls ``xfer`` (it was watched and no pass has
+        handed it over yet)."""
+        with self._lock:
+            return xfer in self._watched
 
     def forget(self, xfer: Xfer) -> None:
         with self._lock:
@@ -94,6 +110,7 @@ class Progress:
         finished: dict[Xfer, XferState] = {}
         now = time.monotonic()
         for x in watched:
+            x.polls += 1
             state = self._agent.poll(x)
             if state is not XferState.PROC:
                 finished[x] = state
