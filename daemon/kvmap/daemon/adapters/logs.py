@@ -12,6 +12,7 @@ objects, their level read from the line (glog's ``E``/``W``/``I`` prefix, a
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import json
 import logging
 import os
@@ -137,6 +138,23 @@ def _log_uncaught_in_thread(args: threading.ExceptHookArgs) -> None:
     )
 
 
+# Where a native crash's dump goes once fds 1 and 2 are the pipe: the real
+# stderr, not the pipe, whose reading thread dies with the process
+# (``enable_crash_dumps``).
+_REAL_STDERR: list[IO[str]] = []
+
+
+def enable_crash_dumps() -> None:
+    """On a fatal signal (a native library's segfault, an abort) write every
+    thread's Python stack to the real stderr before the process dies. Under
+    ``json`` the daemon's fd 2 is the pipe to the native-log thread, which
+    dies with the process: what UCX prints there is lost, this is not. Call
+    it once NIXL is loaded: UCX installs its own handler for the same
+    signals when it starts, and this one, installed after, runs first and
+    then hands the signal to UCX's."""
+    faulthandler.enable(file=_REAL_STDERR[-1] if _REAL_STDERR else sys.stderr, all_threads=True)
+
+
 def _capture_native_output() -> TextIO:
     """Point fds 1 and 2 at a pipe whose lines a thread wraps into JSON on
     the real stderr; return a stream on the real stderr for the daemon's own
@@ -149,6 +167,7 @@ def _capture_native_output() -> TextIO:
     os.dup2(write_end, 2)
     os.close(write_end)
     out = os.fdopen(real, "w", buffering=1, encoding="utf-8", errors="replace")
+    _REAL_STDERR.append(out)
     lock = threading.Lock()
     thread = threading.Thread(
         target=_wrap_lines, args=(read_end, out, lock), name="native-log", daemon=True

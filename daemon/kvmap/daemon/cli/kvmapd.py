@@ -13,7 +13,7 @@ from typing import NoReturn, cast
 
 from kvmap.core.config import DaemonConfig, effective, exposure_warning
 from kvmap.daemon.adapters.config_files import explain, load_config, show_value
-from kvmap.daemon.adapters.logs import configure_logging, log
+from kvmap.daemon.adapters.logs import configure_logging, enable_crash_dumps, log
 from kvmap.daemon.adapters.nixl_loader import nixl_module
 from kvmap.daemon.adapters.preflight import (
     check_files,
@@ -105,7 +105,9 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(config.log_format, config.log_level, capture_native=True)
 
     def started() -> None:
-        # Once serving: a start refused below stays one line.
+        # Once serving (NIXL's agent, and UCX's signal handlers, made).
+        enable_crash_dumps()
+        # A start refused below stays one line.
         log.info("kvmapd_config", version=version(), **effective(config))
         if exposure_warning(config):
             log.warning("peers_refused_by_config", problem=exposure_warning(config))
