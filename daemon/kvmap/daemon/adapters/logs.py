@@ -7,21 +7,25 @@ exceptions with their traceback as a field, and whatever native libraries
 write to fd 1 or 2 (gRPC core's ``E1201 ...`` lines, NIXL's and UCX's C++
 logs): both descriptors become a pipe whose lines are wrapped into JSON
 objects, their level read from the line (glog's ``E``/``W``/``I`` prefix, a
-``WARN``/``ERROR`` word), with ``logger`` ``native``."""
+``WARN``/``ERROR`` word), with ``logger`` ``native``, by a child process
+that outlives a crash of the daemon long enough to write its last lines."""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import json
 import logging
 import os
 import re
+import signal
 import sys
 import threading
+import time
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import IO, Any, TextIO, cast
+from typing import IO, Any, NoReturn, TextIO, cast
 
 import structlog
 
@@ -156,45 +160,84 @@ def enable_crash_dumps() -> None:
 
 
 def _capture_native_output() -> TextIO:
-    """Point fds 1 and 2 at a pipe whose lines a thread wraps into JSON on
-    the real stderr; return a stream on the real stderr for the daemon's own
-    (already JSON) lines. Python's sys.stdout/sys.stderr follow the fds."""
+    """Point fds 1 and 2 at a pipe whose lines a child process wraps into
+    JSON on the real stderr; return a stream on the real stderr for the
+    daemon's own (already JSON) lines. Python's sys.stdout/sys.stderr follow
+    the fds.
+
+    A process, not a thread: a native library that aborts (or any death of
+    the daemon) writes its last lines into the pipe and takes a reading
+    thread down with it, unread. The child reads until every writer is gone,
+    so those lines reach the log after the daemon has died (where it is not
+    its PID namespace's init: the shipped pod shares one, under the pause
+    container)."""
     sys.stdout.flush()
     sys.stderr.flush()
     real = os.dup(2)
     read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:
+        _wrapper_main(read_end, write_end, real)  # never returns
+    os.close(read_end)
     os.dup2(write_end, 1)
     os.dup2(write_end, 2)
     os.close(write_end)
     out = os.fdopen(real, "w", buffering=1, encoding="utf-8", errors="replace")
     _REAL_STDERR.append(out)
-    lock = threading.Lock()
-    thread = threading.Thread(
-        target=_wrap_lines, args=(read_end, out, lock), name="native-log", daemon=True
-    )
-    thread.start()
-    atexit.register(_drain, thread)
-    return cast(TextIO, _LockedStream(out, lock))
+    atexit.register(_drain, child)
+    return cast(TextIO, _LockedStream(out, threading.Lock()))
 
 
-def _drain(thread: threading.Thread) -> None:
-    """At exit: close both ends the process writes to, so that the thread
-    reads what is left and then the end of the pipe."""
+def _wrapper_main(read_end: int, write_end: int, real: int) -> NoReturn:
+    """The forked child: wrap every line of the pipe onto the real stderr
+    until its end, then exit without the parent's exit handlers. It keeps
+    only its two descriptors (no socket, lock or memory of the daemon's) and
+    ignores the signals meant for the daemon, so that it drains what the
+    daemon wrote before it stopped."""
+    status = 1
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        os.close(write_end)
+        low, high = sorted((read_end, real))
+        os.closerange(3, low)
+        os.closerange(low + 1, high)
+        os.closerange(high + 1, os.sysconf("SC_OPEN_MAX"))
+        _wrap_lines(read_end, real)
+        status = 0
+    finally:
+        os._exit(status)
+
+
+def _drain(child: int) -> None:
+    """At exit: close both ends the process writes to, so that the child
+    reads what is left and the end of the pipe; wait for it (bounded)."""
     sys.stdout.flush()
     sys.stderr.flush()
     for fd in (1, 2):
         os.close(fd)
-    thread.join(timeout=2.0)
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(child, os.WNOHANG)[0]:
+                return
+        time.sleep(0.01)
 
 
-def _wrap_lines(read_end: int, out: IO[str], lock: threading.Lock) -> None:
+def _wrap_lines(read_end: int, real: int) -> None:
     with os.fdopen(read_end, "rb") as pipe:
         for raw in pipe:
             line = raw.decode("utf-8", "replace").rstrip("\n")
-            if not line.strip():
-                continue
-            with lock:
-                out.write(wrap_native_line(line) + "\n")
+            if line.strip():
+                _write_line(real, (wrap_native_line(line) + "\n").encode())
+
+
+def _write_line(fd: int, data: bytes) -> None:
+    """``data`` with as few writes as the descriptor takes (one, for a line
+    a pipe takes whole): the daemon's own lines go to the same place."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def wrap_native_line(line: str) -> str:
@@ -232,7 +275,8 @@ def native_level(line: str) -> str:
 class _LockedStream:
     """The daemon's own lines and the wrapped ones never interleave mid-line:
     each thread's text is held until it ends a line (``print`` writes a
-    message and its newline in two calls), then written whole under the lock."""
+    message and its newline in two calls), then written whole under the lock
+    in one write, as the wrapping child writes each of its lines."""
 
     def __init__(self, out: IO[str], lock: threading.Lock) -> None:
         self._out = out
@@ -244,8 +288,9 @@ class _LockedStream:
         head, newline, rest = held.rpartition("\n")
         self._pending.text = rest
         if newline:
+            data = (head + newline).encode("utf-8", "replace")
             with self._lock:
-                self._out.write(head + newline)
+                _write_line(self._out.fileno(), data)
         return len(text)
 
     def flush(self) -> None:
