@@ -132,6 +132,12 @@ def test_listening_beyond_loopback_with_loopback_peers_is_warned_about() -> None
         ("[1764613817.1] [host:5001:0] ucp_worker.c:1 UCX  WARN  no usable transports", "warning"),
         ("[1764613817.1] [host:5001:0] uct_iface.c:1 UCX  ERROR failed", "error"),
         ("Traceback (most recent call last):", "error"),
+        ("[vm:27262:0:27269]       stubs.c:107  Assertion `0' failed", "critical"),
+        (
+            "[host:5001:0:5002] Caught signal 11 (Segmentation fault: address not mapped)",
+            "critical",
+        ),
+        ("terminate called after throwing an instance of 'std::runtime_error'", "critical"),
         ("some library chatter", "info"),
     ],
 )

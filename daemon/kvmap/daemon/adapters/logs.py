@@ -39,6 +39,10 @@ _LEVELS = {
 # UCX's default "warn" stays; an operator's own setting wins.
 _NATIVE_DEFAULTS = {"GRPC_VERBOSITY": "ERROR", "UCX_LOG_LEVEL": "warn"}
 _GLOG = re.compile(r"^([DIWEF])\d{4} ")
+# What a native library writes as it kills the process: UCX's failed
+# assertion (``stubs.c:107  Assertion `0' failed``) and its signal report, a
+# C++ std::terminate; they carry no level word of their own.
+_FATAL = re.compile(r"Assertion .* failed|Caught signal \d+|terminate called")
 _WORD = re.compile(r"\b(TRACE|DEBUG|DIAG|INFO|WARN|WARNING|ERROR|FATAL|CRITICAL)\b")
 _WORD_LEVEL = {
     "TRACE": "debug",
@@ -259,11 +263,15 @@ def wrap_native_line(line: str) -> str:
 
 
 def native_level(line: str) -> str:
-    """The level a native library gave a line: glog's first letter, else the
-    first level word in it; unmarked lines are info (tracebacks: error)."""
+    """The level a native library gave a line: glog's first letter, else
+    critical for the last words of a dying process (a failed assertion, a
+    caught fatal signal, std::terminate), else the first level word in it;
+    unmarked lines are info (tracebacks: error)."""
     glog = _GLOG.match(line)
     if glog:
         return _GLOG_LEVEL[glog.group(1)]
+    if _FATAL.search(line):
+        return "critical"
     word = _WORD.search(line)
     if word:
         return _WORD_LEVEL[word.group(1)]
