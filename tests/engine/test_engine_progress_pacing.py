@@ -52,6 +52,13 @@ async def next_pass(agent: Agent) -> None:
     await asyncio.to_thread(agent.passed.wait, 10)
 
 
+def watch(p: Progress, x: Xfer) -> asyncio.Future[XferState]:
+    """Watch ``x`` as a post does (``Progress.adopt``), from the event loop."""
+    fut: asyncio.Future[XferState] = asyncio.get_running_loop().create_future()
+    p.adopt(x, fut)
+    return fut
+
+
 def pump_for(agent: Agent, nixl: NixlThread, received: list[Any] | None = None) -> Progress:
     fake: Any = agent
     sink = received if received is not None else []
@@ -77,7 +84,7 @@ def test_wake_runs_a_pass_during_an_idle_pause_and_stop_ends_them(
         for n in (1, 2):
             p.wake()
             assert await nixl(lambda: agent.passes) == first + n
-        pending = p.watch(x := xfer())
+        pending = watch(p, x := xfer())
         await p.stop()
         assert pending.cancelled() and x.state is XferState.PROC
         before = agent.passes
@@ -105,7 +112,7 @@ def test_a_watched_transfer_is_seen_done_and_notifs_reach_the_loop(
         await next_pass(agent)
         x = xfer()
         x.state = XferState.DONE
-        assert await p.watch(x) is XferState.DONE
+        assert await watch(p, x) is XferState.DONE
         agent.notifs = {"peer": [b"done:1"]}
         p.wake()
         while not received:
@@ -201,7 +208,7 @@ def test_a_pass_whose_notifs_fail_still_hands_over_finished_transfers(
             p.start()
             x = xfer()
             x.state = XferState.DONE
-            assert await asyncio.wait_for(p.watch(x), 10) is XferState.DONE
+            assert await asyncio.wait_for(watch(p, x), 10) is XferState.DONE
             while agent.passes < 20:
                 await asyncio.sleep(0.002)
             agent.failing = agent.passes  # NIXL gives them again from the next pass
@@ -241,8 +248,8 @@ def test_a_transfer_nixl_does_not_complete_is_logged_once_as_slow(
         new = Xfer(XferOp.READ, "other-agent", 3, time.monotonic(), object())
         with structlog.testing.capture_logs() as logs:
             p.start()
-            p.watch(old)
-            p.watch(new)
+            watch(p, old)
+            watch(p, new)
             start = agent.passes
             while agent.passes < start + 50:
                 await asyncio.sleep(0.002)
@@ -267,7 +274,7 @@ def test_a_pass_result_for_a_forgotten_transfer_never_finishes_the_one_now_watch
         try:
             a, b = xfer(), xfer()
             b.state = XferState.PROC
-            fut_b = p.watch(b)
+            fut_b = watch(p, b)
             p._deliver({a: XferState.DONE}, {})  # A's result, A forgotten
             assert not fut_b.done() and b in p._watched
             p._deliver({b: XferState.DONE}, {})

@@ -146,18 +146,16 @@ def _log_uncaught_in_thread(args: threading.ExceptHookArgs) -> None:
     )
 
 
-# Where a native crash's dump goes once fds 1 and 2 are the pipe: the real
-# stderr, not the pipe, whose reading thread dies with the process
-# (``enable_crash_dumps``).
+# Where a native crash's dump goes once fds 1 and 2 are the pipe: straight
+# to the real stderr (``enable_crash_dumps``), not through the wrapper.
 _REAL_STDERR: list[IO[str]] = []
 
 
 def enable_crash_dumps() -> None:
     """On a fatal signal (a native library's segfault, an abort) write every
-    thread's Python stack to the real stderr before the process dies. Under
-    ``json`` the daemon's fd 2 is the pipe to the native-log thread, which
-    dies with the process: what UCX prints there is lost, this is not. Call
-    it once NIXL is loaded: UCX installs its own handler for the same
+    thread's Python stack to the real stderr before the process dies (under
+    ``json``, beside the lines the wrapping child drains from the pipe).
+    Call it once NIXL is loaded: UCX installs its own handler for the same
     signals when it starts, and this one, installed after, runs first and
     then hands the signal to UCX's."""
     faulthandler.enable(file=_REAL_STDERR[-1] if _REAL_STDERR else sys.stderr, all_threads=True)

@@ -68,19 +68,13 @@ class Progress:
             if not fut.done():
                 fut.cancel()
 
-    def watch(self, xfer: Xfer) -> asyncio.Future[XferState]:
-        fut: asyncio.Future[XferState] = asyncio.get_running_loop().create_future()
-        with self._lock:
-            self._watched[xfer] = fut
-        self.wake()
-        return fut
-
     def adopt(self, xfer: Xfer, fut: asyncio.Future[XferState]) -> None:
-        """On the NIXL thread, right after ``xfer`` was posted: watch it,
-        its state going to ``fut`` (made on the event loop). The pump's next
-        pass polls it without the event loop taking a turn in between: the
-        loop is woken once per transfer, when it is over, not also to start
-        watching it (on a busy machine that turn waited for a core)."""
+        """Watch ``xfer``, its state going to ``fut`` (made on the event
+        loop); safe from any thread. The post calls it on the NIXL thread
+        right after posting, so the pump's next pass polls the transfer
+        without the event loop taking a turn in between: the loop is woken
+        once per transfer, when it is over, not also to start watching it
+        (on a busy machine that turn waited for a core)."""
         with self._lock:
             self._watched[xfer] = fut
         self._nixl.wake()
