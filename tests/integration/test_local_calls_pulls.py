@@ -36,10 +36,10 @@ def _accepted(path: str) -> int:
 
 @contextlib.contextmanager
 def _pair(
-    tmp: Path, *decode_flags: str
+    tmp: Path, *decode_flags: str, prefill_flags: tuple[str, ...] = ()
 ) -> Iterator[tuple[DaemonProc, DaemonProc, WorkerProc, WorkerProc]]:
     with contextlib.ExitStack() as stack:
-        prefill = start_daemon(tmp / "p", "--planner", "coalesce", name="p")
+        prefill = start_daemon(tmp / "p", "--planner", "coalesce", *prefill_flags, name="p")
         stack.callback(prefill.stop)
         pw = start_worker(prefill, "prefill", *GEO, "--fill")
         stack.callback(pw.stop)
@@ -68,14 +68,15 @@ def _pulls(prefill_target: str, pw: WorkerProc, dw: WorkerProc, n: int) -> list[
 
 def test_pulls_go_on_the_local_calls_socket_and_land(tmp_path: Path) -> None:
     """The decode daemon's ``<socket>.calls`` exists (0660); a worker's pulls
-    land byte for byte, and the daemon holds the worker's connection on
-    that socket (the client used it, and kept one connection for them all)."""
+    land byte for byte, and the daemon holds two of the worker's connections
+    on that socket: its Attach stream's, and one for all its pulls (the
+    client used it, and kept one connection for them all)."""
     with _pair(tmp_path) as (prefill, decode, pw, dw):
         path = decode.socket + LOCAL_CALLS_SUFFIX
         assert Path(path).stat().st_mode & 0o777 == 0o660
         results = _pulls(prefill.tcp_target, pw, dw, 3)
         assert all(r["ok"] and r["bad_blocks"] == 0 for r in results), results
-        assert _accepted(path) == 1
+        assert _accepted(path) == 2
 
 
 def test_without_the_socket_pulls_go_over_grpc(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,9 +25,12 @@ from kvmap.client.fd_handoff import (
     send_credentials,
     send_fds,
 )
+from kvmap.client.transports.local_calls import ATTACH_FIELD, call_bytes
+from kvmap.core.config import LOCAL_CALLS_SUFFIX
 from kvmap.core.errors import ResourceExhausted
 from kvmap.tools.launch import DaemonProc, start_daemon
 from kvmap.v1 import (
+    local_calls_pb2,
     region_maps_pb2,
     region_maps_pb2_grpc,
     registry_pb2,
@@ -266,8 +270,9 @@ def test_only_the_registering_uid_acts_as_its_worker(shared_dir: Path) -> None:
     """A worker registered with the client library (its uid's credential token): another uid of
     the socket's group (NOBODY, with its own valid token), a caller without a token and one with
     a made-up token are each refused Attach, GrantTransfer, RevokeTransfer, DeregisterWorker and
-    a replacing RegisterWorker with PERMISSION_DENIED; the worker stays registered as it was,
-    and its own uid attaches and grants."""
+    a replacing RegisterWorker with PERMISSION_DENIED, and NOBODY's attach on the local calls
+    socket (where the kernel names its uid; no token to steal or forge) is refused the same;
+    the worker stays registered as it was, and its own uid attaches and grants."""
     daemon = start_daemon(shared_dir / "run", name="k")
     fd = sealed_memfd("kv", SIZE)
     client = KvmapClient.connect(daemon.socket)
@@ -284,6 +289,8 @@ def test_only_the_registering_uid_acts_as_its_worker(shared_dir: Path) -> None:
             for md in strangers:
                 for call, req in _worker_calls(registry, worker, daemon):
                     _refused(call, req, md)
+        local = _as_nobody(lambda: _local_attach(daemon.socket + LOCAL_CALLS_SUFFIX, worker))
+        assert local.startswith("7 worker w/dp0/tp0/pp0 was registered by another uid"), local
         assert _worker_count(daemon) == 1
         grant = client.grant_transfer(worker, "r1", {0: [1, 2]})
         assert grant.capability and grant.generation == 1
@@ -292,6 +299,22 @@ def test_only_the_registering_uid_acts_as_its_worker(shared_dir: Path) -> None:
         client.close()
         os.close(fd)
         daemon.stop()
+
+
+def _local_attach(path: str, worker: types_pb2.WorkerId) -> str:
+    """An attach call for ``worker`` on the local calls socket, by hand: the
+    first frame's end status number and message, or what came instead."""
+    request = registry_pb2.AttachRequest(worker=worker).SerializeToString()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(path)
+        sock.sendall(call_bytes(ATTACH_FIELD, request, ""))
+        head = sock.recv(4, socket.MSG_WAITALL)
+        body = sock.recv(int.from_bytes(head, "little"), socket.MSG_WAITALL)
+    reply = local_calls_pb2.LocalReply.FromString(body)
+    if reply.WhichOneof("reply") != "end":
+        return f"not refused: {reply}"
+    return f"{reply.end.code} {reply.end.message}"
 
 
 def _registration(worker: types_pb2.WorkerId, alloc: str) -> registry_pb2.RegisterWorkerRequest:

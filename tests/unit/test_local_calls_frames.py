@@ -13,7 +13,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -30,11 +30,12 @@ from kvmap.client.transports.local_calls import (
     call_bytes,
 )
 from kvmap.core.errors import DeadlineExceeded, NotFound, PermissionDenied, Unavailable
+from kvmap.daemon.adapters.fd_handoff import PeerCred
 from kvmap.daemon.adapters.metrics import Metrics
 from kvmap.daemon.api import local_calls
-from kvmap.daemon.api.local_calls import LocalCallsServer
+from kvmap.daemon.api.local_calls import AttachEvents, LocalCallsServer
 from kvmap.daemon.api.services import TransfersService
-from kvmap.v1 import local_calls_pb2, transfers_pb2
+from kvmap.v1 import local_calls_pb2, registry_pb2, transfers_pb2
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -85,10 +86,18 @@ class Scripted:
             raise Unavailable("the owner went away after DONE")
 
 
+async def _no_workers(
+    request: registry_pb2.AttachRequest, caller: Callable[[], PeerCred | None]
+) -> AsyncIterator[registry_pb2.AttachResponse]:
+    """An attach for a daemon that knows no worker."""
+    raise NotFound(f"worker {request.worker.engine_id}")
+    yield registry_pb2.AttachResponse()  # an async generator, as the daemon's
+
+
 class Served:
     """A LocalCallsServer on its own loop in a thread."""
 
-    def __init__(self, path: Path, **limits: int) -> None:
+    def __init__(self, path: Path, attach: AttachEvents | None = None, **limits: int) -> None:
         self.path = str(path)
         self.script = Scripted()
         self.metrics = Metrics()
@@ -100,6 +109,7 @@ class Served:
             cast(TransfersService, self.script),
             self.metrics,
             lambda *f: self.failures.append(f),
+            attach=attach or _no_workers,
             **limits,
         )
         self.run(self.server.start(self.path))
@@ -115,7 +125,7 @@ class Served:
 
     def stop(self) -> None:
         async def close() -> None:
-            self.server.close()
+            await self.server.close()
             await asyncio.sleep(0.05)
 
         self.run(close())
@@ -261,7 +271,7 @@ def test_a_daemon_gone_mid_call_is_unavailable(served: Served) -> None:
 
 
 async def _close(server: LocalCallsServer) -> None:
-    server.close()
+    await server.close()
 
 
 def test_a_restarted_daemon_is_reached_on_a_new_connection(tmp_path: Path) -> None:
@@ -328,8 +338,8 @@ def test_an_oversized_frame_is_refused_before_it_is_read(tmp_path: Path) -> None
     ("body", "words"),
     [
         (b"\xff\xff\xff", "not a LocalCall"),
-        (b"", "neither pull nor push"),
-        (local_calls_pb2.LocalCall(traceparent="x").SerializeToString(), "neither pull nor push"),
+        (b"", "names no call"),
+        (local_calls_pb2.LocalCall(traceparent="x").SerializeToString(), "names no call"),
     ],
 )
 def test_a_frame_that_is_no_call_is_invalid_and_the_connection_serves_on(

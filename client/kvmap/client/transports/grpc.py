@@ -13,8 +13,10 @@ import grpc.experimental
 from kvmap.client import fd_handoff
 from kvmap.client.errors import from_rpc_error
 from kvmap.client.transports.local_calls import (
+    ATTACH_FIELD,
     PULL_FIELD,
     PUSH_FIELD,
+    LocalAttachStream,
     LocalCalls,
     call_bytes,
     varint,
@@ -171,7 +173,16 @@ class GrpcTransport:
     ) -> registry_pb2.DeregisterWorkerResponse:
         return self._as_caller(self._registry.DeregisterWorker, req, timeout)
 
-    def attach(self, req: registry_pb2.AttachRequest) -> _GrpcAttachStream:
+    def attach(self, req: registry_pb2.AttachRequest) -> LocalAttachStream | _GrpcAttachStream:
+        """On the local calls socket where the daemon has one (the kernel
+        tells the daemon this process's uid: no credential token), else
+        over gRPC."""
+        sock = self._local.attach(call_bytes(ATTACH_FIELD, req.SerializeToString(), ""))
+        if sock is not None:
+            return LocalAttachStream(sock, lambda: iter(self._grpc_attach(req)))
+        return self._grpc_attach(req)
+
+    def _grpc_attach(self, req: registry_pb2.AttachRequest) -> _GrpcAttachStream:
         # A fresh token: (re)attaching follows a daemon restart, which forgot the old one.
         metadata = self._credentials(fresh=True)
         return _GrpcAttachStream(self._registry.Attach(req, metadata=metadata))

@@ -1,4 +1,4 @@
-"""Pull and Push on kvmapd's local calls socket (``<socket>.calls``,
+"""Pull, Push and Attach on kvmapd's local calls socket (``<socket>.calls``,
 ``protos/kvmap/v1/local_calls.proto``): the same calls as gRPC's, at what a
 Unix socket costs (the daemon's ``api/local_calls.py`` says why).
 
@@ -8,6 +8,9 @@ for another connection: the caller then makes the call over gRPC, which
 answers as it always did. Everything else is the call's own outcome: its
 statuses, or the error gRPC would have raised (``kvmap.client.errors``).
 
+An attach call has a connection of its own for as long as the worker stays
+attached (``LocalAttachStream``); it is never kept for another call.
+
 Connections are kept between calls (one per thread that calls at once, up
 to ``MAX_IDLE`` idle), each checked before reuse: one whose daemon has gone
 (a restart closes it) is dropped and a new one opened, so the first call
@@ -16,15 +19,17 @@ after a restart does not fail on the old daemon's connection.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 from kvmap.client.errors import from_status, from_status_number
 from kvmap.core.errors import KvmapError
-from kvmap.v1 import local_calls_pb2, transfers_pb2
+from kvmap.v1 import local_calls_pb2, registry_pb2, transfers_pb2
 
 LENGTH = struct.Struct("<I")
 # Idle connections kept for later calls.
@@ -39,6 +44,7 @@ FULL = "LOCAL_CALLS_FULL"
 # whose only field (1) is the spec; traceparent is field 3.
 PULL_FIELD = 1
 PUSH_FIELD = 2
+ATTACH_FIELD = 4
 _TRACEPARENT_TAG = b"\x1a"
 
 
@@ -117,6 +123,23 @@ class LocalCalls:
             sock.close()
             raise
 
+    def attach(self, request: bytes) -> socket.socket | None:
+        """A new connection that has sent an attach call (``call_bytes`` of a
+        serialized AttachRequest), for a ``LocalAttachStream``; None when
+        the daemon has no local calls socket or the send failed (the
+        caller attaches over gRPC)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self._connect_timeout_s)
+        try:
+            sock.connect(self.path)
+            sock.sendall(request)
+        except OSError:
+            # Nothing listening, or a daemon with no room that has already
+            # said so and closed (its answer is not worth reading here).
+            sock.close()
+            return None
+        return sock
+
     def _connection(self) -> socket.socket | None:
         """An idle connection that still has its daemon, else a new one;
         None when nothing accepts connections on the socket."""
@@ -154,6 +177,63 @@ class LocalCalls:
             sock.close()
 
 
+class LocalAttachStream:
+    """A worker's events read from its attach call's connection, as gRPC's
+    Attach stream gives them: the daemon's refusal is raised while
+    iterating (never by ``attach``), the stream's end ends the iteration,
+    ``cancel`` (from any thread) ends it from the worker's side. A daemon
+    with no room for the connection (``FULL``, before any event) is
+    attached over gRPC instead (``fallback``)."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        fallback: Callable[[], Iterator[registry_pb2.AttachResponse]],
+    ) -> None:
+        self._sock = sock
+        self._fallback = fallback
+        self._cancelled = threading.Event()
+        # Whether the daemon has answered (a FULL end is only ever first).
+        self._started = False
+
+    def __iter__(self) -> Iterator[registry_pb2.AttachResponse]:
+        # The connection is closed where the stream ends (its end, an error,
+        # ``cancel``), not when an iterator over it is dropped: a worker that
+        # took one event and let go of the iterator stays attached, as with
+        # gRPC's stream.
+        try:
+            while True:
+                reply = _read_reply(self._sock, None)
+                kind = reply.WhichOneof("reply")
+                if not self._started and kind == "end" and reply.end.reason == FULL:
+                    self._sock.close()
+                    if not self._cancelled.is_set():
+                        yield from self._fallback()
+                    return
+                self._started = True
+                if kind == "event":
+                    yield reply.event
+                    continue
+                self._sock.close()
+                if kind != "end":
+                    raise _Broken(f"a {kind} frame on an attach call")
+                if reply.end.code == 0:
+                    return
+                raise from_status_number(reply.end.code, reply.end.message)
+        except (OSError, _Broken) as err:
+            self._sock.close()
+            if self._cancelled.is_set():
+                return  # the worker's side ended it, as a cancelled gRPC stream
+            raise from_status("UNAVAILABLE", f"kvmapd local calls socket: {err}") from None
+
+    def cancel(self) -> None:
+        """End the stream: a reader blocked on it wakes to the end at once."""
+        self._cancelled.set()
+        # Not connected any more (OSError): the stream is over already.
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+
+
 class _Broken(Exception):
     """The daemon broke the protocol or went away in the middle of a call."""
 
@@ -181,7 +261,7 @@ def _told_full(sock: socket.socket, deadline: float) -> bool:
     return reply.WhichOneof("reply") == "end" and reply.end.reason == FULL
 
 
-def _read_reply(sock: socket.socket, deadline: float) -> local_calls_pb2.LocalReply:
+def _read_reply(sock: socket.socket, deadline: float | None) -> local_calls_pb2.LocalReply:
     (size,) = LENGTH.unpack(_read(sock, LENGTH.size, deadline))
     if size > MAX_REPLY_BYTES:
         raise _Broken(f"a reply frame of {size} bytes")
@@ -191,15 +271,19 @@ def _read_reply(sock: socket.socket, deadline: float) -> local_calls_pb2.LocalRe
         raise _Broken(f"an unreadable reply: {err}") from None
 
 
-def _read(sock: socket.socket, size: int, deadline: float) -> bytes:
+def _read(sock: socket.socket, size: int, deadline: float | None) -> bytes:
+    """``size`` bytes, by ``deadline`` (None: however long they take)."""
     buf = bytearray(size)
     view = memoryview(buf)
     got = 0
     while got < size:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError
-        sock.settimeout(left)
+        if deadline is None:
+            sock.settimeout(None)
+        else:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            sock.settimeout(left)
         n = sock.recv_into(view[got:], size - got)
         if n == 0:
             raise _Broken("the daemon closed the connection during the call")

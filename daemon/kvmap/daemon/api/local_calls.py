@@ -1,6 +1,7 @@
-"""The local calls socket (``<socket>.calls``): Transfers.Pull and Push as
-length-prefixed protobuf frames (``protos/kvmap/v1/local_calls.proto``),
-for the worker that pulls on every request.
+"""The local calls socket (``<socket>.calls``): Transfers.Pull and Push, and
+Registry.Attach, as length-prefixed protobuf frames
+(``protos/kvmap/v1/local_calls.proto``), for the worker that pulls on every
+request and hears of every transfer of its blocks.
 
 Why it exists: on this socket a pull's call and answer cost what a Unix
 socket costs (~0.06 ms and ~0.02 ms of the caller's CPU), where a gRPC call
@@ -12,7 +13,14 @@ same gRPC call is (``rpc.refused``, under the method's gRPC metric series).
 
 Who may call: whoever may open the gRPC Unix socket (the socket is made
 ``0660`` beside it; Pull and Push ask for no credential token there
-either). What a caller can do to the daemon is bounded: a frame over the
+either). An attach call acts as the uid the kernel reports for the
+connection (SO_PEERCRED), which is what a gRPC caller's credential token
+proves: only the uid that registered a worker hears its events. An attach
+call holds its connection while the worker stays attached; its events are
+written as the connection takes them (the next one waits while the
+client's socket is full), and the client ends it by closing the
+connection, which, as a cancelled gRPC stream, leaves a worker with no
+other stream gone. What a caller can do to the daemon is bounded: a frame over the
 gRPC socket's message limit is refused before it is read
 (RESOURCE_EXHAUSTED), a frame begun must arrive whole within
 ``FRAME_TIMEOUT_S``, a frame while a call runs or bytes after a frame end
@@ -27,8 +35,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import struct
 import time
+from collections.abc import AsyncIterator, Callable
 from typing import Literal
 
 import structlog
@@ -36,13 +46,14 @@ from google.protobuf.message import DecodeError
 
 from kvmap.core.config import MAX_MESSAGE_BYTES
 from kvmap.core.errors import InvalidArgument, KvmapError, ResourceExhausted, Unavailable
+from kvmap.daemon.adapters.fd_handoff import PeerCred
 from kvmap.daemon.adapters.grpc_codes import status_number
 from kvmap.daemon.adapters.metrics import Metrics
 from kvmap.daemon.api.rpc import MethodSeries, OnFailure, new_rpc_id, refused
 from kvmap.daemon.api.services import TransfersService
 from kvmap.daemon.api.status import grpc_status
 from kvmap.tracing import traceparent_of
-from kvmap.v1 import local_calls_pb2, transfers_pb2
+from kvmap.v1 import local_calls_pb2, registry_pb2, transfers_pb2
 
 log = structlog.get_logger("kvmapd.local_calls")
 
@@ -56,7 +67,18 @@ FULL = "LOCAL_CALLS_FULL"
 # The listener that recent errors name (gRPC's are "unix" and "tcp").
 LISTENER = "local_calls"
 
-Kind = Literal["pull", "push"]
+Transfer = Literal["pull", "push"]
+Kind = Literal["pull", "push", "attach"]
+# A worker's Attach stream (``services.attach_events`` bound to the app):
+# the request and the caller's uid as this listener knows it.
+AttachEvents = Callable[
+    [registry_pb2.AttachRequest, Callable[[], PeerCred | None]],
+    AsyncIterator[registry_pb2.AttachResponse],
+]
+# How long stopping waits for attach calls to send their end frame (the
+# daemon has told every stream to end), as gRPC's servers wait for theirs.
+CLOSE_GRACE_S = 1.0
+_PEERCRED = struct.Struct("3i")
 
 
 def frame(reply: local_calls_pb2.LocalReply) -> bytes:
@@ -85,16 +107,19 @@ class LocalCallsServer:
         metrics: Metrics,
         on_failure: OnFailure | None,
         *,
+        attach: AttachEvents,
         max_frame_bytes: int = MAX_MESSAGE_BYTES,
         max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self.transfers = transfers
+        self.attach = attach
         self.on_failure = on_failure
         self.max_frame_bytes = max_frame_bytes
         self.max_connections = max_connections
         self.series: dict[Kind, MethodSeries] = {
             "pull": MethodSeries(metrics, "/kvmap.v1.Transfers/Pull"),
             "push": MethodSeries(metrics, "/kvmap.v1.Transfers/Push"),
+            "attach": MethodSeries(metrics, "/kvmap.v1.Registry/Attach"),
         }
         self.connections: set[_Connection] = set()
         self._server: asyncio.AbstractServer | None = None
@@ -107,12 +132,17 @@ class LocalCallsServer:
         self._server = await loop.create_unix_server(lambda: _Connection(self), path)
         os.chmod(path, 0o660)
 
-    def close(self) -> None:
-        """Stop accepting; end every connection (a call still running is cancelled)."""
+    async def close(self, grace_s: float = CLOSE_GRACE_S) -> None:
+        """Stop accepting; give attach calls up to ``grace_s`` to end (the
+        daemon has told their streams to), then end every connection: a
+        call still running is cancelled."""
         if self._server is not None:
             self._server.close()
+        attached = [c.call for c in self.connections if c.attached and c.call is not None]
+        if attached:
+            await asyncio.wait(attached, timeout=grace_s)
         for conn in list(self.connections):
-            conn.abort()
+            conn.end()
 
 
 class _Connection(asyncio.Protocol):
@@ -122,12 +152,22 @@ class _Connection(asyncio.Protocol):
         self._server = server
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
-        self._call: asyncio.Task[None] | None = None
+        self.call: asyncio.Task[None] | None = None
+        # Whether the running call is an attach call (stopping waits for it).
+        self.attached = False
         self._stalled: asyncio.TimerHandle | None = None
+        # A transfer's DONE frame, held to go out with the end frame.
+        self._held = b""
+        # The calling process, as the kernel reports it (None: unknown).
+        self._peer: PeerCred | None = None
+        # Cleared while the client's socket is full (pause_writing).
+        self._writable = asyncio.Event()
+        self._writable.set()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
+        self._peer = _peer_cred(transport)
         server = self._server
         if len(server.connections) >= server.max_connections:
             full = Unavailable(f"local calls socket full ({server.max_connections} connections)")
@@ -140,15 +180,33 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._server.connections.discard(self)
         self._disarm()
-        if self._call is not None:
-            self._call.cancel()  # as gRPC cancels the call of a client gone
+        self._writable.set()
+        if self.call is not None:
+            self.call.cancel()  # as gRPC cancels the call of a client gone
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
 
     def abort(self) -> None:
         if self._transport is not None:
             self._transport.abort()
 
+    def end(self) -> None:
+        """The daemon is stopping: a connection between calls is closed once
+        what it was sent is written; one with a call still running is
+        aborted (the call cancelled)."""
+        if self._transport is None:
+            return
+        if self.call is None:
+            self._transport.close()
+        else:
+            self._transport.abort()
+
     def data_received(self, data: bytes) -> None:
-        if self._call is not None:
+        if self.call is not None:
             # One call at a time: a client that does not wait for the end is
             # not the library's; its call is cancelled with the connection.
             log.warning("local_call_refused", error="a frame while a call runs")
@@ -176,7 +234,7 @@ class _Connection(asyncio.Protocol):
         body = bytes(memoryview(self._buffer)[LENGTH.size :])
         self._buffer.clear()
         self._disarm()
-        self._call = asyncio.get_running_loop().create_task(self._serve(body))
+        self.call = asyncio.get_running_loop().create_task(self._serve(body))
 
     def _arm(self) -> None:
         if self._stalled is None:
@@ -203,39 +261,83 @@ class _Connection(asyncio.Protocol):
         self._transport.close()
 
     async def _serve(self, body: bytes) -> None:
+        structlog.contextvars.bind_contextvars(rpc="Pull", rpc_id=new_rpc_id(), listener=LISTENER)
+        started = time.perf_counter()
+        kind: Kind = "pull"
+        try:
+            call = _parsed(body)
+            kind = _kind(call)
+            if kind == "attach":
+                self.attached = True
+                await self._serve_attach(call.attach)
+            else:
+                await self._serve_transfer(call, "push" if kind == "push" else "pull")
+        except Exception as err:  # every failure becomes its status, as in rpc
+            server = self._server
+            code, message, reason = refused(err, server.series[kind], LISTENER, server.on_failure)
+            del err
+            assert self._transport is not None
+            self._transport.write(self._held + end_frame(status_number(code), message, reason))
+        finally:
+            self._server.series[kind].seconds.observe(time.perf_counter() - started)
+            self._held = b""
+            self.call = None
+            self.attached = False
+
+    async def _serve_transfer(self, call: local_calls_pb2.LocalCall, kind: Transfer) -> None:
         transport = self._transport
         assert transport is not None
         server = self._server
-        kind: Kind = "pull"
-        structlog.contextvars.bind_contextvars(rpc="Pull", rpc_id=new_rpc_id(), listener=LISTENER)
-        started = time.perf_counter()
+        spec = call.push.spec if kind == "push" else call.pull.spec
+        parent = traceparent_of(call.traceparent) if call.traceparent else ""
+        structlog.contextvars.bind_contextvars(rpc=kind.capitalize())
         # DONE goes out with the end frame, in one write: the caller reads
         # both at one wake-up instead of being woken for each.
-        held = b""
-        try:
-            call = _parsed(body)
-            kind = "push" if call.WhichOneof("call") == "push" else "pull"
-            spec = call.push.spec if kind == "push" else call.pull.spec
-            parent = traceparent_of(call.traceparent) if call.traceparent else ""
-            structlog.contextvars.bind_contextvars(rpc=kind.capitalize())
-            async for state in server.transfers.reports(spec, kind, parent):
-                if held:  # a status after DONE: nothing is held back any more
-                    transport.write(held)
-                    held = b""
-                reply = frame(local_calls_pb2.LocalReply(status=state))
-                if state.state == transfers_pb2.TRANSFER_STATE_DONE:
-                    held = reply
-                else:
-                    transport.write(reply)
-            transport.write(held + end_frame(0))
-            server.series[kind].count("OK")
-        except Exception as err:  # every failure becomes its status, as in rpc
-            code, message, reason = refused(err, server.series[kind], LISTENER, server.on_failure)
-            del err
-            transport.write(held + end_frame(status_number(code), message, reason))
-        finally:
-            server.series[kind].seconds.observe(time.perf_counter() - started)
-            self._call = None
+        self._held = b""
+        async for state in server.transfers.reports(spec, kind, parent):
+            if self._held:  # a status after DONE: nothing is held back any more
+                transport.write(self._held)
+                self._held = b""
+            reply = frame(local_calls_pb2.LocalReply(status=state))
+            if state.state == transfers_pb2.TRANSFER_STATE_DONE:
+                self._held = reply
+            else:
+                transport.write(reply)
+        transport.write(self._held + end_frame(0))
+        self._held = b""
+        server.series[kind].count("OK")
+
+    async def _serve_attach(self, request: registry_pb2.AttachRequest) -> None:
+        """The worker's events, each written once the connection has room
+        for it (its acknowledgement follows the write, as gRPC's follows
+        the stream's), until the daemon ends the stream (OK) or refuses it."""
+        transport = self._transport
+        assert transport is not None
+        structlog.contextvars.bind_contextvars(rpc="Attach")
+        async for event in self._server.attach(request, lambda: self._peer):
+            await self._writable.wait()
+            transport.write(frame(local_calls_pb2.LocalReply(event=event)))
+        transport.write(end_frame(0))
+        self._server.series["attach"].count("OK")
+
+
+def _peer_cred(transport: asyncio.Transport) -> PeerCred | None:
+    """The connected process's pid, uid and gid (SO_PEERCRED), as the
+    kernel recorded them when it connected."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return None
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    except OSError:
+        return None
+    pid, uid, gid = _PEERCRED.unpack(raw)
+    return PeerCred(pid=pid, uid=uid, gid=gid)
+
+
+def _kind(call: local_calls_pb2.LocalCall) -> Kind:
+    which = call.WhichOneof("call")
+    return "push" if which == "push" else "attach" if which == "attach" else "pull"
 
 
 def _parsed(body: bytes) -> local_calls_pb2.LocalCall:
@@ -244,5 +346,5 @@ def _parsed(body: bytes) -> local_calls_pb2.LocalCall:
     except DecodeError:
         raise InvalidArgument("local calls", "the frame is not a LocalCall") from None
     if call.WhichOneof("call") is None:
-        raise InvalidArgument("local calls", "a LocalCall with neither pull nor push")
+        raise InvalidArgument("local calls", "a LocalCall that names no call")
     return call

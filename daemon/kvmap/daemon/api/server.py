@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -36,6 +37,7 @@ from kvmap.daemon.api.services import (
     TransfersService,
     add_tcp_services,
     add_unix_services,
+    attach_events,
     tcp_service_names,
     unix_service_names,
 )
@@ -168,7 +170,10 @@ class Daemon:
         """The local calls socket; without it (a path too long for a Unix
         socket, say) clients call over gRPC, so its failure is only logged."""
         server = LocalCallsServer(
-            TransfersService(self.app), self.metrics, self.app.activity.failed
+            TransfersService(self.app),
+            self.metrics,
+            self.app.activity.failed,
+            attach=functools.partial(attach_events, self.app),
         )
         path = self.config.local_calls_socket_path
         try:
@@ -204,7 +209,7 @@ class Daemon:
         if self._peer_service is not None:
             self._peer_service.end_streams()
         if self._local_calls is not None:
-            self._local_calls.close()
+            await self._local_calls.close()
         for server in (self._tcp, self._unix):
             if server is not None:
                 await server.stop(grace=1.0)

@@ -8,7 +8,8 @@ once sent)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+import functools
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Literal
 
 import structlog
@@ -32,6 +33,7 @@ from kvmap.core.transfer_wire import (
     report_to_proto,
     transfer_from_spec,
 )
+from kvmap.daemon.adapters.fd_handoff import PeerCred
 from kvmap.daemon.adapters.grpc_codes import status_number
 from kvmap.daemon.api.admin_status import status, worker_summary
 from kvmap.daemon.api.authorization import peer_identity
@@ -108,6 +110,54 @@ def _lease_span(app: DaemonApp, parent: str, request: peer_pb2.BeginTransferRequ
     return app.tracer.start(name, parent=parent, server=True, attributes=attributes)
 
 
+async def attach_events(
+    app: DaemonApp,
+    request: registry_pb2.AttachRequest,
+    caller: Callable[[], PeerCred | None],
+) -> AsyncIterator[registry_pb2.AttachResponse]:
+    """A worker's Attach stream, for either listener (gRPC's Attach, the
+    local calls socket's attach call): ``attached`` first, then the events
+    stored while no stream was open (or before a restart), then live ones,
+    each acknowledged once it has been handed to the stream; it ends when
+    the daemon stops. ``caller()`` is the uid the listener vouches for (None:
+    none known), asked for after the worker is found, as every Registry
+    call does."""
+    key = worker_key(request.worker)
+    record = app.table.get(key)
+    # Only the uid that registered it hears its events (and keeps it alive).
+    app.lifecycle.check_caller(key, caller())
+    queue = app.table.subscribe(key)
+    store = app.store
+    try:
+        yield registry_pb2.AttachResponse(
+            attached=registry_pb2.AttachedEvent(
+                generation=record.generation, daemon_instance=app.instance
+            )
+        )
+        # Notifications that arrived while no stream was open (or before
+        # a restart) first; queued live ones may repeat them: at least once.
+        sent: set[int] = set()
+        for event_id, event in store.pending_events(key):
+            yield event
+            store.ack_event(event_id)
+            sent.add(event_id)
+        while True:
+            event_id, event = await queue.get()
+            if event_id < 0:  # STREAM_END: the daemon is stopping
+                return
+            if event_id and event_id in sent:
+                continue
+            yield event
+            if event_id:
+                store.ack_event(event_id)
+    finally:
+        # The stream ended: the worker closed it, died, or the daemon is
+        # stopping. A worker with no live Attach stream is gone.
+        remaining = app.table.unsubscribe(key, queue)
+        if remaining == 0 and not app.draining and app.table.find(key) is not None:
+            await app.lifecycle.worker_gone(key)
+
+
 class RegistryService(registry_pb2_grpc.RegistryServicer):
     def __init__(self, app: DaemonApp) -> None:
         self.app = app
@@ -134,40 +184,9 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
     async def Attach(
         self, request: registry_pb2.AttachRequest, context: Ctx
     ) -> AsyncIterator[registry_pb2.AttachResponse]:
-        key = worker_key(request.worker)
-        record = self.app.table.get(key)
-        # Only the uid that registered it hears its events (and keeps it alive).
-        self.app.lifecycle.check_caller(key, local_caller(context, self.app.fds))
-        queue = self.app.table.subscribe(key)
-        store = self.app.store
-        try:
-            yield registry_pb2.AttachResponse(
-                attached=registry_pb2.AttachedEvent(
-                    generation=record.generation, daemon_instance=self.app.instance
-                )
-            )
-            # Notifications that arrived while no stream was open (or before
-            # a restart) first; queued live ones may repeat them: at least once.
-            sent: set[int] = set()
-            for event_id, event in store.pending_events(key):
-                yield event
-                store.ack_event(event_id)
-                sent.add(event_id)
-            while True:
-                event_id, event = await queue.get()
-                if event_id < 0:  # STREAM_END: the daemon is stopping
-                    return
-                if event_id and event_id in sent:
-                    continue
-                yield event
-                if event_id:
-                    store.ack_event(event_id)
-        finally:
-            # The stream ended: the worker closed it, died, or the daemon is
-            # stopping. A worker with no live Attach stream is gone.
-            remaining = self.app.table.unsubscribe(key, queue)
-            if remaining == 0 and not self.app.draining and self.app.table.find(key) is not None:
-                await self.app.lifecycle.worker_gone(key)
+        caller = functools.partial(local_caller, context, self.app.fds)
+        async for event in attach_events(self.app, request, caller):
+            yield event
 
     async def GrantTransfer(
         self, request: registry_pb2.GrantTransferRequest, context: Ctx

@@ -5,6 +5,7 @@ isort:skip_file
 
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from kvmap.v1 import registry_pb2 as _registry_pb2
 from kvmap.v1 import transfers_pb2 as _transfers_pb2
 import builtins as _builtins
 import sys
@@ -20,12 +21,18 @@ DESCRIPTOR: _descriptor.FileDescriptor
 @_typing.final
 class LocalCall(_message.Message):
     """The local calls socket (`<socket>.calls`, beside the gRPC socket, same
-    permissions): Transfers.Pull and Transfers.Push without gRPC, for the
-    worker that pulls on every request. Each frame is a little-endian uint32
+    permissions): Transfers.Pull, Transfers.Push and Registry.Attach without
+    gRPC, for the worker that pulls on every request and hears of every
+    transfer of its blocks. Each frame is a little-endian uint32
     length and then that many bytes of one message: the client sends a
     LocalCall, the daemon answers LocalReply frames (the transfer's statuses,
-    as Pull/Push stream them) ending with one whose `end` is set. One call at
-    a time per connection; a connection serves calls one after another.
+    as Pull/Push stream them, or the worker's events, as Attach streams them)
+    ending with one whose `end` is set. One call at a time per connection; a
+    connection serves calls one after another. An attach call holds its
+    connection for as long as the worker stays attached: the client ends it
+    by closing the connection (as it would cancel the gRPC stream), and the
+    daemon acts as the worker's uid the kernel reports for the connection
+    (SO_PEERCRED), where gRPC callers send a credential token.
     Daemons that have no such socket, or are full, are called over gRPC.
     """
 
@@ -33,6 +40,7 @@ class LocalCall(_message.Message):
 
     PULL_FIELD_NUMBER: _builtins.int
     PUSH_FIELD_NUMBER: _builtins.int
+    ATTACH_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
     traceparent: _builtins.str
     """W3C trace context of the caller's span (what gRPC calls carry as
@@ -42,18 +50,21 @@ class LocalCall(_message.Message):
     def pull(self) -> _transfers_pb2.PullRequest: ...
     @_builtins.property
     def push(self) -> _transfers_pb2.PushRequest: ...
+    @_builtins.property
+    def attach(self) -> _registry_pb2.AttachRequest: ...
     def __init__(
         self,
         *,
         pull: _transfers_pb2.PullRequest | None = ...,
         push: _transfers_pb2.PushRequest | None = ...,
+        attach: _registry_pb2.AttachRequest | None = ...,
         traceparent: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["call", b"call", "pull", b"pull", "push", b"push"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["attach", b"attach", "call", b"call", "pull", b"pull", "push", b"push"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["call", b"call", "pull", b"pull", "push", b"push", "traceparent", b"traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach", b"attach", "call", b"call", "pull", b"pull", "push", b"push", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["pull", "push"]  # noqa: Y015
+    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["pull", "push", "attach"]  # noqa: Y015
     _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_call) -> _WhichOneofReturnType_call | None: ...
 
@@ -65,21 +76,25 @@ class LocalReply(_message.Message):
 
     STATUS_FIELD_NUMBER: _builtins.int
     END_FIELD_NUMBER: _builtins.int
+    EVENT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def status(self) -> _transfers_pb2.TransferStatus: ...
     @_builtins.property
     def end(self) -> Global___LocalCallEnd: ...
+    @_builtins.property
+    def event(self) -> _registry_pb2.AttachResponse: ...
     def __init__(
         self,
         *,
         status: _transfers_pb2.TransferStatus | None = ...,
         end: Global___LocalCallEnd | None = ...,
+        event: _registry_pb2.AttachResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "reply", b"reply", "status", b"status"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "event", b"event", "reply", b"reply", "status", b"status"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "reply", b"reply", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "event", b"event", "reply", b"reply", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_reply: _TypeAlias = _typing.Literal["status", "end"]  # noqa: Y015
+    _WhichOneofReturnType_reply: _TypeAlias = _typing.Literal["status", "end", "event"]  # noqa: Y015
     _WhichOneofArgType_reply: _TypeAlias = _typing.Literal["reply", b"reply"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_reply) -> _WhichOneofReturnType_reply | None: ...
 
