@@ -6,6 +6,7 @@ flooding member is a forked child running as another uid in the socket's group: 
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import socket
@@ -25,7 +26,12 @@ from kvmap.client.fd_handoff import (
     send_credentials,
     send_fds,
 )
-from kvmap.client.transports.local_calls import ATTACH_FIELD, call_bytes
+from kvmap.client.transports.local_calls import (
+    ATTACH_FIELD,
+    GRANT_FIELD,
+    REVOKE_FIELD,
+    call_bytes,
+)
 from kvmap.core.config import LOCAL_CALLS_SUFFIX
 from kvmap.core.errors import ResourceExhausted
 from kvmap.tools.launch import DaemonProc, start_daemon
@@ -270,8 +276,9 @@ def test_only_the_registering_uid_acts_as_its_worker(shared_dir: Path) -> None:
     """A worker registered with the client library (its uid's credential token): another uid of
     the socket's group (NOBODY, with its own valid token), a caller without a token and one with
     a made-up token are each refused Attach, GrantTransfer, RevokeTransfer, DeregisterWorker and
-    a replacing RegisterWorker with PERMISSION_DENIED, and NOBODY's attach on the local calls
-    socket (where the kernel names its uid; no token to steal or forge) is refused the same;
+    a replacing RegisterWorker with PERMISSION_DENIED, and NOBODY's attach, grant and revoke on
+    the local calls socket (where the kernel names its uid; no token to steal or forge) are
+    refused the same;
     the worker stays registered as it was, and its own uid attaches and grants."""
     daemon = start_daemon(shared_dir / "run", name="k")
     fd = sealed_memfd("kv", SIZE)
@@ -289,8 +296,10 @@ def test_only_the_registering_uid_acts_as_its_worker(shared_dir: Path) -> None:
             for md in strangers:
                 for call, req in _worker_calls(registry, worker, daemon):
                     _refused(call, req, md)
-        local = _as_nobody(lambda: _local_attach(daemon.socket + LOCAL_CALLS_SUFFIX, worker))
-        assert local.startswith("7 worker w/dp0/tp0/pp0 was registered by another uid"), local
+        path = daemon.socket + LOCAL_CALLS_SUFFIX
+        for field, request in _local_worker_calls(worker):
+            local = _as_nobody(functools.partial(_local_call, path, field, request))
+            assert local.startswith("7 worker w/dp0/tp0/pp0 was registered by another uid"), local
         assert _worker_count(daemon) == 1
         grant = client.grant_transfer(worker, "r1", {0: [1, 2]})
         assert grant.capability and grant.generation == 1
@@ -301,14 +310,30 @@ def test_only_the_registering_uid_acts_as_its_worker(shared_dir: Path) -> None:
         daemon.stop()
 
 
-def _local_attach(path: str, worker: types_pb2.WorkerId) -> str:
-    """An attach call for ``worker`` on the local calls socket, by hand: the
-    first frame's end status number and message, or what came instead."""
-    request = registry_pb2.AttachRequest(worker=worker).SerializeToString()
+def _local_worker_calls(worker: types_pb2.WorkerId) -> list[tuple[int, bytes]]:
+    """The local calls socket's Registry calls that act as ``worker``."""
+    grant = registry_pb2.GrantTransferRequest(
+        worker=worker,
+        request_id="stolen",
+        groups=[types_pb2.BlockGrant(transfer_group=0, block_ids=[1])],
+    )
+    return [
+        (ATTACH_FIELD, registry_pb2.AttachRequest(worker=worker).SerializeToString()),
+        (GRANT_FIELD, grant.SerializeToString()),
+        (
+            REVOKE_FIELD,
+            registry_pb2.RevokeTransferRequest(worker=worker, request_id="r").SerializeToString(),
+        ),
+    ]
+
+
+def _local_call(path: str, field: int, request: bytes) -> str:
+    """One call on the local calls socket, by hand: the first frame's end
+    status number and message, or what came instead."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(10)
         sock.connect(path)
-        sock.sendall(call_bytes(ATTACH_FIELD, request, ""))
+        sock.sendall(call_bytes(field, request, ""))
         head = sock.recv(4, socket.MSG_WAITALL)
         body = sock.recv(int.from_bytes(head, "little"), socket.MSG_WAITALL)
     reply = local_calls_pb2.LocalReply.FromString(body)

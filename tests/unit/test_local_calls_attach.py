@@ -4,19 +4,20 @@ thread) and the client's ``LocalAttachStream``. The worker's events come
 from a scripted stream (``Events``): what the socket carries, its flow
 control, who the daemon is told calls, and how either side ends it are
 tested here; real daemons' Attach over it is in
-tests/integration/test_local_calls_attach.py."""
+tests/integration/test_local_calls_events.py."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
-from test_local_calls_frames import Served
+from test_local_calls_frames import Served, registry_calls
 
 from kvmap.client.transports.local_calls import (
     ATTACH_FIELD,
@@ -26,6 +27,7 @@ from kvmap.client.transports.local_calls import (
 )
 from kvmap.core.errors import NotFound, Unavailable
 from kvmap.daemon.adapters.fd_handoff import PeerCred
+from kvmap.daemon.api import local_calls
 from kvmap.v1 import registry_pb2, types_pb2
 
 pytestmark = pytest.mark.timeout(60)
@@ -94,7 +96,7 @@ def _wait(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[tuple[Served, Events]]:
     events = Events()
-    s = Served(tmp_path / "d.sock.calls", attach=events)
+    s = Served(tmp_path / "d.sock.calls", registry=registry_calls(attach=events))
     try:
         yield s, events
     finally:
@@ -227,7 +229,7 @@ def test_a_worker_that_does_not_read_holds_the_daemons_stream_back(
                 continue
             yield _finished(int(event.transfer_finished.request_id[1:]), pad)
 
-    s = Served(tmp_path / "d.sock.calls", attach=big)
+    s = Served(tmp_path / "d.sock.calls", registry=registry_calls(attach=big))
     try:
         stream = iter(_attach(s.path))
         next(stream)
@@ -243,17 +245,61 @@ def test_a_worker_that_does_not_read_holds_the_daemons_stream_back(
         s.stop()
 
 
-def test_a_full_socket_attaches_over_grpc_instead(tmp_path: Path) -> None:
-    """A daemon with no room for another connection says so before any
-    event: the stream attaches through its fallback (gRPC) and gives that
-    stream's events."""
-    s = Served(tmp_path / "d.sock.calls", attach=Events(), max_connections=0)
+class Answering:
+    """A stand-in daemon on a real Unix socket that reads each call's frame
+    whole and answers it with ``answer`` (an end frame), then closes the
+    connection if ``close``: a full daemon, or one that predates a call."""
+
+    def __init__(self, path: Path, answer: bytes, close: bool) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(path))
+        self.listener.listen()
+        self.answer, self.close, self.calls = answer, close, 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            head = conn.recv(4, socket.MSG_WAITALL)
+            conn.recv(int.from_bytes(head, "little"), socket.MSG_WAITALL)
+            self.calls += 1
+            conn.sendall(self.answer)
+            if self.close:
+                conn.close()
+
+    def stop(self) -> None:
+        self.listener.close()
+
+
+def _fallback_events() -> Iterator[registry_pb2.AttachResponse]:
+    return iter([registry_pb2.AttachResponse(attached=registry_pb2.AttachedEvent(generation=7))])
+
+
+@pytest.mark.parametrize(
+    ("answer", "close"),
+    [
+        (local_calls.end_frame(14, "local calls socket full", local_calls.FULL), True),
+        (local_calls.end_frame(3, "local calls: a LocalCall with neither pull nor push"), False),
+    ],
+    ids=["full", "predates-attach"],
+)
+def test_a_daemon_that_cannot_serve_it_here_is_attached_over_grpc(
+    tmp_path: Path, answer: bytes, close: bool
+) -> None:
+    """A daemon with no room for the connection, or one that predates attach
+    calls (it answers INVALID_ARGUMENT: the frame names no call it knows),
+    answers before any event: the stream attaches through its fallback
+    (gRPC) and gives that stream's events, instead of failing for good."""
+    daemon = Answering(tmp_path / "d.sock.calls", answer, close)
     try:
-        fallback = [registry_pb2.AttachResponse(attached=registry_pb2.AttachedEvent(generation=7))]
-        stream = _attach(s.path, lambda: iter(fallback))
+        stream = _attach(str(tmp_path / "d.sock.calls"), _fallback_events)
         assert [e.attached.generation for e in stream] == [7]
+        assert daemon.calls == 1
     finally:
-        s.stop()
+        daemon.stop()
 
 
 def test_no_socket_means_no_local_stream(tmp_path: Path) -> None:

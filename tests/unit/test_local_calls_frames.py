@@ -30,10 +30,9 @@ from kvmap.client.transports.local_calls import (
     call_bytes,
 )
 from kvmap.core.errors import DeadlineExceeded, NotFound, PermissionDenied, Unavailable
-from kvmap.daemon.adapters.fd_handoff import PeerCred
 from kvmap.daemon.adapters.metrics import Metrics
 from kvmap.daemon.api import local_calls
-from kvmap.daemon.api.local_calls import AttachEvents, LocalCallsServer
+from kvmap.daemon.api.local_calls import AttachEvents, Caller, LocalCallsServer, RegistryCalls
 from kvmap.daemon.api.services import TransfersService
 from kvmap.v1 import local_calls_pb2, registry_pb2, transfers_pb2
 
@@ -87,17 +86,42 @@ class Scripted:
 
 
 async def _no_workers(
-    request: registry_pb2.AttachRequest, caller: Callable[[], PeerCred | None]
+    request: registry_pb2.AttachRequest, caller: Caller
 ) -> AsyncIterator[registry_pb2.AttachResponse]:
     """An attach for a daemon that knows no worker."""
     raise NotFound(f"worker {request.worker.engine_id}")
     yield registry_pb2.AttachResponse()  # an async generator, as the daemon's
 
 
+def _no_grant(
+    request: registry_pb2.GrantTransferRequest, caller: Caller, parent: str
+) -> registry_pb2.GrantTransferResponse:
+    raise NotFound(f"worker {request.worker.engine_id}")
+
+
+def _no_revoke(
+    request: registry_pb2.RevokeTransferRequest, caller: Caller
+) -> registry_pb2.RevokeTransferResponse:
+    raise NotFound(f"worker {request.worker.engine_id}")
+
+
+def registry_calls(
+    attach: AttachEvents = _no_workers,
+    grant: Callable[
+        [registry_pb2.GrantTransferRequest, Caller, str], registry_pb2.GrantTransferResponse
+    ] = _no_grant,
+    revoke: Callable[
+        [registry_pb2.RevokeTransferRequest, Caller], registry_pb2.RevokeTransferResponse
+    ] = _no_revoke,
+) -> RegistryCalls:
+    """Registry calls for a daemon that knows no worker, but those given."""
+    return RegistryCalls(attach=attach, grant=grant, revoke=revoke)
+
+
 class Served:
     """A LocalCallsServer on its own loop in a thread."""
 
-    def __init__(self, path: Path, attach: AttachEvents | None = None, **limits: int) -> None:
+    def __init__(self, path: Path, registry: RegistryCalls | None = None, **limits: int) -> None:
         self.path = str(path)
         self.script = Scripted()
         self.metrics = Metrics()
@@ -109,7 +133,7 @@ class Served:
             cast(TransfersService, self.script),
             self.metrics,
             lambda *f: self.failures.append(f),
-            attach=attach or _no_workers,
+            registry=registry or registry_calls(),
             **limits,
         )
         self.run(self.server.start(self.path))

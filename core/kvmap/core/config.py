@@ -52,8 +52,9 @@ class DaemonConfig:
     metrics_listen: str = ""
     # Unix socket for SCM_RIGHTS fd hand-off; "" means "<socket>.fds".
     fd_socket: str = ""
-    # Also serve Pull and Push on "<socket>.calls" without gRPC (the client
-    # library uses it where it exists: api/local_calls.py says why).
+    # Also serve Pull, Push, Attach, GrantTransfer and RevokeTransfer on
+    # "<socket>.calls" without gRPC (the client library uses it where it
+    # exists: api/local_calls.py says why).
     local_calls: bool = True
     # Seconds SIGTERM waits for in-flight transfers before exiting.
     drain_seconds: float = 10.0

@@ -14,8 +14,10 @@ from kvmap.client import fd_handoff
 from kvmap.client.errors import from_rpc_error
 from kvmap.client.transports.local_calls import (
     ATTACH_FIELD,
+    GRANT_FIELD,
     PULL_FIELD,
     PUSH_FIELD,
+    REVOKE_FIELD,
     LocalAttachStream,
     LocalCalls,
     call_bytes,
@@ -190,11 +192,21 @@ class GrpcTransport:
     def grant_transfer(
         self, req: registry_pb2.GrantTransferRequest, timeout: float
     ) -> registry_pb2.GrantTransferResponse:
+        # On the local calls socket where the daemon serves it (a scheduler
+        # grants on every rank for every request); else gRPC's.
+        frame = call_bytes(GRANT_FIELD, req.SerializeToString(), current().traceparent())
+        reply = self._local.unary(frame, timeout, "granted")
+        if reply is not None:
+            return reply.granted
         return self._as_caller(self._registry.GrantTransfer, req, timeout)
 
     def revoke_transfer(
         self, req: registry_pb2.RevokeTransferRequest, timeout: float
     ) -> registry_pb2.RevokeTransferResponse:
+        frame = call_bytes(REVOKE_FIELD, req.SerializeToString(), "")
+        reply = self._local.unary(frame, timeout, "revoked")
+        if reply is not None:
+            return reply.revoked
         return self._as_caller(self._registry.RevokeTransfer, req, timeout)
 
     def _credentials(self, fresh: bool = False) -> tuple[tuple[str, str], ...]:

@@ -1,12 +1,14 @@
-"""Pull, Push and Attach on kvmapd's local calls socket (``<socket>.calls``,
-``protos/kvmap/v1/local_calls.proto``): the same calls as gRPC's, at what a
-Unix socket costs (the daemon's ``api/local_calls.py`` says why).
+"""Pull, Push, Attach, GrantTransfer and RevokeTransfer on kvmapd's local
+calls socket (``<socket>.calls``, ``protos/kvmap/v1/local_calls.proto``):
+the same calls as gRPC's, at what a Unix socket costs (the daemon's
+``api/local_calls.py`` says why).
 
-``LocalCalls.call`` answers None when the daemon has no such socket (an
-older daemon, one started with ``--no-local-calls``, one down) or no room
-for another connection: the caller then makes the call over gRPC, which
-answers as it always did. Everything else is the call's own outcome: its
-statuses, or the error gRPC would have raised (``kvmap.client.errors``).
+``LocalCalls.call`` and ``unary`` answer None when the daemon has no such
+socket (an older daemon, one started with ``--no-local-calls``, one down),
+no room for another connection, or (``unary``, an attach) does not know the
+call: the caller then makes the call over gRPC, which answers as it always
+did. Everything else is the call's own outcome: its statuses or response,
+or the error gRPC would have raised (``kvmap.client.errors``).
 
 An attach call has a connection of its own for as long as the worker stays
 attached (``LocalAttachStream``); it is never kept for another call.
@@ -28,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from kvmap.client.errors import from_status, from_status_number
-from kvmap.core.errors import KvmapError
+from kvmap.core.errors import InvalidArgument, KvmapError
 from kvmap.v1 import local_calls_pb2, registry_pb2, transfers_pb2
 
 LENGTH = struct.Struct("<I")
@@ -40,11 +42,15 @@ MAX_REPLY_BYTES = 1 << 20
 CONNECT_TIMEOUT_S = 1.0
 # The daemon's reason for "no room for another connection".
 FULL = "LOCAL_CALLS_FULL"
+# gRPC's INVALID_ARGUMENT, as an end frame's code.
+INVALID_ARGUMENT_CODE = 3
 # LocalCall's fields: pull (1) and push (2) are PullRequest / PushRequest,
 # whose only field (1) is the spec; traceparent is field 3.
 PULL_FIELD = 1
 PUSH_FIELD = 2
 ATTACH_FIELD = 4
+GRANT_FIELD = 5
+REVOKE_FIELD = 6
 _TRACEPARENT_TAG = b"\x1a"
 
 
@@ -80,8 +86,35 @@ class LocalCalls:
         self._pid = os.getpid()
 
     def call(self, frame: bytes, timeout: float) -> list[transfers_pb2.TransferStatus] | None:
-        """Send one call (``call_bytes``) and read its statuses to the end,
-        within ``timeout``; None when the call must go over gRPC instead."""
+        """Send one transfer call (``call_bytes``) and read its statuses to
+        the end, within ``timeout``; None when the call must go over gRPC."""
+        replies = self.replies(frame, timeout)
+        if replies is None:
+            return None
+        if any(r.WhichOneof("reply") != "status" for r in replies):
+            raise from_status("UNAVAILABLE", "kvmapd local calls socket: a reply that is no status")
+        return [r.status for r in replies]
+
+    def unary(self, frame: bytes, timeout: float, field: str) -> local_calls_pb2.LocalReply | None:
+        """Send one Registry call whose answer is one reply with ``field``
+        set; None when the call must go over gRPC: no socket, no room, or a
+        daemon that predates the call (it answers INVALID_ARGUMENT, since
+        the frame names no call it knows: a call the daemon finds invalid
+        is refused over gRPC again, with nothing changed, as it must be)."""
+        try:
+            replies = self.replies(frame, timeout)
+        except InvalidArgument:
+            return None
+        if replies is None:
+            return None
+        if len(replies) != 1 or replies[0].WhichOneof("reply") != field:
+            raise from_status("UNAVAILABLE", f"kvmapd local calls socket: no {field} reply")
+        return replies[0]
+
+    def replies(self, frame: bytes, timeout: float) -> list[local_calls_pb2.LocalReply] | None:
+        """Send one call and read its replies to the end, within
+        ``timeout``: those before the end frame, or the error the end frame
+        names; None when the call must go over gRPC instead."""
         deadline = time.monotonic() + timeout
         sock = self._connection()
         if sock is None:
@@ -97,19 +130,19 @@ class LocalCalls:
                     sock.close()
                     return None
                 raise
-            statuses: list[transfers_pb2.TransferStatus] = []
+            replies: list[local_calls_pb2.LocalReply] = []
             while True:
                 reply = _read_reply(sock, deadline)
-                if reply.WhichOneof("reply") == "status":
-                    statuses.append(reply.status)
+                if reply.WhichOneof("reply") != "end":
+                    replies.append(reply)
                     continue
                 end = reply.end
-                if end.reason == FULL and not statuses:
+                if end.reason == FULL and not replies:
                     sock.close()
                     return None
                 self._keep(sock)  # the call ended as the protocol says
                 if end.code == 0:
-                    return statuses
+                    return replies
                 raise from_status_number(end.code, end.message)
         except TimeoutError:
             sock.close()  # the daemon cancels the call, as for gRPC's deadline
@@ -205,7 +238,7 @@ class LocalAttachStream:
             while True:
                 reply = _read_reply(self._sock, None)
                 kind = reply.WhichOneof("reply")
-                if not self._started and kind == "end" and reply.end.reason == FULL:
+                if not self._started and kind == "end" and _over_grpc(reply.end):
                     self._sock.close()
                     if not self._cancelled.is_set():
                         yield from self._fallback()
@@ -232,6 +265,13 @@ class LocalAttachStream:
         # Not connected any more (OSError): the stream is over already.
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
+
+
+def _over_grpc(end: local_calls_pb2.LocalCallEnd) -> bool:
+    """Whether a first answer sends an attach call to gRPC: a daemon with
+    no room (``FULL``), or one that predates the call (INVALID_ARGUMENT: the
+    frame names no call it knows; a new daemon's gRPC answers the same)."""
+    return end.reason == FULL or end.code == INVALID_ARGUMENT_CODE
 
 
 class _Broken(Exception):

@@ -1,7 +1,7 @@
 """The local calls socket (``<socket>.calls``): Transfers.Pull and Push, and
-Registry.Attach, as length-prefixed protobuf frames
-(``protos/kvmap/v1/local_calls.proto``), for the worker that pulls on every
-request and hears of every transfer of its blocks.
+Registry.Attach, GrantTransfer and RevokeTransfer, as length-prefixed
+protobuf frames (``protos/kvmap/v1/local_calls.proto``), for the workers
+(and the scheduler) that make these calls on every request.
 
 Why it exists: on this socket a pull's call and answer cost what a Unix
 socket costs (~0.06 ms and ~0.02 ms of the caller's CPU), where a gRPC call
@@ -13,9 +13,11 @@ same gRPC call is (``rpc.refused``, under the method's gRPC metric series).
 
 Who may call: whoever may open the gRPC Unix socket (the socket is made
 ``0660`` beside it; Pull and Push ask for no credential token there
-either). An attach call acts as the uid the kernel reports for the
+either). Registry calls act as the uid the kernel reports for the
 connection (SO_PEERCRED), which is what a gRPC caller's credential token
-proves: only the uid that registered a worker hears its events. An attach
+proves: only the uid that registered a worker hears its events, grants or
+revokes its blocks. They run the gRPC servicer's own functions
+(``services.attach_events``, ``grant_transfer``, ``revoke_transfer``). An attach
 call holds its connection while the worker stays attached; its events are
 written as the connection takes them (the next one waits while the
 client's socket is full), and the client ends it by closing the
@@ -39,6 +41,7 @@ import socket
 import struct
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import structlog
@@ -68,13 +71,38 @@ FULL = "LOCAL_CALLS_FULL"
 LISTENER = "local_calls"
 
 Transfer = Literal["pull", "push"]
-Kind = Literal["pull", "push", "attach"]
-# A worker's Attach stream (``services.attach_events`` bound to the app):
-# the request and the caller's uid as this listener knows it.
+Kind = Literal["pull", "push", "attach", "grant", "revoke"]
+# The caller's uid as this listener knows it.
+Caller = Callable[[], PeerCred | None]
+# A worker's Attach stream (``services.attach_events`` bound to the app).
 AttachEvents = Callable[
-    [registry_pb2.AttachRequest, Callable[[], PeerCred | None]],
-    AsyncIterator[registry_pb2.AttachResponse],
+    [registry_pb2.AttachRequest, Caller], AsyncIterator[registry_pb2.AttachResponse]
 ]
+
+
+@dataclass(frozen=True)
+class RegistryCalls:
+    """The Registry calls this socket serves (``services``' functions bound
+    to the app; a unit test's stand-ins)."""
+
+    attach: AttachEvents
+    # The request, the caller, the caller's traceparent ("" for none).
+    grant: Callable[
+        [registry_pb2.GrantTransferRequest, Caller, str], registry_pb2.GrantTransferResponse
+    ]
+    revoke: Callable[
+        [registry_pb2.RevokeTransferRequest, Caller], registry_pb2.RevokeTransferResponse
+    ]
+
+
+# Each call's method, as gRPC names it (its metric series and log lines).
+_METHODS: dict[Kind, str] = {
+    "pull": "/kvmap.v1.Transfers/Pull",
+    "push": "/kvmap.v1.Transfers/Push",
+    "attach": "/kvmap.v1.Registry/Attach",
+    "grant": "/kvmap.v1.Registry/GrantTransfer",
+    "revoke": "/kvmap.v1.Registry/RevokeTransfer",
+}
 # How long stopping waits for attach calls to send their end frame (the
 # daemon has told every stream to end), as gRPC's servers wait for theirs.
 CLOSE_GRACE_S = 1.0
@@ -107,20 +135,16 @@ class LocalCallsServer:
         metrics: Metrics,
         on_failure: OnFailure | None,
         *,
-        attach: AttachEvents,
+        registry: RegistryCalls,
         max_frame_bytes: int = MAX_MESSAGE_BYTES,
         max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self.transfers = transfers
-        self.attach = attach
+        self.registry = registry
         self.on_failure = on_failure
         self.max_frame_bytes = max_frame_bytes
         self.max_connections = max_connections
-        self.series: dict[Kind, MethodSeries] = {
-            "pull": MethodSeries(metrics, "/kvmap.v1.Transfers/Pull"),
-            "push": MethodSeries(metrics, "/kvmap.v1.Transfers/Push"),
-            "attach": MethodSeries(metrics, "/kvmap.v1.Registry/Attach"),
-        }
+        self.series = {kind: MethodSeries(metrics, m) for kind, m in _METHODS.items()}
         self.connections: set[_Connection] = set()
         self._server: asyncio.AbstractServer | None = None
 
@@ -270,6 +294,8 @@ class _Connection(asyncio.Protocol):
             if kind == "attach":
                 self.attached = True
                 await self._serve_attach(call.attach)
+            elif kind in ("grant", "revoke"):
+                self._serve_unary(call, kind)
             else:
                 await self._serve_transfer(call, "push" if kind == "push" else "pull")
         except Exception as err:  # every failure becomes its status, as in rpc
@@ -314,11 +340,31 @@ class _Connection(asyncio.Protocol):
         transport = self._transport
         assert transport is not None
         structlog.contextvars.bind_contextvars(rpc="Attach")
-        async for event in self._server.attach(request, lambda: self._peer):
+        async for event in self._server.registry.attach(request, self._caller):
             await self._writable.wait()
             transport.write(frame(local_calls_pb2.LocalReply(event=event)))
         transport.write(end_frame(0))
         self._server.series["attach"].count("OK")
+
+    def _serve_unary(self, call: local_calls_pb2.LocalCall, kind: Kind) -> None:
+        """GrantTransfer or RevokeTransfer: its response and the end frame, in one write."""
+        transport = self._transport
+        assert transport is not None
+        registry = self._server.registry
+        if kind == "grant":
+            structlog.contextvars.bind_contextvars(rpc="GrantTransfer")
+            parent = traceparent_of(call.traceparent) if call.traceparent else ""
+            reply = local_calls_pb2.LocalReply(
+                granted=registry.grant(call.grant, self._caller, parent)
+            )
+        else:
+            structlog.contextvars.bind_contextvars(rpc="RevokeTransfer")
+            reply = local_calls_pb2.LocalReply(revoked=registry.revoke(call.revoke, self._caller))
+        transport.write(frame(reply) + end_frame(0))
+        self._server.series[kind].count("OK")
+
+    def _caller(self) -> PeerCred | None:
+        return self._peer
 
 
 def _peer_cred(transport: asyncio.Transport) -> PeerCred | None:
@@ -336,8 +382,7 @@ def _peer_cred(transport: asyncio.Transport) -> PeerCred | None:
 
 
 def _kind(call: local_calls_pb2.LocalCall) -> Kind:
-    which = call.WhichOneof("call")
-    return "push" if which == "push" else "attach" if which == "attach" else "pull"
+    return call.WhichOneof("call") or "pull"  # _parsed refused a frame naming no call
 
 
 def _parsed(body: bytes) -> local_calls_pb2.LocalCall:

@@ -30,7 +30,7 @@ from kvmap.daemon.adapters.socket_lock import PathLock, SocketLock, StateDirLock
 from kvmap.daemon.api.authorization import PeerAuthorization
 from kvmap.daemon.api.health import ObservedHealth
 from kvmap.daemon.api.limits import tcp_server_options
-from kvmap.daemon.api.local_calls import LocalCallsServer
+from kvmap.daemon.api.local_calls import LocalCallsServer, RegistryCalls
 from kvmap.daemon.api.rpc import ErrorsAndContext
 from kvmap.daemon.api.services import (
     PeerService,
@@ -38,6 +38,8 @@ from kvmap.daemon.api.services import (
     add_tcp_services,
     add_unix_services,
     attach_events,
+    grant_transfer,
+    revoke_transfer,
     tcp_service_names,
     unix_service_names,
 )
@@ -173,7 +175,11 @@ class Daemon:
             TransfersService(self.app),
             self.metrics,
             self.app.activity.failed,
-            attach=functools.partial(attach_events, self.app),
+            registry=RegistryCalls(
+                attach=functools.partial(attach_events, self.app),
+                grant=functools.partial(grant_transfer, self.app),
+                revoke=functools.partial(revoke_transfer, self.app),
+            ),
         )
         path = self.config.local_calls_socket_path
         try:

@@ -87,15 +87,6 @@ def _caller_span(app: DaemonApp, context: Ctx) -> str:
     return traceparent_in(context.invocation_metadata()) if app.tracer.enabled else ""
 
 
-def _span(app: DaemonApp, context: Ctx, name: str, **attributes: str | int) -> Span:
-    """The span of one call, a child of the caller's (its ``traceparent``
-    metadata); ``NULL_SPAN``, at the cost of this branch, when tracing is off."""
-    if not app.tracer.enabled:
-        return NULL_SPAN
-    parent = traceparent_in(context.invocation_metadata())
-    return app.tracer.start(name, parent=parent, server=True, attributes=attributes)
-
-
 def _lease_span(app: DaemonApp, parent: str, request: peer_pb2.BeginTransferRequest) -> Span:
     """The owner's span of an announced transfer (or a release of a use), a
     child of the caller's ``parent`` (a traceparent), under the same ids as
@@ -191,18 +182,37 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
     async def GrantTransfer(
         self, request: registry_pb2.GrantTransferRequest, context: Ctx
     ) -> registry_pb2.GrantTransferResponse:
-        key = worker_key(request.worker)
-        request_id = request.request_id[:MAX_REQUEST_ID]
-        blocks = sum(len(g.block_ids) for g in request.groups)
-        with _span(self.app, context, "kvmap.grant", request_id=request_id, worker=str(key),
-                   blocks=blocks):  # fmt: skip
-            return self._grant(key, request, context)
+        caller = functools.partial(local_caller, context, self.app.fds)
+        return grant_transfer(self.app, request, caller, _caller_span(self.app, context))
 
-    def _grant(
-        self, key: WorkerKey, request: registry_pb2.GrantTransferRequest, context: Ctx
-    ) -> registry_pb2.GrantTransferResponse:
-        self.app.lifecycle.check_caller(key, local_caller(context, self.app.fds))
-        capability, grant = self.app.owner.grant(
+    async def RevokeTransfer(
+        self, request: registry_pb2.RevokeTransferRequest, context: Ctx
+    ) -> registry_pb2.RevokeTransferResponse:
+        caller = functools.partial(local_caller, context, self.app.fds)
+        return revoke_transfer(self.app, request, caller)
+
+
+def grant_transfer(
+    app: DaemonApp,
+    request: registry_pb2.GrantTransferRequest,
+    caller: Callable[[], PeerCred | None],
+    parent: str,
+) -> registry_pb2.GrantTransferResponse:
+    """GrantTransfer, for either listener: ``caller()`` is the uid the
+    listener vouches for (``attach_events``), ``parent`` the caller's
+    traceparent ("" for none)."""
+    key = worker_key(request.worker)
+    request_id = request.request_id[:MAX_REQUEST_ID]
+    blocks = sum(len(g.block_ids) for g in request.groups)
+    span = NULL_SPAN
+    if app.tracer.enabled:
+        attributes: dict[str, str | int] = {
+            "request_id": request_id, "worker": str(key), "blocks": blocks
+        }  # fmt: skip
+        span = app.tracer.start("kvmap.grant", parent=parent, server=True, attributes=attributes)
+    with span:
+        app.lifecycle.check_caller(key, caller())
+        capability, grant = app.owner.grant(
             key,
             request_id=request.request_id,
             groups=[(g.transfer_group, g.block_ids) for g in request.groups],
@@ -211,21 +221,25 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
             open_uses=request.open_uses,
             unread_release=request.unread_release,
         )
-        return registry_pb2.GrantTransferResponse(
-            capability=capability,
-            generation=grant.generation,
-            expires_unix_ms=grant.expires_unix_ms,
-            open_uses=grant.open,
-            unread_release=registry_pb2.UnreadRelease.ValueType(grant.unread_release),
-        )
+    return registry_pb2.GrantTransferResponse(
+        capability=capability,
+        generation=grant.generation,
+        expires_unix_ms=grant.expires_unix_ms,
+        open_uses=grant.open,
+        unread_release=registry_pb2.UnreadRelease.ValueType(grant.unread_release),
+    )
 
-    async def RevokeTransfer(
-        self, request: registry_pb2.RevokeTransferRequest, context: Ctx
-    ) -> registry_pb2.RevokeTransferResponse:
-        key = worker_key(request.worker)
-        self.app.lifecycle.check_caller(key, local_caller(context, self.app.fds))
-        self.app.owner.revoke(key, request.request_id)
-        return registry_pb2.RevokeTransferResponse()
+
+def revoke_transfer(
+    app: DaemonApp,
+    request: registry_pb2.RevokeTransferRequest,
+    caller: Callable[[], PeerCred | None],
+) -> registry_pb2.RevokeTransferResponse:
+    """RevokeTransfer, for either listener (``grant_transfer``)."""
+    key = worker_key(request.worker)
+    app.lifecycle.check_caller(key, caller())
+    app.owner.revoke(key, request.request_id)
+    return registry_pb2.RevokeTransferResponse()
 
 
 class RegionMapsService(region_maps_pb2_grpc.RegionMapsServicer):

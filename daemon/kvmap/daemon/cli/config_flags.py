@@ -20,8 +20,8 @@ KEY_HELP = {
     "log_level": f"least severe level logged: {', '.join(LOG_LEVELS)}",
     "metrics_listen": "HOST:PORT for Prometheus /metrics; without it no metrics server",
     "fd_socket": "Unix socket of the SCM_RIGHTS fd hand-off",
-    "local_calls": "also serve Pull and Push on <socket>.calls without gRPC (the client "
-    "library uses it where it exists)",
+    "local_calls": "also serve Pull, Push, Attach, GrantTransfer and RevokeTransfer on "
+    "<socket>.calls without gRPC (the client library uses it where it exists)",
     "drain_seconds": "seconds SIGTERM waits for in-flight transfers",
     "transfer_timeout_s": "default deadline of a transfer, handshake to completion",
     "connect_timeout_s": "seconds to wait for a peer daemon's handshake before UNAVAILABLE",

@@ -26,7 +26,7 @@ from kvmap.v1 import registry_pb2 as kvmap_dot_v1_dot_registry__pb2
 from kvmap.v1 import transfers_pb2 as kvmap_dot_v1_dot_transfers__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvmap/v1/local_calls.proto\x12\x08kvmap.v1\x1a\x17kvmap/v1/registry.proto\x1a\x18kvmap/v1/transfers.proto\"\xa1\x01\n\tLocalCall\x12%\n\x04pull\x18\x01 \x01(\x0b\x32\x15.kvmap.v1.PullRequestH\x00\x12%\n\x04push\x18\x02 \x01(\x0b\x32\x15.kvmap.v1.PushRequestH\x00\x12)\n\x06\x61ttach\x18\x04 \x01(\x0b\x32\x17.kvmap.v1.AttachRequestH\x00\x12\x13\n\x0btraceparent\x18\x03 \x01(\tB\x06\n\x04\x63\x61ll\"\x93\x01\n\nLocalReply\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x18.kvmap.v1.TransferStatusH\x00\x12%\n\x03\x65nd\x18\x02 \x01(\x0b\x32\x16.kvmap.v1.LocalCallEndH\x00\x12)\n\x05\x65vent\x18\x03 \x01(\x0b\x32\x18.kvmap.v1.AttachResponseH\x00\x42\x07\n\x05reply\"=\n\x0cLocalCallEnd\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvmap/v1/local_calls.proto\x12\x08kvmap.v1\x1a\x17kvmap/v1/registry.proto\x1a\x18kvmap/v1/transfers.proto\"\x85\x02\n\tLocalCall\x12%\n\x04pull\x18\x01 \x01(\x0b\x32\x15.kvmap.v1.PullRequestH\x00\x12%\n\x04push\x18\x02 \x01(\x0b\x32\x15.kvmap.v1.PushRequestH\x00\x12)\n\x06\x61ttach\x18\x04 \x01(\x0b\x32\x17.kvmap.v1.AttachRequestH\x00\x12/\n\x05grant\x18\x05 \x01(\x0b\x32\x1e.kvmap.v1.GrantTransferRequestH\x00\x12\x31\n\x06revoke\x18\x06 \x01(\x0b\x32\x1f.kvmap.v1.RevokeTransferRequestH\x00\x12\x13\n\x0btraceparent\x18\x03 \x01(\tB\x06\n\x04\x63\x61ll\"\xfc\x01\n\nLocalReply\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x18.kvmap.v1.TransferStatusH\x00\x12%\n\x03\x65nd\x18\x02 \x01(\x0b\x32\x16.kvmap.v1.LocalCallEndH\x00\x12)\n\x05\x65vent\x18\x03 \x01(\x0b\x32\x18.kvmap.v1.AttachResponseH\x00\x12\x32\n\x07granted\x18\x04 \x01(\x0b\x32\x1f.kvmap.v1.GrantTransferResponseH\x00\x12\x33\n\x07revoked\x18\x05 \x01(\x0b\x32 .kvmap.v1.RevokeTransferResponseH\x00\x42\x07\n\x05reply\"=\n\x0cLocalCallEnd\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,9 +34,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmap.v1.local_calls_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LOCALCALL']._serialized_start=92
-  _globals['_LOCALCALL']._serialized_end=253
-  _globals['_LOCALREPLY']._serialized_start=256
-  _globals['_LOCALREPLY']._serialized_end=403
-  _globals['_LOCALCALLEND']._serialized_start=405
-  _globals['_LOCALCALLEND']._serialized_end=466
+  _globals['_LOCALCALL']._serialized_end=353
+  _globals['_LOCALREPLY']._serialized_start=356
+  _globals['_LOCALREPLY']._serialized_end=608
+  _globals['_LOCALCALLEND']._serialized_start=610
+  _globals['_LOCALCALLEND']._serialized_end=671
 # @@protoc_insertion_point(module_scope)

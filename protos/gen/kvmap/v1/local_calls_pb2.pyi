@@ -21,18 +21,21 @@ DESCRIPTOR: _descriptor.FileDescriptor
 @_typing.final
 class LocalCall(_message.Message):
     """The local calls socket (`<socket>.calls`, beside the gRPC socket, same
-    permissions): Transfers.Pull, Transfers.Push and Registry.Attach without
-    gRPC, for the worker that pulls on every request and hears of every
-    transfer of its blocks. Each frame is a little-endian uint32
+    permissions): Transfers.Pull, Transfers.Push, Registry.Attach,
+    Registry.GrantTransfer and Registry.RevokeTransfer without gRPC, for the
+    workers (and the scheduler) that make these calls on every request. Each frame is a little-endian uint32
     length and then that many bytes of one message: the client sends a
     LocalCall, the daemon answers LocalReply frames (the transfer's statuses,
-    as Pull/Push stream them, or the worker's events, as Attach streams them)
-    ending with one whose `end` is set. One call at a time per connection; a
+    as Pull/Push stream them, the worker's events, as Attach streams them, or
+    the one response of GrantTransfer/RevokeTransfer) ending with one whose
+    `end` is set. One call at a time per connection; a
     connection serves calls one after another. An attach call holds its
     connection for as long as the worker stays attached: the client ends it
-    by closing the connection (as it would cancel the gRPC stream), and the
-    daemon acts as the worker's uid the kernel reports for the connection
-    (SO_PEERCRED), where gRPC callers send a credential token.
+    by closing the connection (as it would cancel the gRPC stream). Registry
+    calls act as the uid the kernel reports for the connection (SO_PEERCRED),
+    where gRPC callers send a credential token. A daemon that predates a call
+    answers INVALID_ARGUMENT (the LocalCall names no call it knows), on which
+    the client makes that call over gRPC.
     Daemons that have no such socket, or are full, are called over gRPC.
     """
 
@@ -41,6 +44,8 @@ class LocalCall(_message.Message):
     PULL_FIELD_NUMBER: _builtins.int
     PUSH_FIELD_NUMBER: _builtins.int
     ATTACH_FIELD_NUMBER: _builtins.int
+    GRANT_FIELD_NUMBER: _builtins.int
+    REVOKE_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
     traceparent: _builtins.str
     """W3C trace context of the caller's span (what gRPC calls carry as
@@ -52,19 +57,25 @@ class LocalCall(_message.Message):
     def push(self) -> _transfers_pb2.PushRequest: ...
     @_builtins.property
     def attach(self) -> _registry_pb2.AttachRequest: ...
+    @_builtins.property
+    def grant(self) -> _registry_pb2.GrantTransferRequest: ...
+    @_builtins.property
+    def revoke(self) -> _registry_pb2.RevokeTransferRequest: ...
     def __init__(
         self,
         *,
         pull: _transfers_pb2.PullRequest | None = ...,
         push: _transfers_pb2.PushRequest | None = ...,
         attach: _registry_pb2.AttachRequest | None = ...,
+        grant: _registry_pb2.GrantTransferRequest | None = ...,
+        revoke: _registry_pb2.RevokeTransferRequest | None = ...,
         traceparent: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["attach", b"attach", "call", b"call", "pull", b"pull", "push", b"push"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["attach", b"attach", "call", b"call", "grant", b"grant", "pull", b"pull", "push", b"push", "revoke", b"revoke"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach", b"attach", "call", b"call", "pull", b"pull", "push", b"push", "traceparent", b"traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach", b"attach", "call", b"call", "grant", b"grant", "pull", b"pull", "push", b"push", "revoke", b"revoke", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["pull", "push", "attach"]  # noqa: Y015
+    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["pull", "push", "attach", "grant", "revoke"]  # noqa: Y015
     _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_call) -> _WhichOneofReturnType_call | None: ...
 
@@ -77,24 +88,32 @@ class LocalReply(_message.Message):
     STATUS_FIELD_NUMBER: _builtins.int
     END_FIELD_NUMBER: _builtins.int
     EVENT_FIELD_NUMBER: _builtins.int
+    GRANTED_FIELD_NUMBER: _builtins.int
+    REVOKED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def status(self) -> _transfers_pb2.TransferStatus: ...
     @_builtins.property
     def end(self) -> Global___LocalCallEnd: ...
     @_builtins.property
     def event(self) -> _registry_pb2.AttachResponse: ...
+    @_builtins.property
+    def granted(self) -> _registry_pb2.GrantTransferResponse: ...
+    @_builtins.property
+    def revoked(self) -> _registry_pb2.RevokeTransferResponse: ...
     def __init__(
         self,
         *,
         status: _transfers_pb2.TransferStatus | None = ...,
         end: Global___LocalCallEnd | None = ...,
         event: _registry_pb2.AttachResponse | None = ...,
+        granted: _registry_pb2.GrantTransferResponse | None = ...,
+        revoked: _registry_pb2.RevokeTransferResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "event", b"event", "reply", b"reply", "status", b"status"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "event", b"event", "granted", b"granted", "reply", b"reply", "revoked", b"revoked", "status", b"status"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "event", b"event", "reply", b"reply", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "event", b"event", "granted", b"granted", "reply", b"reply", "revoked", b"revoked", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_reply: _TypeAlias = _typing.Literal["status", "end", "event"]  # noqa: Y015
+    _WhichOneofReturnType_reply: _TypeAlias = _typing.Literal["status", "end", "event", "granted", "revoked"]  # noqa: Y015
     _WhichOneofArgType_reply: _TypeAlias = _typing.Literal["reply", b"reply"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_reply) -> _WhichOneofReturnType_reply | None: ...
 
