@@ -284,3 +284,29 @@ def test_a_pass_result_for_a_forgotten_transfer_never_finishes_the_one_now_watch
             nixl.shutdown()
 
     asyncio.run(main())
+
+
+def test_the_pace_follows_what_the_daemon_waits_for() -> None:
+    """A pass polls again at the busy pace while this daemon's own transfer
+    is watched (leases or not), at the lease pace while only a peer holds a
+    lease, and at the idle pace when neither: the owner of a read does not
+    spin at the reader's pace."""
+    leased = [True]
+
+    async def main() -> None:
+        agent, nixl = Agent(), NixlThread()
+        fake: Any = agent
+        p = Progress(fake, nixl, on_notifs=lambda n: None, busy=lambda: leased[0])
+        assert await nixl(p._pass) == progress.LEASE_INTERVAL_S
+        x = xfer()
+        pending = watch(p, x)
+        assert await nixl(p._pass) == progress.BUSY_INTERVAL_S
+        leased[0] = False
+        assert await nixl(p._pass) == progress.BUSY_INTERVAL_S
+        p.forget(x)
+        pending.cancel()
+        assert await nixl(p._pass) == progress.IDLE_INTERVAL_S
+        nixl.shutdown()
+
+    assert progress.BUSY_INTERVAL_S < progress.LEASE_INTERVAL_S < progress.IDLE_INTERVAL_S
+    asyncio.run(main())

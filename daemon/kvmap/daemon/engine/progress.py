@@ -1,8 +1,9 @@
 """Drives NIXL from the daemon's own NIXL thread instead of UCX's progress
 thread (which spins a whole core): a pump on that thread polls posted
-transfers and takes incoming notifications, fast while anything is in
-flight and slowly when idle, and wakes the event loop only for a pass that
-found something (a finished transfer, a notification)."""
+transfers and takes incoming notifications, fast while this daemon's own
+transfers are in flight, less often while peers read from it (``pace``),
+slowly when idle, and wakes the event loop only for a pass that found
+something (a finished transfer, a notification)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,15 @@ from kvmap.daemon.adapters.nixl_thread import NixlThread
 
 log = structlog.get_logger("kvmapd.progress")
 
+# While this daemon's own transfers are posted: it polls them for completion.
 BUSY_INTERVAL_S = 0.0002
+# While a peer holds a lease on this daemon's memory and none of its own
+# transfers is posted: the peer's read needs this side's UCX only now and
+# then (its notification at the end, the protocol messages UCX sends
+# between the two agents), and polling it at the busy pace cost the owner
+# daemon twice the CPU per pull for no pull that ended sooner
+# (docs/benchmarks.md, "The hop, ninth round").
+LEASE_INTERVAL_S = 0.001
 IDLE_INTERVAL_S = 0.01
 # A transfer NIXL has not completed this long after its post is logged
 # (once): a pull that then runs out of time says where it waited.
@@ -28,9 +37,19 @@ SLOW_TRANSFER_S = 5.0
 Notifs = dict[str, list[bytes]]
 
 
+def pace(*, watching: bool, leased: bool) -> float:
+    """Seconds until the next pass: the busy pace while this daemon waits
+    for transfers it posted, the lease pace while only peers read from it,
+    the idle pace otherwise (a lease's ``wake`` starts a pass at once)."""
+    if watching:
+        return BUSY_INTERVAL_S
+    return LEASE_INTERVAL_S if leased else IDLE_INTERVAL_S
+
+
 class Progress:
-    """``busy`` is called on the NIXL thread at every pass: it must be a
-    cheap read that is safe from any thread (``len`` of a dict is)."""
+    """``busy`` (whether a peer holds a lease) is called on the NIXL thread
+    at every pass: it must be a cheap read that is safe from any thread
+    (``len`` of a dict is)."""
 
     def __init__(
         self,
@@ -80,10 +99,10 @@ class Progress:
         self._nixl.wake()
 
     def wake(self) -> None:
-        """Start a pass now and poll at the busy pace: a peer is about to
-        move bytes through this agent (a lease began), and UCX moves them
-        only while this side calls in. Waiting out the idle interval would
-        add up to that interval to the peer's transfer."""
+        """Start a pass now and poll at the lease pace from then on: a peer
+        is about to move bytes through this agent (a lease began), and UCX
+        answers the peer only while this side calls in. Waiting out the idle
+        interval would add up to that interval to the peer's transfer."""
         self._nixl.wake()
 
     def watching(self, xfer: Xfer) -> bool:
@@ -117,8 +136,7 @@ class Progress:
         loop = self._loop
         if (finished or notifs) and loop is not None:
             loop.call_soon_threadsafe(self._deliver, finished, notifs)
-        busy = bool(watched) or self._busy()
-        return BUSY_INTERVAL_S if busy else IDLE_INTERVAL_S
+        return pace(watching=bool(watched), leased=self._busy())
 
     @staticmethod
     def _tell_slow(x: Xfer, now: float) -> None:

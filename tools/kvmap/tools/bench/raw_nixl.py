@@ -8,11 +8,12 @@ same piece table (``build_piece_table``), the same prepared strided lists
 merges the runs among them); only the base addresses are this process's own.
 
 The ``target`` process owns the source memory and drives its UCX worker
-every ``BUSY_INTERVAL_S`` while a round runs (what the owner's daemon does
+every ``LEASE_INTERVAL_S`` while a round runs (what the owner's daemon does
 while a transfer's lease is open; ``pace``), every ``IDLE_INTERVAL_S``
 otherwise; the ``initiator`` posts READs and polls them at the busy
-interval. Posting N requests back to back from one thread and then polling
-them all is what one daemon's NIXL thread does with N pulls in flight.
+interval (``BUSY_INTERVAL_S``), as the reading daemon does. Posting N
+requests back to back from one thread and then polling them all is what
+one daemon's NIXL thread does with N pulls in flight.
 
 Run as ``python -m kvmap.tools.bench.raw_nixl --role target|initiator``:
 JSON lines on stdin/stdout (``json_lines``), driven by ``RawPair``.
@@ -50,7 +51,7 @@ from kvmap.core.transfer_plan import (
 from kvmap.daemon.adapters import memory
 from kvmap.daemon.adapters.nixl_agent import DlistHandle, NixlAgent, Xfer, XferOp, XferState
 from kvmap.daemon.adapters.nixl_loader import nixl_module
-from kvmap.daemon.engine.progress import BUSY_INTERVAL_S, IDLE_INTERVAL_S
+from kvmap.daemon.engine.progress import BUSY_INTERVAL_S, IDLE_INTERVAL_S, LEASE_INTERVAL_S
 from kvmap.tools import json_lines
 from kvmap.tools.bench.host import cpu_seconds
 from kvmap.tools.bench.profiles import get_profile
@@ -133,12 +134,12 @@ class RawSide:
         return {"ok": True, "metadata": base64.b64encode(self.agent.metadata()).decode()}
 
     def progress(self) -> None:
-        """The owner's side: drive UCX as its daemon does, at the busy pace
+        """The owner's side: drive UCX as its daemon does, at the lease pace
         while a round runs (a lease is open) and the idle pace otherwise."""
         while not self.stop.is_set():
             with contextlib.suppress(Exception):
                 self.agent.take_notifs()
-            time.sleep(BUSY_INTERVAL_S if self.busy.is_set() else IDLE_INTERVAL_S)
+            time.sleep(LEASE_INTERVAL_S if self.busy.is_set() else IDLE_INTERVAL_S)
 
     def pace(self, cmd: dict[str, Any]) -> dict[str, Any]:
         if cmd["busy"]:
