@@ -15,10 +15,12 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from test_local_calls_frames import Served, registry_calls
 
+from kvmap.client.transports.base import AttachStream
 from kvmap.client.transports.local_calls import (
     ATTACH_FIELD,
     LocalAttachStream,
@@ -77,13 +79,11 @@ def _finished(n: int, pad: int = 0) -> registry_pb2.AttachResponse:
     return registry_pb2.AttachResponse(transfer_finished=event)
 
 
-def _attach(
-    path: str, fallback: Callable[[], Iterator[registry_pb2.AttachResponse]] | None = None
-) -> LocalAttachStream:
+def _attach(path: str, fallback: Callable[[], AttachStream] | None = None) -> LocalAttachStream:
     request = registry_pb2.AttachRequest(worker=types_pb2.WorkerId(engine_id="w"))
     sock = LocalCalls(path).attach(call_bytes(ATTACH_FIELD, request.SerializeToString(), ""))
     assert sock is not None
-    return LocalAttachStream(sock, fallback or (lambda: iter(())))
+    return LocalAttachStream(sock, fallback or GrpcStandIn)
 
 
 def _wait(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -274,8 +274,22 @@ class Answering:
         self.listener.close()
 
 
-def _fallback_events() -> Iterator[registry_pb2.AttachResponse]:
-    return iter([registry_pb2.AttachResponse(attached=registry_pb2.AttachedEvent(generation=7))])
+class GrpcStandIn:
+    """The gRPC stream a transport attaches instead: ``attached`` (generation
+    7), then it blocks until cancelled, as a live gRPC stream does."""
+
+    made: ClassVar[list[GrpcStandIn]] = []
+
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+        GrpcStandIn.made.append(self)
+
+    def __iter__(self) -> Iterator[registry_pb2.AttachResponse]:
+        yield registry_pb2.AttachResponse(attached=registry_pb2.AttachedEvent(generation=7))
+        self.cancelled.wait(30)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
 
 
 @pytest.mark.parametrize(
@@ -292,12 +306,38 @@ def test_a_daemon_that_cannot_serve_it_here_is_attached_over_grpc(
     """A daemon with no room for the connection, or one that predates attach
     calls (it answers INVALID_ARGUMENT: the frame names no call it knows),
     answers before any event: the stream attaches through its fallback
-    (gRPC) and gives that stream's events, instead of failing for good."""
+    (gRPC) and gives that stream's events, instead of failing for good; and
+    ``cancel`` then cancels the gRPC stream, which ends the iteration (a
+    stopped session must not leave a reader blocked on it)."""
     daemon = Answering(tmp_path / "d.sock.calls", answer, close)
     try:
-        stream = _attach(str(tmp_path / "d.sock.calls"), _fallback_events)
-        assert [e.attached.generation for e in stream] == [7]
+        GrpcStandIn.made.clear()
+        stream = _attach(str(tmp_path / "d.sock.calls"))
+        events = iter(stream)
+        assert next(events).attached.generation == 7
         assert daemon.calls == 1
+        [instead] = GrpcStandIn.made
+        ended = threading.Event()
+        reader = threading.Thread(target=lambda: (list(events), ended.set()))
+        reader.start()
+        stream.cancel()
+        reader.join(10)
+        assert instead.cancelled.is_set() and ended.is_set()
+    finally:
+        daemon.stop()
+
+
+def test_a_stream_cancelled_before_its_first_answer_attaches_nowhere(tmp_path: Path) -> None:
+    """Cancelled before the daemon's "attach over gRPC instead" is read: the
+    iteration ends with nothing, and no gRPC stream is opened."""
+    full = local_calls.end_frame(14, "local calls socket full", local_calls.FULL)
+    daemon = Answering(tmp_path / "d.sock.calls", full, True)
+    try:
+        GrpcStandIn.made.clear()
+        stream = _attach(str(tmp_path / "d.sock.calls"))
+        stream.cancel()
+        assert list(stream) == []
+        assert GrpcStandIn.made == []
     finally:
         daemon.stop()
 

@@ -181,7 +181,7 @@ class GrpcTransport:
         over gRPC."""
         sock = self._local.attach(call_bytes(ATTACH_FIELD, req.SerializeToString(), ""))
         if sock is not None:
-            return LocalAttachStream(sock, lambda: iter(self._grpc_attach(req)))
+            return LocalAttachStream(sock, lambda: self._grpc_attach(req))
         return self._grpc_attach(req)
 
     def _grpc_attach(self, req: registry_pb2.AttachRequest) -> _GrpcAttachStream:

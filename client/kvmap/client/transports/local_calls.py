@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from kvmap.client.errors import from_status, from_status_number
+from kvmap.client.transports.base import AttachStream
 from kvmap.core.errors import InvalidArgument, KvmapError
 from kvmap.v1 import local_calls_pb2, registry_pb2, transfers_pb2
 
@@ -215,19 +216,20 @@ class LocalAttachStream:
     Attach stream gives them: the daemon's refusal is raised while
     iterating (never by ``attach``), the stream's end ends the iteration,
     ``cancel`` (from any thread) ends it from the worker's side. A daemon
-    with no room for the connection (``FULL``, before any event) is
-    attached over gRPC instead (``fallback``)."""
+    with no room for the connection (``FULL``) or that predates attach calls
+    answers before any event: the worker is then attached over gRPC
+    (``fallback``), whose stream this one reads and cancels from then on."""
 
-    def __init__(
-        self,
-        sock: socket.socket,
-        fallback: Callable[[], Iterator[registry_pb2.AttachResponse]],
-    ) -> None:
+    def __init__(self, sock: socket.socket, fallback: Callable[[], AttachStream]) -> None:
         self._sock = sock
         self._fallback = fallback
         self._cancelled = threading.Event()
         # Whether the daemon has answered (a FULL end is only ever first).
         self._started = False
+        # The gRPC stream attached instead, once there is one (guarded by
+        # _lock: ``cancel`` may come from another thread at any time).
+        self._lock = threading.Lock()
+        self._instead: AttachStream | None = None
 
     def __iter__(self) -> Iterator[registry_pb2.AttachResponse]:
         # The connection is closed where the stream ends (its end, an error,
@@ -240,8 +242,7 @@ class LocalAttachStream:
                 kind = reply.WhichOneof("reply")
                 if not self._started and kind == "end" and _over_grpc(reply.end):
                     self._sock.close()
-                    if not self._cancelled.is_set():
-                        yield from self._fallback()
+                    yield from self._attached_instead()
                     return
                 self._started = True
                 if kind == "event":
@@ -259,9 +260,20 @@ class LocalAttachStream:
                 return  # the worker's side ended it, as a cancelled gRPC stream
             raise from_status("UNAVAILABLE", f"kvmapd local calls socket: {err}") from None
 
+    def _attached_instead(self) -> Iterator[registry_pb2.AttachResponse]:
+        with self._lock:
+            if self._cancelled.is_set():
+                return
+            self._instead = instead = self._fallback()
+        yield from instead
+
     def cancel(self) -> None:
         """End the stream: a reader blocked on it wakes to the end at once."""
-        self._cancelled.set()
+        with self._lock:
+            self._cancelled.set()
+            instead = self._instead
+        if instead is not None:
+            instead.cancel()
         # Not connected any more (OSError): the stream is over already.
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)

@@ -17,12 +17,14 @@ either). Registry calls act as the uid the kernel reports for the
 connection (SO_PEERCRED), which is what a gRPC caller's credential token
 proves: only the uid that registered a worker hears its events, grants or
 revokes its blocks. They run the gRPC servicer's own functions
-(``services.attach_events``, ``grant_transfer``, ``revoke_transfer``). An attach
-call holds its connection while the worker stays attached; its events are
-written as the connection takes them (the next one waits while the
-client's socket is full), and the client ends it by closing the
+(``services.attach_events``, ``grant_transfer``, ``revoke_transfer``). An
+attach call holds its connection while the worker stays attached; its
+events are written as the connection takes them (the next one waits while
+the client's socket is full), and the client ends it by closing the
 connection, which, as a cancelled gRPC stream, leaves a worker with no
-other stream gone. What a caller can do to the daemon is bounded: a frame over the
+other stream gone.
+
+What a caller can do to the daemon is bounded: a frame over the
 gRPC socket's message limit is refused before it is read
 (RESOURCE_EXHAUSTED), a frame begun must arrive whole within
 ``FRAME_TIMEOUT_S``, a frame while a call runs or bytes after a frame end
