@@ -292,14 +292,20 @@ class GrpcStandIn:
         self.cancelled.set()
 
 
-@pytest.mark.parametrize(
+# What a daemon that cannot serve a call here answers, before anything else
+# (the end frame, and whether it then closes the connection): it has no
+# room, or it predates the call (an older daemon's words for it).
+CANNOT_SERVE_HERE = pytest.mark.parametrize(
     ("answer", "close"),
     [
         (local_calls.end_frame(14, "local calls socket full", local_calls.FULL), True),
         (local_calls.end_frame(3, "local calls: a LocalCall with neither pull nor push"), False),
     ],
-    ids=["full", "predates-attach"],
+    ids=["full", "predates-the-call"],
 )
+
+
+@CANNOT_SERVE_HERE
 def test_a_daemon_that_cannot_serve_it_here_is_attached_over_grpc(
     tmp_path: Path, answer: bytes, close: bool
 ) -> None:

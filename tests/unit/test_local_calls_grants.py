@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_local_calls_attach import Answering
+from test_local_calls_attach import CANNOT_SERVE_HERE, Answering
 from test_local_calls_frames import Served, registry_calls
 
 from kvmap.client.transports.local_calls import (
@@ -130,14 +130,7 @@ def test_a_refused_grant_raises_its_status_and_the_connection_serves_on(
     assert s.connections() == 1
 
 
-@pytest.mark.parametrize(
-    ("answer", "close"),
-    [
-        (local_calls.end_frame(14, "local calls socket full", local_calls.FULL), True),
-        (local_calls.end_frame(3, "local calls: a LocalCall with neither pull nor push"), False),
-    ],
-    ids=["full", "predates-grants"],
-)
+@CANNOT_SERVE_HERE
 def test_a_daemon_that_cannot_serve_it_here_sends_the_grant_to_grpc(
     tmp_path: Path, answer: bytes, close: bool
 ) -> None:
