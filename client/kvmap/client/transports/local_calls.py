@@ -162,14 +162,14 @@ class LocalCalls:
         serialized AttachRequest), for a ``LocalAttachStream``; None when
         the daemon has no local calls socket or the send failed (the
         caller attaches over gRPC)."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self._connect_timeout_s)
+        sock = self._connect()
+        if sock is None:
+            return None
         try:
-            sock.connect(self.path)
             sock.sendall(request)
         except OSError:
-            # Nothing listening, or a daemon with no room that has already
-            # said so and closed (its answer is not worth reading here).
+            # A daemon with no room that has already said so and closed (its
+            # answer is not worth reading here).
             sock.close()
             return None
         return sock
@@ -188,6 +188,10 @@ class LocalCalls:
             if _alive(sock):
                 return sock
             sock.close()
+        return self._connect()
+
+    def _connect(self) -> socket.socket | None:
+        """A new connection; None when nothing accepts connections on the socket."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self._connect_timeout_s)
         try:
