@@ -32,8 +32,8 @@ from kvmap.client.transports.local_calls import (
 from kvmap.core.errors import DeadlineExceeded, NotFound, PermissionDenied, Unavailable
 from kvmap.daemon.adapters.metrics import Metrics
 from kvmap.daemon.api import local_calls
-from kvmap.daemon.api.local_calls import AttachEvents, Caller, LocalCallsServer, RegistryCalls
-from kvmap.daemon.api.services import TransfersService
+from kvmap.daemon.api.local_calls import AttachEvents, LocalCallsServer, RegistryCalls
+from kvmap.daemon.api.services import Caller, TransfersService
 from kvmap.v1 import local_calls_pb2, registry_pb2, transfers_pb2
 
 pytestmark = pytest.mark.timeout(60)

@@ -26,7 +26,7 @@ from kvmap.client.transports.local_calls import (
 from kvmap.core.errors import PermissionDenied, Unavailable
 from kvmap.daemon.adapters.fd_handoff import PeerCred
 from kvmap.daemon.api import local_calls
-from kvmap.daemon.api.local_calls import Caller
+from kvmap.daemon.api.services import Caller
 from kvmap.v1 import registry_pb2, types_pb2
 
 pytestmark = pytest.mark.timeout(60)

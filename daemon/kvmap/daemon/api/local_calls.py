@@ -55,7 +55,7 @@ from kvmap.daemon.adapters.fd_handoff import PeerCred
 from kvmap.daemon.adapters.grpc_codes import status_number
 from kvmap.daemon.adapters.metrics import Metrics
 from kvmap.daemon.api.rpc import MethodSeries, OnFailure, new_rpc_id, refused
-from kvmap.daemon.api.services import TransfersService
+from kvmap.daemon.api.services import Caller, TransfersService
 from kvmap.daemon.api.status import grpc_status
 from kvmap.tracing import traceparent_of
 from kvmap.v1 import local_calls_pb2, registry_pb2, transfers_pb2
@@ -74,8 +74,6 @@ LISTENER = "local_calls"
 
 Transfer = Literal["pull", "push"]
 Kind = Literal["pull", "push", "attach", "grant", "revoke"]
-# The caller's uid as this listener knows it.
-Caller = Callable[[], PeerCred | None]
 # A worker's Attach stream (``services.attach_events`` bound to the app).
 AttachEvents = Callable[
     [registry_pb2.AttachRequest, Caller], AsyncIterator[registry_pb2.AttachResponse]

@@ -57,6 +57,9 @@ from kvmap.v1 import (
 )
 
 Ctx = aio.ServicerContext[Any, Any]
+# Who calls, as the listener knows it (gRPC: the credential token's uid; the
+# local calls socket: the connection's SO_PEERCRED); None when unknown.
+Caller = Callable[[], PeerCred | None]
 
 log = structlog.get_logger("kvmapd.rpc")
 
@@ -104,7 +107,7 @@ def _lease_span(app: DaemonApp, parent: str, request: peer_pb2.BeginTransferRequ
 async def attach_events(
     app: DaemonApp,
     request: registry_pb2.AttachRequest,
-    caller: Callable[[], PeerCred | None],
+    caller: Caller,
 ) -> AsyncIterator[registry_pb2.AttachResponse]:
     """A worker's Attach stream, for either listener (gRPC's Attach, the
     local calls socket's attach call): ``attached`` first, then the events
@@ -195,7 +198,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
 def grant_transfer(
     app: DaemonApp,
     request: registry_pb2.GrantTransferRequest,
-    caller: Callable[[], PeerCred | None],
+    caller: Caller,
     parent: str,
 ) -> registry_pb2.GrantTransferResponse:
     """GrantTransfer, for either listener: ``caller()`` is the uid the
@@ -233,7 +236,7 @@ def grant_transfer(
 def revoke_transfer(
     app: DaemonApp,
     request: registry_pb2.RevokeTransferRequest,
-    caller: Callable[[], PeerCred | None],
+    caller: Caller,
 ) -> registry_pb2.RevokeTransferResponse:
     """RevokeTransfer, for either listener (``grant_transfer``)."""
     key = worker_key(request.worker)
