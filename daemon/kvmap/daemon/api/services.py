@@ -90,6 +90,14 @@ def _caller_span(app: DaemonApp, context: Ctx) -> str:
     return traceparent_in(context.invocation_metadata()) if app.tracer.enabled else ""
 
 
+def _span(app: DaemonApp, parent: str, name: str, **attributes: str | int) -> Span:
+    """The span of one call, a child of the caller's ``parent`` (a
+    traceparent); ``NULL_SPAN``, at the cost of this branch, when tracing is off."""
+    if not app.tracer.enabled:
+        return NULL_SPAN
+    return app.tracer.start(name, parent=parent, server=True, attributes=attributes)
+
+
 def _lease_span(app: DaemonApp, parent: str, request: peer_pb2.BeginTransferRequest) -> Span:
     """The owner's span of an announced transfer (or a release of a use), a
     child of the caller's ``parent`` (a traceparent), under the same ids as
@@ -101,7 +109,7 @@ def _lease_span(app: DaemonApp, parent: str, request: peer_pb2.BeginTransferRequ
     name = "kvmap.release" if request.release else "kvmap.lease"
     attributes: dict[str, str | int] = {**ids, "worker": str(bound.get("worker", ""))}
     attributes |= {"blocks": request.blocks, "bytes": request.bytes}
-    return app.tracer.start(name, parent=parent, server=True, attributes=attributes)
+    return _span(app, parent, name, **attributes)
 
 
 async def attach_events(
@@ -207,13 +215,7 @@ def grant_transfer(
     key = worker_key(request.worker)
     request_id = request.request_id[:MAX_REQUEST_ID]
     blocks = sum(len(g.block_ids) for g in request.groups)
-    span = NULL_SPAN
-    if app.tracer.enabled:
-        attributes: dict[str, str | int] = {
-            "request_id": request_id, "worker": str(key), "blocks": blocks
-        }  # fmt: skip
-        span = app.tracer.start("kvmap.grant", parent=parent, server=True, attributes=attributes)
-    with span:
+    with _span(app, parent, "kvmap.grant", request_id=request_id, worker=str(key), blocks=blocks):
         app.lifecycle.check_caller(key, caller())
         capability, grant = app.owner.grant(
             key,
