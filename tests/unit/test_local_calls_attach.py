@@ -117,8 +117,7 @@ def test_events_arrive_in_order_and_the_daemon_knows_the_callers_uid(
     events.put(s, 1, 2, 3, STREAM_END)
     got = [e.transfer_finished.request_id for e in stream]
     assert got == ["r1", "r2", "r3"]
-    labels = {"grpc_service": "kvmap.v1.Registry", "grpc_method": "Attach", "grpc_code": "OK"}
-    assert s.metrics.registry.get_sample_value("kvmap_rpcs_total", labels) == 1
+    assert s.rpcs("Attach", "OK", "kvmap.v1.Registry") == 1
 
 
 def test_a_refusal_is_raised_while_iterating_not_by_attach(

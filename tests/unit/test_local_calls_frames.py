@@ -157,12 +157,16 @@ class Served:
         self.thread.join(10)
         self.loop.close()
 
-    def rpcs(self, method: str, code: str) -> float:
-        value = self.metrics.registry.get_sample_value(
-            "kvmap_rpcs_total",
-            {"grpc_service": "kvmap.v1.Transfers", "grpc_method": method, "grpc_code": code},
-        )
-        return value or 0.0
+    def rpcs(self, method: str, code: str, service: str = "kvmap.v1.Transfers") -> float:
+        """Calls of ``method`` counted with ``code``, read on the server's
+        loop: a call is counted in the loop step that wrote its end, which a
+        client can read before that step is over."""
+
+        async def count() -> float:
+            labels = {"grpc_service": service, "grpc_method": method, "grpc_code": code}
+            return self.metrics.registry.get_sample_value("kvmap_rpcs_total", labels) or 0.0
+
+        return float(self.run(count()))
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ from kvmap.v1 import registry_pb2, types_pb2
 pytestmark = pytest.mark.timeout(60)
 
 WORKER = types_pb2.WorkerId(engine_id="w")
+REGISTRY = "kvmap.v1.Registry"
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
@@ -85,11 +86,6 @@ def _grant(worker: types_pb2.WorkerId, request_id: str, traceparent: str = "") -
     return call_bytes(GRANT_FIELD, request.SerializeToString(), traceparent)
 
 
-def _registry_calls(s: Served, method: str, code: str) -> float:
-    labels = {"grpc_service": "kvmap.v1.Registry", "grpc_method": method, "grpc_code": code}
-    return s.metrics.registry.get_sample_value("kvmap_rpcs_total", labels) or 0.0
-
-
 def test_a_grant_is_made_as_the_connecting_uid_and_answered(
     served: tuple[Served, Granting],
 ) -> None:
@@ -105,7 +101,7 @@ def test_a_grant_is_made_as_the_connecting_uid_and_answered(
     assert request.ttl_ms == 5000
     assert caller == PeerCred(pid=os.getpid(), uid=os.getuid(), gid=os.getgid())
     assert parent == TRACEPARENT
-    assert _registry_calls(s, "GrantTransfer", "OK") == 1
+    assert s.rpcs("GrantTransfer", "OK", REGISTRY) == 1
 
 
 def test_a_refused_grant_raises_its_status_and_the_connection_serves_on(
@@ -119,7 +115,7 @@ def test_a_refused_grant_raises_its_status_and_the_connection_serves_on(
     stranger = types_pb2.WorkerId(engine_id="someone-else")
     with pytest.raises(PermissionDenied, match="registered by another uid"):
         calls.unary(_grant(stranger, "r2"), 10, "granted")
-    assert _registry_calls(s, "GrantTransfer", "PERMISSION_DENIED") == 1
+    assert s.rpcs("GrantTransfer", "PERMISSION_DENIED", REGISTRY) == 1
     assert granting.grants == []
     revoke = registry_pb2.RevokeTransferRequest(worker=WORKER, request_id="r2")
     frame = call_bytes(REVOKE_FIELD, revoke.SerializeToString(), "")
