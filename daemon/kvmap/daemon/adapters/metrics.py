@@ -9,7 +9,6 @@ transfer series and ``grpc_code`` on RPC series, which also carry
 from __future__ import annotations
 
 import platform
-from importlib import metadata
 from typing import TypeVar
 
 import prometheus_client
@@ -17,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.metrics import MetricWrapperBase
 
 from kvmap.core.config import parse_host_port
+from kvmap.daemon.version import VERSION
 
 # A ``_created`` series per counter and histogram child doubles what is
 # scraped and stored, and no dashboard, alert or rate() needs it.
@@ -199,7 +199,4 @@ class Metrics:
 
 
 def _version() -> str:
-    try:
-        return metadata.version("kvmap")
-    except metadata.PackageNotFoundError:  # run from a source tree
-        return "unknown"
+    return VERSION

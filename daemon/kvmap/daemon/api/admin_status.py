@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import time
-from importlib import metadata
 
 from kvmap.core import convert
 from kvmap.core.config import effective
 from kvmap.core.geometry import WorkerKey
 from kvmap.daemon.engine.app import DaemonApp
 from kvmap.daemon.engine.workers import WorkerRecord
+from kvmap.daemon.version import VERSION
 from kvmap.v1 import admin_pb2, region_maps_pb2
 
 # Entries of each list the answer carries.
@@ -26,10 +26,7 @@ MAX_LISTED = 1000
 
 
 def daemon_version() -> str:
-    try:
-        return metadata.version("kvmap")
-    except metadata.PackageNotFoundError:  # running from a source tree without metadata
-        return "unknown"
+    return VERSION
 
 
 def worker_summary(record: WorkerRecord) -> region_maps_pb2.WorkerSummary:

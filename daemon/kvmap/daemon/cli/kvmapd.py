@@ -8,7 +8,6 @@ import contextlib
 import importlib
 import sys
 from collections.abc import Sequence
-from importlib import metadata
 from typing import NoReturn, cast
 
 from kvmap.core.config import DaemonConfig, effective, exposure_warning
@@ -24,6 +23,7 @@ from kvmap.daemon.adapters.preflight import (
 from kvmap.daemon.adapters.socket_lock import StartRefused
 from kvmap.daemon.cli import plan_cmd
 from kvmap.daemon.cli.config_flags import add_config_flags
+from kvmap.daemon.version import VERSION
 from kvmap.tracing import check_available
 
 
@@ -179,11 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def version() -> str:
-    """The installed kvmap's version."""
-    try:
-        return metadata.version("kvmap")
-    except metadata.PackageNotFoundError:
-        return "unknown (not installed)"
+    """kvmap's version."""
+    return VERSION
 
 
 if __name__ == "__main__":
