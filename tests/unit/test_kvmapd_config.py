@@ -17,6 +17,7 @@ from kvmap.core.config import DaemonConfig, config_keys, exposure_warning
 from kvmap.daemon.adapters.config_files import load_config, reload_config
 from kvmap.daemon.adapters.logs import native_level, wrap_native_line
 from kvmap.daemon.cli import kvmapd
+from kvmap.daemon.version import VERSION
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -49,7 +50,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
         kvmapd.main(["--version"])
     assert exit_.value.code == 0
-    assert capsys.readouterr().out.strip() == f"kvmapd {kvmapd.version()}"
+    assert capsys.readouterr().out.strip() == f"kvmapd {VERSION}"
 
 
 def test_check_config_prints_the_effective_configuration(

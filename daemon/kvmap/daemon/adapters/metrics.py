@@ -113,7 +113,7 @@ class Metrics:
             "kvmap_build_info", "Always 1: the running build, in its labels",
             ["version", "python_version"], registry=r,
         )  # fmt: skip
-        build.labels(_version(), platform.python_version()).set(1)
+        build.labels(VERSION, platform.python_version()).set(1)
 
     def _add_peer_metrics(self, r: CollectorRegistry) -> None:
         """Per-peer transfer series (bounded labels, ``peer_label``) and leases."""
@@ -196,7 +196,3 @@ class Metrics:
     def serve(self, listen: str) -> None:
         host, port = parse_host_port(listen, "metrics_listen")
         start_http_server(port, addr=host, registry=self.registry)
-
-
-def _version() -> str:
-    return VERSION

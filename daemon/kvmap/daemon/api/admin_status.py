@@ -25,10 +25,6 @@ from kvmap.v1 import admin_pb2, region_maps_pb2
 MAX_LISTED = 1000
 
 
-def daemon_version() -> str:
-    return VERSION
-
-
 def worker_summary(record: WorkerRecord) -> region_maps_pb2.WorkerSummary:
     m = record.model
     return region_maps_pb2.WorkerSummary(
@@ -46,7 +42,7 @@ def worker_summary(record: WorkerRecord) -> region_maps_pb2.WorkerSummary:
 def status(app: DaemonApp) -> admin_pb2.GetStatusResponse:
     activity = app.activity
     resp = admin_pb2.GetStatusResponse(
-        version=daemon_version(),
+        version=VERSION,
         daemon_instance=app.instance,
         agent_name=app.agent_name,
         started_unix_ms=activity.started_unix_ms,

@@ -75,7 +75,7 @@ def _check_config(args: argparse.Namespace) -> int:
     config = _load(args)
     if config is None:
         return 2
-    print(f"# kvmapd {version()}: configuration OK (secrets hidden)")
+    print(f"# kvmapd {VERSION}: configuration OK (secrets hidden)")
     for key, value in effective(config).items():
         print(f"{key} = {show_value(value)}")
     return 0
@@ -108,7 +108,7 @@ def _serve(args: argparse.Namespace) -> int:
         # Once serving (NIXL's agent, and UCX's signal handlers, made).
         enable_crash_dumps()
         # A start refused below stays one line.
-        log.info("kvmapd_config", version=version(), **effective(config))
+        log.info("kvmapd_config", version=VERSION, **effective(config))
         if exposure_warning(config):
             log.warning("peers_refused_by_config", problem=exposure_warning(config))
 
@@ -156,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         status: int = module.main(args_in[1:])
         return status
     parser = OneLineParser(prog="kvmapd", description=__doc__, allow_abbrev=False)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {VERSION}")
     # Subcommands parse as their parent does (one-line errors); typed as the
     # plain parsers plan_cmd and the harness commands are made with.
     sub = cast(
@@ -176,11 +176,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "check-config":
         return _check_config(args)
     return plan_cmd.run(args)
-
-
-def version() -> str:
-    """kvmap's version."""
-    return VERSION
 
 
 if __name__ == "__main__":
