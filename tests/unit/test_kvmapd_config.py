@@ -46,7 +46,7 @@ def test_flags_are_never_abbreviated(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
-    """kvmapd --version prints the installed version and exits 0."""
+    """kvmapd --version prints kvmap's version (the constant) and exits 0."""
     with pytest.raises(SystemExit) as exit_:
         kvmapd.main(["--version"])
     assert exit_.value.code == 0
