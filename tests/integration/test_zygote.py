@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -107,3 +109,37 @@ def test_kill_and_concurrent_spawns(zygote: tuple[Zygote, Path]) -> None:
     for p in procs:
         p.send_signal(signal.SIGKILL)
     assert {p.wait(30) for p in procs} == {-signal.SIGKILL}
+
+
+def test_a_launch_zygote_leaves_no_folder_after_its_process_exits(tmp_path: Path) -> None:
+    """``launch.zygote_for`` makes the zygote a folder (its log, its
+    children's TMPDIR): the process's exit takes it away, so runs of the
+    suite leave nothing behind in /tmp."""
+    (tmp_path / "child.py").write_text("import os\nprint(os.environ['TMPDIR'], flush=True)\n")
+    script = (
+        "import sys\n"
+        "from kvmap.tools import launch\n"
+        "z = launch.zygote_for(['json'])\n"
+        "home = z.log.parent\n"
+        "child = launch.start_python([sys.argv[1]], launch.local_env(home), home,"
+        " home / 'child.log', z)\n"
+        "assert child.stdout is not None\n"
+        "print(child.stdout.readline().strip(), flush=True)\n"
+        "assert child.wait(30) == 0\n"
+    )
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, KVMAP_LAUNCH_ZYGOTE="1", TMPDIR=str(tmp))
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "child.py")],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    home = Path(done.stdout.strip())
+    assert home.parent == tmp and home.name.startswith("kvmap-zygote-")
+    assert not home.exists()
+    assert list(tmp.iterdir()) == []

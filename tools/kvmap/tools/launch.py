@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -67,8 +68,15 @@ def zygote_for(
             env = (env_of or local_env)(home)
             zygote = Zygote(preload, env, home / "zygote.log", sys_path)
             _zygotes[key] = zygote
-            atexit.register(zygote.close)
+            atexit.register(_close_zygote, zygote, home)
         return _zygotes[key]
+
+
+def _close_zygote(zygote: Zygote, home: Path) -> None:
+    """At exit: the zygote, then its folder (its log and what its
+    children left in their TMPDIR), so test runs leave nothing in /tmp."""
+    zygote.close()
+    shutil.rmtree(home, ignore_errors=True)
 
 
 def start_python(

@@ -93,6 +93,7 @@ class Zygote:
     def __init__(
         self, preload: Sequence[str], env: dict[str, str], log: Path, sys_path: Sequence[str] = ()
     ) -> None:
+        self.log = log
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
