@@ -181,6 +181,30 @@ def announcement_to_proto(a: Announcement) -> peer_pb2.BeginTransferRequest:
     return announced
 
 
+def stream_request_bytes(calls: Sequence[bytes]) -> bytes:
+    """The wire bytes of a ``BeginTransferStreamRequest`` whose ``calls``
+    are ``calls`` (each a serialized BeginTransferRequest). A repeated
+    message field is its entries one after another, each behind the field's
+    tag and its length, so a call serialized once is never copied into
+    another message: at glm53's scale a copy costs ~45 us a call, as much
+    as serializing it, and a batch used to be copied twice
+    (docs/benchmarks.md, "The hop, eleventh round")."""
+    return b"".join(part for call in calls for part in (_CALLS_TAG, _varint(len(call)), call))
+
+
+# BeginTransferStreamRequest.calls: field 1, length-delimited (wire type 2).
+_CALLS_TAG = bytes([1 << 3 | 2])
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
 def announcement_from_proto(req: peer_pb2.BeginTransferRequest) -> Announcement:
     """Peer.BeginTransfer's arguments, checked: they are wrong whatever the
     owner's state, so they are refused before anything else is."""

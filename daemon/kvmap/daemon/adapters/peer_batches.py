@@ -36,9 +36,12 @@ log = structlog.get_logger("kvmapd.peers")
 
 # A plain BeginTransfer: (target, call, timeout) -> the lease token.
 SendOne = Callable[[str, peer_pb2.BeginTransferRequest, float], Awaitable[str]]
-# Peer.BeginTransfers: (target, calls, timeout) -> the owner's answer.
+# Several calls at once (a stream message, else Peer.BeginTransfers):
+# (target, each call with its serialized bytes, timeout) -> the owner's
+# answer, one result per call.
 SendMany = Callable[
-    [str, peer_pb2.BeginTransfersRequest, float], Awaitable[peer_pb2.BeginTransfersResponse]
+    [str, Sequence[tuple[peer_pb2.BeginTransferRequest, bytes]], float],
+    Awaitable[peer_pb2.BeginTransfersResponse],
 ]
 # The error a call's BeginTransfer would have raised, had it ended with
 # (target, call, status, details, kvmap-reason): a refused call's result, or
@@ -73,11 +76,16 @@ def outcomes(
 
 
 class _Call:
-    __slots__ = ("deadline", "future", "request", "size")
+    __slots__ = ("data", "deadline", "future", "request", "size")
 
-    def __init__(self, request: peer_pb2.BeginTransferRequest, size: int, deadline: float) -> None:
+    def __init__(
+        self, request: peer_pb2.BeginTransferRequest, data: bytes, deadline: float
+    ) -> None:
         self.request = request
-        self.size = size
+        # Serialized once, here: its size decides its batch, and the batch's
+        # message is these bytes joined (``transfer_wire.stream_request_bytes``).
+        self.data = data
+        self.size = len(data)
         self.deadline = deadline
         self.future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
@@ -110,11 +118,11 @@ class BeginBatches:
         """The call's lease token (or the error its BeginTransfer raises)."""
         if not self._busy[target] or target in self._alone_only:
             return await self._alone(target, request, timeout_s)
-        size = request.ByteSize()  # only a call that may wait is measured
-        if size > MAX_BATCHED_CALL_BYTES:
+        data = request.SerializeToString()  # only a call that may wait is serialized here
+        if len(data) > MAX_BATCHED_CALL_BYTES:
             return await self._alone(target, request, timeout_s)
         loop = asyncio.get_running_loop()
-        call = _Call(request, size, loop.time() + timeout_s)
+        call = _Call(request, data, loop.time() + timeout_s)
         self._queued.setdefault(target, collections.deque()).append(call)
         try:
             # Shielded: the future is the call's, whoever waits for it.
@@ -191,9 +199,8 @@ class BeginBatches:
     async def _send_batch(self, target: str, calls: list[_Call]) -> None:
         now = asyncio.get_running_loop().time()
         timeout = max(max(c.deadline for c in calls) - now, 0.001)
-        request = peer_pb2.BeginTransfersRequest(calls=[c.request for c in calls])
         try:
-            answer = await self._send_many(target, request, timeout)
+            answer = await self._send_many(target, [(c.request, c.data) for c in calls], timeout)
         except aio.AioRpcError as err:
             if err.code() is grpc.StatusCode.UNIMPLEMENTED:
                 log.info("peer_without_begin_transfers", target=target[:256])

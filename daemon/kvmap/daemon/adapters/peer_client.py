@@ -16,7 +16,7 @@ import ipaddress
 import socket
 import ssl
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -49,7 +49,11 @@ from kvmap.core.peer_policy import (
     is_host_name,
 )
 from kvmap.core.transfer_requests import Announcement, ReleaseNotice
-from kvmap.core.transfer_wire import announcement_to_proto, release_notice_to_proto
+from kvmap.core.transfer_wire import (
+    announcement_to_proto,
+    release_notice_to_proto,
+    stream_request_bytes,
+)
 from kvmap.daemon.adapters.config_files import read_pem
 from kvmap.daemon.adapters.grpc_codes import error_code, reason_of
 from kvmap.daemon.adapters.peer_batches import BeginBatches, outcomes
@@ -110,6 +114,9 @@ def _begin_error(
         return StaleGeneration(str(req.worker), req.generation, 0)
     return _status_error(target, status, details)
 
+
+# The stream's full method name, as the generated stub has it.
+BEGIN_TRANSFER_STREAM = "/kvmap.v1.Peer/BeginTransferStream"
 
 # Remote daemons this daemon keeps a channel open to at once.
 MAX_CHANNELS = 64
@@ -372,9 +379,8 @@ class PeerClient:
     ) -> str:
         if self._streams.supported(target):
             try:
-                answer = await self._streams.send(
-                    target, peer_pb2.BeginTransferStreamRequest(calls=[req]), timeout_s
-                )
+                message = stream_request_bytes([req.SerializeToString()])
+                answer = await self._streams.send(target, message, timeout_s)
             except StreamUnsupported:
                 pass  # sent as an RPC below
             except aio.AioRpcError as err:
@@ -391,31 +397,41 @@ class PeerClient:
         return await self._begin(target, req, timeout_s, traceparent)
 
     async def _begin_many(
-        self, target: str, req: peer_pb2.BeginTransfersRequest, timeout_s: float
+        self,
+        target: str,
+        calls: Sequence[tuple[peer_pb2.BeginTransferRequest, bytes]],
+        timeout_s: float,
     ) -> peer_pb2.BeginTransfersResponse:
-        """The calls on the target's stream, else as Peer.BeginTransfers; a
-        failed stream or call raises its ``AioRpcError``."""
+        """The calls (each with its serialized bytes) on the target's
+        stream, else as Peer.BeginTransfers; a failed stream or call raises
+        its ``AioRpcError``."""
         if self._streams.supported(target):
+            message = stream_request_bytes([data for _, data in calls])
             try:
-                answer = await self._streams.send(
-                    target, peer_pb2.BeginTransferStreamRequest(calls=req.calls), timeout_s
-                )
+                answer = await self._streams.send(target, message, timeout_s)
             except StreamUnsupported:
                 pass
             else:
                 return peer_pb2.BeginTransfersResponse(results=answer.results)
         stub = await self._stub(target)
+        req = peer_pb2.BeginTransfersRequest(calls=[call for call, _ in calls])
         return await stub.BeginTransfers(req, timeout=timeout_s, metadata=self._metadata)
 
     async def _open_stream(
         self, target: str
-    ) -> aio.StreamStreamCall[
-        peer_pb2.BeginTransferStreamRequest, peer_pb2.BeginTransferStreamResponse
-    ]:
+    ) -> aio.StreamStreamCall[bytes, peer_pb2.BeginTransferStreamResponse]:
         """``target``'s BeginTransferStream, open for as long as both
-        daemons run (no deadline: each call on it has its own)."""
-        stub = await self._stub(target)
-        return stub.BeginTransferStream(None, metadata=self._metadata)
+        daemons run (no deadline: each call on it has its own). Its
+        messages are written as the bytes they already are
+        (``transfer_wire.stream_request_bytes``): no request serializer."""
+        await self._stub(target)  # dials the channel (the allow-list first)
+        channel = self._channels[target][0]
+        method = channel.stream_stream(
+            BEGIN_TRANSFER_STREAM,
+            request_serializer=None,
+            response_deserializer=peer_pb2.BeginTransferStreamResponse.FromString,
+        )
+        return method(None, metadata=self._metadata)
 
     async def release(self, target: str, notice: ReleaseNotice, timeout_s: float) -> None:
         """Give up a use of the owner's grant: BeginTransfer with ``release``

@@ -40,7 +40,9 @@ from kvmap.v1 import peer_pb2
 
 log = structlog.get_logger("kvmapd.peers")
 
-Request = peer_pb2.BeginTransferStreamRequest
+# A BeginTransferStreamRequest's wire bytes (``transfer_wire.stream_request_bytes``):
+# the stream is opened without a request serializer.
+Request = bytes
 Answer = peer_pb2.BeginTransferStreamResponse
 # Opens ``target``'s stream (its channel's, with the peers' metadata).
 Open = Callable[[str], Awaitable["aio.StreamStreamCall[Request, Answer]"]]
