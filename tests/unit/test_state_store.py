@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
 from kvmap.core.errors import ErrorCode, status_of
 from kvmap.core.geometry import WorkerKey
+from kvmap.core.grants import Grant
 from kvmap.daemon.adapters.state_store import (
     DB_NAME,
     StateStore,
+    StateStoreError,
     StoreFull,
     StoreUnavailable,
     store_error,
@@ -111,10 +115,13 @@ def test_an_ack_the_store_cannot_take_is_logged_and_the_event_stays(tmp_path: Pa
     store.close()
 
 
-def test_only_acks_are_written_without_a_disk_sync(tmp_path: Path) -> None:
-    """An ack (delivery is at least once) is the one write made with
-    ``synchronous=NORMAL``; every other write, the next use and event
-    included, is synced (FULL), and a failed ack leaves FULL in force."""
+def test_a_request_s_writes_skip_the_disk_sync_a_worker_s_writes_keep_it(tmp_path: Path) -> None:
+    """What one request's life writes (its grant, the grant's changes, a
+    use with its event, an event, an ack) commits with
+    ``synchronous=NORMAL``, the whole transaction inside; what describes
+    the machine's workers (a registration, a generation, a re-plan, a
+    removal, the daemon's agents) keeps FULL; FULL is in force after
+    either, and after a write the store refused."""
     store = _saved(tmp_path)
     seen: list[str] = []
     store._db.set_trace_callback(seen.append)
@@ -122,23 +129,52 @@ def test_only_acks_are_written_without_a_disk_sync(tmp_path: Path) -> None:
     def level() -> int:
         return int(store._db.execute("PRAGMA synchronous").fetchone()[0])
 
+    grant = Grant(
+        digest=b"g" * 32, worker=W1, generation=1, request_id="r",
+        blocks={0: np.array([3, 5], dtype=np.int64)}, expires_unix_ms=2**62, max_uses=2,
+    )  # fmt: skip
+    used = replace(grant, uses=1)
     first = store.add_event(W1, registry_pb2.AttachResponse())
-    seen.clear()
-    store.ack_event(first)
-    assert [s.split(" WHERE")[0] for s in seen] == [
-        "PRAGMA synchronous=NORMAL",
-        "DELETE FROM pending_events",
-        "PRAGMA synchronous=FULL",
-    ]
-    assert level() == 2  # FULL for what follows
-    seen.clear()
-    store.record_use(None, W1, registry_pb2.AttachResponse())
-    assert not any("synchronous" in s for s in seen)
-    assert level() == 2
+    unsynced = {
+        "save_grant": lambda: store.save_grant(grant),
+        "update_grant": lambda: store.update_grant(used),
+        "record_use": lambda: store.record_use(used, W1, registry_pb2.AttachResponse()),
+        "add_event": lambda: store.add_event(W1, registry_pb2.AttachResponse()),
+        "ack_event": lambda: store.ack_event(first),
+        "delete_grants": lambda: store.delete_grants([grant.digest]),
+    }
+    for name, write in unsynced.items():
+        seen.clear()
+        write()
+        assert seen[0] == "PRAGMA synchronous=NORMAL", name
+        assert seen[-1] == "PRAGMA synchronous=FULL", name
+        assert not any("synchronous" in s for s in seen[1:-1]), name
+        assert any(s.startswith(("INSERT", "UPDATE", "DELETE")) for s in seen), name
+        assert level() == 2, name
+    synced = {
+        "save_worker": lambda: store.save_worker(_request("two"), W2, {}, "coalesce", 1),
+        "save_generation": lambda: store.save_generation(W2, 3),
+        "update_plan": lambda: store.update_plan(W2, "baseline", 4),
+        "delete_worker": lambda: store.delete_worker(W2),
+        "record_agent": lambda: store.record_agent("agent-2", 4),
+    }
+    for name, write in synced.items():
+        seen.clear()
+        write()
+        assert not any("synchronous" in s for s in seen), name
+        assert level() == 2, name
     store._db.execute("PRAGMA query_only=1")
     store.ack_event(first + 1)  # refused: logged, as before
+    with pytest.raises(StateStoreError):
+        store.save_grant(grant)
     assert level() == 2
     store.close()
+    # All of it is in the WAL file: a store opened again (as after a kill -9) has it.
+    again = StateStore(str(tmp_path))
+    assert [g.request_id for g in again.grants()] == []  # deleted last
+    assert [w.worker for w in again.workers()] == [W1]
+    assert again.generations()[W2] == 4
+    again.close()
 
 
 def test_bugs_are_not_mapped_to_faults(tmp_path: Path) -> None:
@@ -240,3 +276,26 @@ def test_one_worker_is_read_by_its_key(tmp_path: Path) -> None:
     store.delete_worker(W2)
     assert store.worker(W2) is None
     store.close()
+
+
+def test_a_grant_stored_from_the_request_s_ids_reads_back_as_the_grant(tmp_path: Path) -> None:
+    """``save_grant`` with the blocks as the worker named them (a wire
+    container, a list, in the request's order) stores the grant itself:
+    read back after a restart it has the grant's sorted ids, group by
+    group, and all its other fields."""
+    store = _saved(tmp_path)
+    wire = registry_pb2.GrantTransferRequest()
+    wire.groups.add(transfer_group=0, block_ids=[9, 2, 7])
+    named = [(0, wire.groups[0].block_ids), (3, [5, 1])]
+    grant = Grant(
+        digest=b"n" * 32, worker=W1, generation=1, request_id="r",
+        blocks={0: np.array([2, 7, 9]), 3: np.array([1, 5])},
+        expires_unix_ms=2**62, max_uses=3, uses=1,
+    )  # fmt: skip
+    store.save_grant(grant, named=named)
+    store.close()
+    again = StateStore(str(tmp_path))
+    (back,) = again.grants()
+    assert {g: ids.tolist() for g, ids in back.blocks.items()} == {0: [2, 7, 9], 3: [1, 5]}
+    assert replace(back, blocks=grant.blocks) == replace(grant, blocks=grant.blocks)
+    again.close()

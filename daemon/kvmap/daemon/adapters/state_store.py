@@ -4,11 +4,23 @@ the geometry) and how to re-open each allocation without the worker,
 per-worker generation counters (monotonic across restarts), and pending
 notifications for workers (transfer-finished events not yet delivered).
 
-Every write is one transaction, in WAL mode with synchronous=FULL: a
-``kill -9`` loses nothing that was acknowledged. Without a state dir the
-store is an in-memory database, so the daemon has one code path.
+Every write is one transaction, in WAL mode: a ``kill -9`` loses nothing
+that was acknowledged (a commit is in the WAL file before it returns). What
+describes this machine's workers (their registrations, generations, the
+daemon's agents) is also synced to the disk before it returns
+(synchronous=FULL). What describes one request's life (a grant, its uses,
+a transfer-finished event and its acknowledgement) is not
+(synchronous=NORMAL; ``_unsynced``): it is about blocks of a worker's
+memory on this machine, which a power loss or a kernel crash takes with it,
+and a daemon's crash or restart, the failures the store is there for, loses
+none of it either way. A synced grant cost the owner's event loop ~0.6 ms
+of CPU and ~1.3 ms of waiting for the disk per request here, a synced use
+~0.3 ms per pull (docs/benchmarks.md, "The hop, eleventh round").
+Without a state dir the store is an in-memory database, so the daemon has
+one code path.
 
-Faults are mapped here, and only here, into the error tree: a full disk (or
+Faults are mapped into the error tree by ``store_faults``, and only there
+(this module's methods raise what it maps): a full disk (or
 the process's file-size limit) is ``StoreFull`` (RESOURCE_EXHAUSTED), a
 read-only, unwritable, locked or failing store is ``StoreUnavailable``
 (UNAVAILABLE), each with one line naming the database. A failed write is
@@ -20,12 +32,12 @@ made: workers re-register through their sessions, so nothing is lost.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
-import resource
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -34,10 +46,30 @@ from typing import Concatenate, ParamSpec, TypeVar
 import numpy as np
 import structlog
 
-from kvmap.core.errors import KvmapError, ResourceExhausted, Unavailable
 from kvmap.core.geometry import WorkerKey
-from kvmap.core.grants import Grant, UnreadRelease
-from kvmap.v1 import registry_pb2, types_pb2
+from kvmap.core.grants import BlockIds, Grant, UnreadRelease
+from kvmap.daemon.adapters.store_faults import (
+    STORE_SUFFIXES,
+    StateStoreError,
+    StoreCorrupt,
+    StoreFull,
+    StoreUnavailable,
+    store_error,
+)
+from kvmap.v1 import registry_pb2
+
+# The fault types are part of this module's interface: callers catch them here.
+__all__ = [
+    "DB_NAME",
+    "Reopen",
+    "StateStore",
+    "StateStoreError",
+    "StoreCorrupt",
+    "StoreFull",
+    "StoreUnavailable",
+    "StoredWorker",
+    "store_error",
+]
 
 log = structlog.get_logger("kvmapd.state_store")
 
@@ -87,120 +119,6 @@ def _key(worker: WorkerKey) -> str:
 def _worker(key: str) -> WorkerKey:
     engine_id, dp, tp, pp = json.loads(key)
     return WorkerKey(str(engine_id), int(dp), int(tp), int(pp))
-
-
-# Faults -------------------------------------------------------------------
-
-# SQLite's primary result codes (the low byte of an extended code).
-_SQLITE_PERM = 3
-_SQLITE_BUSY = 5
-_SQLITE_LOCKED = 6
-_SQLITE_READONLY = 8
-_SQLITE_IOERR = 10
-_SQLITE_CORRUPT = 11
-_SQLITE_FULL = 13
-_SQLITE_CANTOPEN = 14
-_SQLITE_NOTADB = 26
-# The most one write appends to a file of the store: a WAL frame of the
-# largest page (64 KiB) with its 24-byte header.
-_MAX_WRITE = 65536 + 24
-# The database and the files SQLite keeps beside it (same name + suffix).
-_SUFFIXES = ("", "-wal", "-shm")
-
-
-class StateStoreError(KvmapError):
-    """The state store failed; the subclasses say how (and so the status)."""
-
-
-class StoreFull(StateStoreError, ResourceExhausted):
-    """No room for a write: the disk, or the process's file-size limit."""
-
-
-class StoreUnavailable(StateStoreError, Unavailable):
-    """The store cannot be opened or written: read-only, locked, failing."""
-
-
-class StoreCorrupt(StoreUnavailable):
-    """The database is damaged (on open it is moved aside)."""
-
-
-# What each primary code says about the store (I/O errors need a closer look).
-_MEANINGS: dict[int, tuple[type[StateStoreError], str]] = {
-    _SQLITE_FULL: (StoreFull, "is full"),
-    _SQLITE_CORRUPT: (StoreCorrupt, "is corrupt"),
-    _SQLITE_NOTADB: (StoreCorrupt, "is corrupt"),
-    _SQLITE_READONLY: (StoreUnavailable, "is read-only"),
-    _SQLITE_PERM: (StoreUnavailable, "is read-only"),
-    _SQLITE_CANTOPEN: (StoreUnavailable, "cannot be opened"),
-    _SQLITE_BUSY: (StoreUnavailable, "is locked by another process"),
-    _SQLITE_LOCKED: (StoreUnavailable, "is locked by another process"),
-}
-
-
-def store_error(path: str, err: sqlite3.DatabaseError) -> StateStoreError | None:
-    """What a SQLite error means, in one line naming the database; None for
-    anything else (a constraint or bad SQL is a bug, not a fault)."""
-    primary = getattr(err, "sqlite_errorcode", 0) & 0xFF
-    if primary == _SQLITE_IOERR:
-        return _io_error(path, err)
-    meaning = _MEANINGS.get(primary)
-    if meaning is None:
-        return None
-    error, what = meaning
-    return error(f"state store {path} {what}: {err}")
-
-
-def _io_error(path: str, err: sqlite3.DatabaseError) -> StateStoreError:
-    """SQLite reports a failed write as SQLITE_FULL only for ENOSPC; any other
-    errno (EFBIG past the file-size limit, EROFS, EPERM on an immutable file)
-    is a bare I/O error, so the cause is read off the store's files."""
-    where = f"state store {path}"
-    full = _why_full(path)
-    if full:
-        return StoreFull(f"{where} is full: {full}")
-    read_only = _why_read_only(path)
-    if read_only:
-        return StoreUnavailable(f"{where} is read-only: {read_only}")
-    return StoreUnavailable(f"{where} failed: {err} ({getattr(err, 'sqlite_errorname', '')})")
-
-
-def _store_files(path: str) -> list[str]:
-    return [path + s for s in _SUFFIXES if os.path.exists(path + s)]
-
-
-def _why_full(path: str) -> str:
-    if path == ":memory:":
-        return ""
-    directory = os.path.dirname(path)
-    try:
-        fs = os.statvfs(directory)
-    except OSError:
-        return ""
-    # Blocks reserved for root are usable by root.
-    free = fs.f_bfree if os.geteuid() == 0 else fs.f_bavail
-    if free * fs.f_frsize < _MAX_WRITE:
-        return f"no space left on the file system of {directory}"
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    if limit != resource.RLIM_INFINITY:
-        for name in _store_files(path):
-            if os.path.getsize(name) + _MAX_WRITE > limit:
-                return f"{name} reached the file-size limit (RLIMIT_FSIZE {limit} bytes)"
-    return ""
-
-
-def _why_read_only(path: str) -> str:
-    if path == ":memory:":
-        return ""
-    directory = os.path.dirname(path)
-    try:
-        if os.statvfs(directory).f_flag & os.ST_RDONLY:
-            return f"the file system of {directory} is mounted read-only"
-    except OSError:
-        return ""
-    for name in _store_files(path):
-        if not os.access(name, os.W_OK):
-            return f"{name} is not writable"
-    return ""
 
 
 _P = ParamSpec("_P")
@@ -337,7 +255,7 @@ class StateStore:
         """Keep a damaged database (and its WAL) for inspection, out of the way."""
         aside = f"{self.path}.corrupt-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S.%fZ')}"
         try:
-            for suffix in _SUFFIXES:
+            for suffix in STORE_SUFFIXES:
                 if os.path.lexists(self.path + suffix):
                     os.replace(self.path + suffix, aside + suffix)
         except OSError as err:
@@ -353,6 +271,17 @@ class StateStore:
 
     def close(self) -> None:
         self._db.close()
+
+    @contextlib.contextmanager
+    def _unsynced(self) -> Iterator[None]:
+        """The writes inside commit without syncing the disk (see the
+        module's docstring for which writes and why); every other write
+        still syncs."""
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        try:
+            yield
+        finally:
+            self._db.execute("PRAGMA synchronous=FULL")
 
     # This daemon's NIXL agents -------------------------------------------
 
@@ -448,23 +377,23 @@ class StateStore:
 
     @_mapped
     def add_event(self, worker: WorkerKey, event: registry_pb2.AttachResponse) -> int:
-        cur = self._db.execute(
-            "INSERT INTO pending_events (worker, event) VALUES (?, ?)",
-            (_key(worker), event.SerializeToString()),
-        )
+        with self._unsynced():
+            cur = self._db.execute(
+                "INSERT INTO pending_events (worker, event) VALUES (?, ?)",
+                (_key(worker), event.SerializeToString()),
+            )
         return int(cur.lastrowid or 0)
 
     @_mapped
     def record_use(
         self, grant: Grant | None, worker: WorkerKey, event: registry_pb2.AttachResponse
     ) -> int:
-        """A completed transfer in one transaction (one WAL sync, where the
-        use and the event written apart took two, and never one of them
+        """A completed transfer in one transaction (never one of them
         without the other): its grant's use (``grant`` as it is after: kept
         with its count, or deleted once used up; None when the grant is
         gone) and the worker's event. Returns the event's id. A failure
         stores nothing."""
-        with self._db:
+        with self._unsynced(), self._db:
             self._db.execute("BEGIN")
             if grant is not None and grant.exhausted:
                 self._delete_grants([grant.digest])
@@ -488,12 +417,8 @@ class StateStore:
         store cannot take only means the event is sent again after a restart:
         logged, not raised (an Attach stream must not end over it).
 
-        For the same reason an ack is written without syncing the disk
-        (``synchronous=NORMAL`` for its one statement): an ack lost with the
-        machine's power brings its event back once more, which at least once
-        allows, and the next synced write (the next transfer's use) makes it
-        durable anyway, as the WAL is synced whole. A synced ack cost the
-        owner's event loop one more disk sync per transfer served."""
+        Like the event it acknowledges, it is written without syncing the
+        disk (``_unsynced``)."""
         try:
             self._delete_event(event_id)
         except StateStoreError as err:
@@ -501,25 +426,31 @@ class StateStore:
 
     @_mapped
     def _delete_event(self, event_id: int) -> None:
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        try:
+        with self._unsynced():
             self._db.execute("DELETE FROM pending_events WHERE id = ?", (event_id,))
-        finally:
-            self._db.execute("PRAGMA synchronous=FULL")
 
     # Grants -------------------------------------------------------------------
 
     @_mapped
-    def save_grant(self, grant: Grant) -> None:
+    def save_grant(self, grant: Grant, named: Sequence[tuple[int, BlockIds]] = ()) -> None:
+        """Store a new grant. ``named``, when given, is its blocks as the
+        worker named them (the same ids, in the request's order, which
+        reading a grant back does not depend on: its ids are sorted then):
+        the request's own repeated fields go into the blob in one copy each,
+        where the grant's arrays would be handed over id by id."""
         groups = registry_pb2.GrantTransferRequest(
-            groups=[
-                types_pb2.BlockGrant(transfer_group=g, block_ids=ids.tolist())
-                for g, ids in grant.blocks.items()
-            ],
             # In the blob, not a column: a store written before the field
             # reads as UNSPECIFIED (the layout decides, as it did then).
             unread_release=registry_pb2.UnreadRelease.ValueType(grant.unread_release),
         )
+        for g, ids in named or grant.blocks.items():
+            # Added in place: a BlockGrant made first would be copied in again.
+            listed = ids.tolist() if isinstance(ids, np.ndarray) else ids
+            groups.groups.add(transfer_group=g, block_ids=listed)
+        with self._unsynced():
+            self._insert_grant(grant, groups.SerializeToString())
+
+    def _insert_grant(self, grant: Grant, blob: bytes) -> None:
         self._db.execute(
             "INSERT OR REPLACE INTO grants VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (
@@ -527,7 +458,7 @@ class StateStore:
                 _key(grant.worker),
                 grant.generation,
                 grant.request_id,
-                groups.SerializeToString(),
+                blob,
                 grant.expires_unix_ms,
                 grant.max_uses,
                 grant.uses,
@@ -538,7 +469,8 @@ class StateStore:
     def update_grant(self, grant: Grant) -> None:
         """What changes over a grant's life: its uses, its generation and
         (once, when its first claim fixes an open grant's) its use count."""
-        self._update_grant(grant)
+        with self._unsynced():
+            self._update_grant(grant)
 
     def _update_grant(self, grant: Grant) -> None:
         self._db.execute(
@@ -548,7 +480,7 @@ class StateStore:
 
     @_mapped
     def delete_grants(self, digests: Sequence[bytes]) -> None:
-        with self._db:
+        with self._unsynced(), self._db:
             self._db.execute("BEGIN")
             self._delete_grants(digests)
 

@@ -38,7 +38,7 @@ log = structlog.get_logger("kvmapd.grants")
 class GrantStore(Protocol):
     """Where grants outlive the daemon (``state_store.StateStore``)."""
 
-    def save_grant(self, grant: Grant) -> None: ...
+    def save_grant(self, grant: Grant, named: Sequence[tuple[int, BlockIds]] = ()) -> None: ...
     def update_grant(self, grant: Grant) -> None: ...
     def delete_grants(self, digests: Sequence[bytes]) -> None: ...
     def grants(self) -> list[Grant]: ...
@@ -163,7 +163,8 @@ class GrantTable:
             max_uses=max_uses,
             unread_release=unread,
         )
-        self._store.save_grant(grant)  # first: a failed write leaves nothing behind
+        # First: a failed write leaves nothing behind.
+        self._store.save_grant(grant, named=groups)
         self._add(grant)
         return capability, grant
 
