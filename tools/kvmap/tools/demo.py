@@ -141,12 +141,14 @@ def run(args: argparse.Namespace) -> int:
         # The two daemons' shared peer secret (0600, in the demo's private
         # folder): without it each would refuse the other on TCP.
         peers = ("--peer-secret-file", str(new_peer_secret(tmp)))
+        # Folders of one letter: a socket path holds 107 bytes and the fd
+        # hand-off socket beside it adds ".fds", so a deep TMPDIR still fits.
         with _step("1/4 prefill daemon (planner coalesce)"):
-            prefill = start_daemon(tmp / "prefill", "--planner", "coalesce", *peers, name="prefill")
+            prefill = start_daemon(tmp / "p", "--planner", "coalesce", *peers, name="prefill")
         stack.callback(prefill.stop)
         with _step(f"2/4 decode daemon (planner {args.decode_planner})"):
             decode = start_daemon(
-                tmp / "decode", "--planner", args.decode_planner, *peers, name="decode"
+                tmp / "d", "--planner", args.decode_planner, *peers, name="decode"
             )
         stack.callback(decode.stop)
         geo_args = [
