@@ -197,7 +197,10 @@ def test_concurrency_and_raw_nixl_figures(tiny: tuple[dict[str, Any], Path]) -> 
             raw_cpu = c["raw_nixl_cpu_seconds_per_pull"]
             assert set(raw_cpu) == {*series.RAW_CPU_PLACES, "total"}, raw_cpu
             assert min(raw_cpu.values()) >= 0, raw_cpu
-            for shares in (cpu, raw_cpu):
+            grant_cpu = c["cpu_seconds_per_grant"]
+            assert set(grant_cpu) == {*pair.GRANT_CPU_PLACES, "total"}, grant_cpu
+            assert min(grant_cpu.values()) >= 0, grant_cpu
+            for shares in (cpu, raw_cpu, grant_cpu):
                 parts = sum(v for k, v in shares.items() if k != "total")
                 assert shares["total"] == pytest.approx(parts)
             for key in ("post_seconds", "pull_seconds", "raw_post_seconds", "raw_pull_seconds"):

@@ -204,7 +204,8 @@ def _concurrency(runs: list[PlannerRun], raw: RawPair, pp: ProfilePlan, opts: Op
     for n in opts.concurrency:
         for run in interleaved(runs, opts.repeats):
             lat = run.latency.setdefault(n, Latency())
-            for out in run.pair.pull_many(_conc_pulls(pp, n), cpu=lat.cpu):
+            pulls = run.pair.pull_many(_conc_pulls(pp, n), cpu=lat.cpu, grant_cpu=lat.grant_cpu)
+            for out in pulls:
                 lat.post.append(float(out["stats"]["post_seconds"]))
                 lat.pull.append(float(out["wall_seconds"]))
         reqs = [(f"c{w}", r) for w, r in pp.concurrent[:n]]

@@ -25,16 +25,19 @@ def start_daemons(
     workdir: Path, planners_: list[str], flags: tuple[str, ...]
 ) -> dict[str, tuple[DaemonProc, DaemonProc]]:
     """Start a prefill and a decode daemon per planner, all at once, each
-    with ``flags`` (``Options.daemon_flags``)."""
+    with ``flags`` (``Options.daemon_flags``) and a state dir of its own on
+    this machine's disk, as deployed (deploy/k8s: an emptyDir): the store's
+    writes are part of what a pull and a grant cost."""
     out: dict[tuple[str, str], DaemonProc] = {}
     errors: list[BaseException] = []
     lock = threading.Lock()
 
     def start(planner: str, side: str) -> None:
         try:
+            home = workdir / planner / side
             d = start_daemon(
-                workdir / planner / side,
-                *("--planner", planner, *flags),
+                home,
+                *("--planner", planner, "--state-dir", str(home / "state"), *flags),
                 name=side,
             )
         except BaseException as err:
@@ -140,13 +143,24 @@ class Pair:
         return call(self.dw, self._pull_cmd(name, req, remote))
 
     def pull_many(
-        self, pulls: list[tuple[str, Request, str]], cpu: dict[str, float] | None = None
+        self,
+        pulls: list[tuple[str, Request, str]],
+        cpu: dict[str, float] | None = None,
+        grant_cpu: dict[str, float] | None = None,
     ) -> list[dict[str, Any]]:
         """Every (decode worker, request, prefill worker) pull in flight at
         once (granted first, outside the timing); their answers in order.
         With ``cpu``, the pulls' CPU seconds are added to it by place
-        (``CPU_PLACES``; the grants are outside the count, as the timing)."""
+        (``CPU_PLACES``; the grants are outside the count, as the timing).
+        With ``grant_cpu``, the owner daemon's CPU seconds over the grants
+        are added to it (``GRANT_CPU_PLACES``): what a request's grant costs
+        the prefill side, which raw NIXL has no counterpart of."""
+        before_grants = cpu_now(self) if grant_cpu is not None else {}
         cmds = [self._pull_cmd(name, req, remote) for name, req, remote in pulls]
+        if grant_cpu is not None:
+            after_grants = cpu_now(self)
+            for k in GRANT_CPU_PLACES:
+                grant_cpu[k] = grant_cpu.get(k, 0.0) + max(0.0, after_grants[k] - before_grants[k])
         if cpu is None:
             out: list[dict[str, Any]] = call(self.dw, {"cmd": "pull_many", "pulls": cmds})["pulls"]
             return out
@@ -258,6 +272,12 @@ CPU_PLACES = (
     "decode_worker",
     "prefill_worker",
 )
+
+
+# Where a grant's CPU time is counted: the owner daemon's event loop and its
+# other threads (the prefill worker's share is the bench's JSON command of
+# thousands of block ids as much as the client's call, so it is left out).
+GRANT_CPU_PLACES = ("prefill_loop", "prefill_threads")
 
 
 def _process_cpu(pid: int) -> tuple[float, float]:

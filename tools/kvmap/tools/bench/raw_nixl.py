@@ -10,7 +10,9 @@ merges the runs among them); only the base addresses are this process's own.
 The ``target`` process owns the source memory and drives its UCX worker
 every ``LEASE_INTERVAL_S`` while a round runs (what the owner's daemon does
 while a transfer's lease is open; ``pace``), every ``IDLE_INTERVAL_S``
-otherwise; the ``initiator`` posts READs and polls them at the busy
+otherwise, taking the notification each READ carries (vLLM's
+NixlConnector has every READ notify the prefill, which frees the blocks on
+it); the ``initiator`` posts READs and polls them at the busy
 interval (``BUSY_INTERVAL_S``), as the reading daemon does. Posting N
 requests back to back from one thread and then polling them all is what
 one daemon's NIXL thread does with N pulls in flight.
@@ -94,6 +96,8 @@ class RawSide:
     # with and without an open lease, so that it takes no CPU from kvmap's
     # rounds between its own.
     busy: threading.Event = field(default_factory=threading.Event)
+    # Requests posted so far: each READ's notification names its own.
+    posts: int = 0
 
     # -- both sides -------------------------------------------------------
 
@@ -213,8 +217,10 @@ class RawSide:
         posted: list[list[Xfer]] = []
         posts: list[float] = []
         for prepped, plan in jobs:
+            self.posts += 1
+            notif = f"raw-{self.posts}".encode()
             t = time.perf_counter()
-            posted.append(self._post(prepped, plan, split, explicit))
+            posted.append(self._post(prepped, plan, split, explicit, notif))
             posts.append(time.perf_counter() - t)
         done = [0.0] * len(jobs)
         pending = set(range(len(jobs)))
@@ -233,24 +239,39 @@ class RawSide:
                 self.agent.release(x)
         return {"post_seconds": posts, "pull_seconds": done}
 
-    def _post(self, p: Prepped, plan: TransferPlan, split: int, explicit: bool) -> list[Xfer]:
+    def _post(
+        self, p: Prepped, plan: TransferPlan, split: int, explicit: bool, notif: bytes
+    ) -> list[Xfer]:
         """What the daemon's ``Posting.post_and_wait`` posts for a plan of
         ``plan_transfer`` (one prepped transfer of index pairs), optionally
-        cut into ``split`` handles, or every descriptor explicit."""
+        cut into ``split`` handles, or every descriptor explicit. The last
+        handle carries ``notif`` to the target when it is done, as vLLM's
+        NixlConnector has each READ carry its request's notification (the
+        prefill frees the blocks on it); the daemon sends its owner one too."""
         op, out = XferOp.READ, []
         li, ri = plan.local_indices, plan.remote_indices
         if explicit and len(li):
             lrows = _index_rows(p, Side.LOCAL, li)
             rrows = _index_rows(p, Side.REMOTE, ri)
-            for a, b in zip(
-                np.array_split(lrows, split), np.array_split(rrows, split), strict=True
-            ):
-                if len(a):
-                    out.append(self.agent.post_descs(op, a, b, self.remote_agent))
+            pieces = [
+                (a, b)
+                for a, b in zip(
+                    np.array_split(lrows, split), np.array_split(rrows, split), strict=True
+                )
+                if len(a)
+            ]
+            for i, (a, b) in enumerate(pieces):
+                last = notif if i == len(pieces) - 1 else b""
+                out.append(self.agent.post_descs(op, a, b, self.remote_agent, notif=last))
         elif len(li):
-            for a, b in zip(np.array_split(li, split), np.array_split(ri, split), strict=True):
-                if len(a):
-                    out.append(self.agent.post_prepped(op, p.local, a, p.remote, b))
+            pairs = [
+                (a, b)
+                for a, b in zip(np.array_split(li, split), np.array_split(ri, split), strict=True)
+                if len(a)
+            ]
+            for i, (a, b) in enumerate(pairs):
+                last = notif if i == len(pairs) - 1 else b""
+                out.append(self.agent.post_prepped(op, p.local, a, p.remote, b, notif=last))
         return out
 
 

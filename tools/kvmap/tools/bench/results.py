@@ -148,6 +148,11 @@ class Concurrency:
     raw_nixl_post_p95_seconds: float = 0.0
     raw_nixl_pull_p50_seconds: float = 0.0
     raw_nixl_pull_p95_seconds: float = 0.0
+    # The owner daemon's CPU per grant over the level's rounds (each pull
+    # has its own, made before the pulls and outside their timing and
+    # ``cpu_seconds_per_pull``), by place (pair.GRANT_CPU_PLACES) and
+    # "total"; {} in results from before it was measured.
+    cpu_seconds_per_grant: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

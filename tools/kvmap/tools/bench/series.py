@@ -79,6 +79,8 @@ class Latency:
     cpu: dict[str, float] = field(default_factory=dict)
     # Raw NIXL's CPU seconds over its rounds (RAW_CPU_PLACES).
     raw_cpu: dict[str, float] = field(default_factory=dict)
+    # The owner daemon's CPU seconds over the rounds' grants (GRANT_CPU_PLACES).
+    grant_cpu: dict[str, float] = field(default_factory=dict)
 
     def figures(self) -> Concurrency:
         return Concurrency(
@@ -92,6 +94,8 @@ class Latency:
             raw_nixl_post_p95_seconds=pct(self.raw_post, 95),
             raw_nixl_pull_p50_seconds=pct(self.raw_pull, 50),
             raw_nixl_pull_p95_seconds=pct(self.raw_pull, 95),
+            # One grant per pull.
+            cpu_seconds_per_grant=per_pull(self.grant_cpu, len(self.pull)),
         )
 
     def samples(self) -> LatencySamples:
