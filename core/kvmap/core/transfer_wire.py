@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from kvmap.core.convert import requested_worker, worker_id_to_proto, worker_key_from_proto
 from kvmap.core.errors import InvalidArgument, PermissionDenied
 from kvmap.core.grants import check_readers, check_replaced_agents
+from kvmap.core.protowire import varint
 from kvmap.core.token_plan import token_groups
 from kvmap.core.transfer_pieces import LayerSelection
 from kvmap.core.transfer_plan import (
@@ -189,20 +190,11 @@ def stream_request_bytes(calls: Sequence[bytes]) -> bytes:
     another message: at glm53's scale a copy costs ~45 us a call, as much
     as serializing it, and a batch used to be copied twice
     (docs/benchmarks.md, "The hop, eleventh round")."""
-    return b"".join(part for call in calls for part in (_CALLS_TAG, _varint(len(call)), call))
+    return b"".join(part for call in calls for part in (_CALLS_TAG, varint(len(call)), call))
 
 
 # BeginTransferStreamRequest.calls: field 1, length-delimited (wire type 2).
 _CALLS_TAG = bytes([1 << 3 | 2])
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 def announcement_from_proto(req: peer_pb2.BeginTransferRequest) -> Announcement:

@@ -21,10 +21,10 @@ from kvmap.client.transports.local_calls import (
     LocalAttachStream,
     LocalCalls,
     call_bytes,
-    varint,
 )
 from kvmap.core.config import LOCAL_CALLS_SUFFIX
 from kvmap.core.errors import KvmapError, PermissionDenied
+from kvmap.core.protowire import varint
 from kvmap.tracing import TRACEPARENT, current
 from kvmap.v1 import (
     admin_pb2,

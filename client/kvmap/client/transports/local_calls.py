@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 from kvmap.client.errors import from_status, from_status_number
 from kvmap.client.transports.base import AttachStream
 from kvmap.core.errors import InvalidArgument, KvmapError
+from kvmap.core.protowire import varint
 from kvmap.v1 import local_calls_pb2, registry_pb2, transfers_pb2
 
 LENGTH = struct.Struct("<I")
@@ -53,16 +54,6 @@ ATTACH_FIELD = 4
 GRANT_FIELD = 5
 REVOKE_FIELD = 6
 _TRACEPARENT_TAG = b"\x1a"
-
-
-def varint(n: int) -> bytes:
-    """``n`` as a protobuf base-128 varint."""
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 def call_bytes(field: int, request: bytes, traceparent: str) -> bytes:
