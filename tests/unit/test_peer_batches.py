@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -333,16 +333,22 @@ def test_a_queued_call_whose_send_fails_unexpectedly_is_answered_at_once() -> No
     async def main() -> None:
         release = asyncio.Event()
         sent: list[str] = []
+        serialized: list[bytes] = []
 
-        async def send_one(target: str, req: peer_pb2.BeginTransferRequest, timeout: float) -> str:
+        async def send_one(
+            target: str, req: peer_pb2.BeginTransferRequest, data: bytes, timeout: float
+        ) -> str:
             sent.append(req.request_id)
+            serialized.append(data)
             if req.request_id == "held":
                 await release.wait()
                 return "token-held"
             raise RuntimeError("a bug in the sender")
 
         async def send_many(
-            target: str, req: peer_pb2.BeginTransfersRequest, timeout: float
+            target: str,
+            calls: Sequence[tuple[peer_pb2.BeginTransferRequest, bytes]],
+            timeout: float,
         ) -> peer_pb2.BeginTransfersResponse:
             raise AssertionError("one queued call goes alone")
 
@@ -365,6 +371,10 @@ def test_a_queued_call_whose_send_fails_unexpectedly_is_answered_at_once() -> No
         with pytest.raises(Unavailable, match="the call failed"):
             await asyncio.wait_for(queued, 5.0)
         assert sent == ["held", "queued"]
+        # The queued call goes alone with the bytes it was serialized into
+        # when it queued (not serialized again); the first had none yet.
+        queued_bytes = peer_pb2.BeginTransferRequest(request_id="queued").SerializeToString()
+        assert serialized == [b"", queued_bytes]
         await batches.close()
 
     asyncio.run(main())

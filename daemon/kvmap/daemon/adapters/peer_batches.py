@@ -34,8 +34,9 @@ from kvmap.v1 import peer_pb2
 
 log = structlog.get_logger("kvmapd.peers")
 
-# A plain BeginTransfer: (target, call, timeout) -> the lease token.
-SendOne = Callable[[str, peer_pb2.BeginTransferRequest, float], Awaitable[str]]
+# A plain BeginTransfer: (target, call, its serialized bytes or b"" when it
+# has none yet, timeout) -> the lease token.
+SendOne = Callable[[str, peer_pb2.BeginTransferRequest, bytes, float], Awaitable[str]]
 # Several calls at once (a stream message, else Peer.BeginTransfers):
 # (target, each call with its serialized bytes, timeout) -> the owner's
 # answer, one result per call.
@@ -139,7 +140,7 @@ class BeginBatches:
     ) -> str:
         self._busy[target] += 1
         try:
-            return await self._send_one(target, request, timeout_s)
+            return await self._send_one(target, request, b"", timeout_s)
         finally:
             self._done(target)
 
@@ -192,7 +193,8 @@ class BeginBatches:
     async def _send_alone(self, target: str, call: _Call) -> None:
         timeout = max(call.deadline - asyncio.get_running_loop().time(), 0.001)
         try:
-            self._settle(target, call, await self._send_one(target, call.request, timeout))
+            sent = await self._send_one(target, call.request, call.data, timeout)
+            self._settle(target, call, sent)
         except KvmapError as err:
             self._settle(target, call, err)
 

@@ -375,11 +375,13 @@ class PeerClient:
         return await self._batches.begin(target, req, timeout_s)
 
     async def _begin_alone(
-        self, target: str, req: peer_pb2.BeginTransferRequest, timeout_s: float
+        self, target: str, req: peer_pb2.BeginTransferRequest, data: bytes, timeout_s: float
     ) -> str:
+        """One call: on the target's stream (``data``, the call's bytes if it
+        was serialized already, when it queued), else as Peer.BeginTransfer."""
         if self._streams.supported(target):
             try:
-                message = stream_request_bytes([req.SerializeToString()])
+                message = stream_request_bytes([data or req.SerializeToString()])
                 answer = await self._streams.send(target, message, timeout_s)
             except StreamUnsupported:
                 pass  # sent as an RPC below
