@@ -158,9 +158,7 @@ class Pair:
         before_grants = cpu_now(self) if grant_cpu is not None else {}
         cmds = [self._pull_cmd(name, req, remote) for name, req, remote in pulls]
         if grant_cpu is not None:
-            after_grants = cpu_now(self)
-            for k in GRANT_CPU_PLACES:
-                grant_cpu[k] = grant_cpu.get(k, 0.0) + max(0.0, after_grants[k] - before_grants[k])
+            _add_cpu(grant_cpu, before_grants, cpu_now(self), GRANT_CPU_PLACES)
         if cpu is None:
             out: list[dict[str, Any]] = call(self.dw, {"cmd": "pull_many", "pulls": cmds})["pulls"]
             return out
@@ -170,10 +168,7 @@ class Pair:
         call(self.dw, {"cmd": "stage_pulls", "pulls": cmds})
         before = cpu_now(self)
         out = call(self.dw, {"cmd": "release_pulls"})["pulls"]
-        for k, v in cpu_now(self).items():
-            # A thread's tick can land between the two reads that split
-            # main thread from the rest: never count less than nothing.
-            cpu[k] = cpu.get(k, 0.0) + max(0.0, v - before[k])
+        _add_cpu(cpu, before, cpu_now(self), CPU_PLACES)
         return out
 
     def pull_streams(self, streams: list[list[tuple[str, Request, str]]]) -> float:
@@ -278,6 +273,19 @@ CPU_PLACES = (
 # other threads (the prefill worker's share is the bench's JSON command of
 # thousands of block ids as much as the client's call, so it is left out).
 GRANT_CPU_PLACES = ("prefill_loop", "prefill_threads")
+
+
+def _add_cpu(
+    into: dict[str, float],
+    before: dict[str, float],
+    after: dict[str, float],
+    places: tuple[str, ...],
+) -> None:
+    """Add each place's CPU seconds between two ``cpu_now`` readings."""
+    for k in places:
+        # A thread's tick can land between the two reads that split
+        # main thread from the rest: never count less than nothing.
+        into[k] = into.get(k, 0.0) + max(0.0, after[k] - before[k])
 
 
 def _process_cpu(pid: int) -> tuple[float, float]:

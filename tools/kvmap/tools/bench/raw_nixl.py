@@ -248,31 +248,25 @@ class RawSide:
         handle carries ``notif`` to the target when it is done, as vLLM's
         NixlConnector has each READ carry its request's notification (the
         prefill frees the blocks on it); the daemon sends its owner one too."""
-        op, out = XferOp.READ, []
+        op = XferOp.READ
         li, ri = plan.local_indices, plan.remote_indices
-        if explicit and len(li):
-            lrows = _index_rows(p, Side.LOCAL, li)
-            rrows = _index_rows(p, Side.REMOTE, ri)
-            pieces = [
-                (a, b)
-                for a, b in zip(
-                    np.array_split(lrows, split), np.array_split(rrows, split), strict=True
-                )
-                if len(a)
-            ]
-            for i, (a, b) in enumerate(pieces):
-                last = notif if i == len(pieces) - 1 else b""
-                out.append(self.agent.post_descs(op, a, b, self.remote_agent, notif=last))
-        elif len(li):
-            pairs = [
-                (a, b)
-                for a, b in zip(np.array_split(li, split), np.array_split(ri, split), strict=True)
-                if len(a)
-            ]
-            for i, (a, b) in enumerate(pairs):
-                last = notif if i == len(pairs) - 1 else b""
-                out.append(self.agent.post_prepped(op, p.local, a, p.remote, b, notif=last))
-        return out
+        if not len(li):
+            return []
+        if explicit:
+            local, remote = _index_rows(p, Side.LOCAL, li), _index_rows(p, Side.REMOTE, ri)
+
+            def post(a: Any, b: Any, notif: bytes) -> Xfer:
+                return self.agent.post_descs(op, a, b, self.remote_agent, notif=notif)
+        else:
+            local, remote = li, ri
+
+            def post(a: Any, b: Any, notif: bytes) -> Xfer:
+                return self.agent.post_prepped(op, p.local, a, p.remote, b, notif=notif)
+
+        halves = zip(np.array_split(local, split), np.array_split(remote, split), strict=True)
+        pieces = [(a, b) for a, b in halves if len(a)]
+        last = len(pieces) - 1
+        return [post(a, b, notif if i == last else b"") for i, (a, b) in enumerate(pieces)]
 
 
 def _plan(p: Prepped, request: dict[str, Any]) -> TransferPlan:
