@@ -177,9 +177,9 @@ def _scaled_bytes(info: dict[str, Any]) -> int:
 @pytest.mark.integration
 def test_concurrency_and_raw_nixl_figures(tiny: tuple[dict[str, Any], Path]) -> None:
     """Every planner reports each concurrency level (percentiles ordered, one sample per pull of
-    every round, kvmap's and raw NIXL's, CPU per pull by place), the descriptor cost per
-    descriptor from its own samples, and raw NIXL figures whose ratio to kvmap is the one
-    reported."""
+    every round, kvmap's and raw NIXL's, CPU and context switches per pull by place), the
+    descriptor cost per descriptor from its own samples, and raw NIXL figures whose ratio to
+    kvmap is the one reported."""
     result, _ = tiny
     levels = [str(n) for n in results.CONCURRENCY]
     for name, r in result["profiles"]["tiny"].items():
@@ -200,7 +200,17 @@ def test_concurrency_and_raw_nixl_figures(tiny: tuple[dict[str, Any], Path]) -> 
             grant_cpu = c["cpu_seconds_per_grant"]
             assert set(grant_cpu) == {*pair.GRANT_CPU_PLACES, "total"}, grant_cpu
             assert min(grant_cpu.values()) >= 0, grant_cpu
-            for shares in (cpu, raw_cpu, grant_cpu):
+            # Context switches per pull, by place. Every round wakes both
+            # daemons (its calls reach one, its BeginTransfers the other) and
+            # the worker's waiting pull threads, at least once each.
+            switches = c["context_switches_per_pull"]
+            assert set(switches) == {*pair.SWITCH_PLACES, "total"}, switches
+            for place in ("prefill_daemon", "decode_daemon", "decode_worker"):
+                assert switches[place] * int(n) >= 1, (place, switches)
+            raw_switches = c["raw_nixl_context_switches_per_pull"]
+            assert set(raw_switches) == {*series.RAW_CPU_PLACES, "total"}, raw_switches
+            assert min(raw_switches.values()) >= 0, raw_switches
+            for shares in (cpu, raw_cpu, grant_cpu, switches, raw_switches):
                 parts = sum(v for k, v in shares.items() if k != "total")
                 assert shares["total"] == pytest.approx(parts)
             for key in ("post_seconds", "pull_seconds", "raw_post_seconds", "raw_pull_seconds"):

@@ -1,12 +1,15 @@
-"""The machine the bench runs on: what it is, and how fast it copies memory
-(the limit a CPU pull can approach)."""
+"""The machine the bench runs on: what it is, how fast it copies memory
+(the limit a CPU pull can approach), and what its processes spend (CPU
+seconds, context switches)."""
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import itertools
 import os
 import platform
+import resource
 import statistics
 import threading
 import time
@@ -78,6 +81,37 @@ def machine() -> Machine:
         python=platform.python_version(),
         transport="NIXL UCX backend over loopback (UCX_NET_DEVICES=lo)",
     )
+
+
+def thread_switches(pid: int) -> dict[int, int]:
+    """Context switches so far (voluntary and not) of each live thread of
+    process ``pid``, by thread id; from /proc. Each is a time the thread
+    left a core: it blocked (waiting for a socket, a lock, a queue, a
+    timer) or was preempted, and every one it blocked for costs a wake."""
+    out: dict[int, int] = {}
+    for task in glob.glob(f"/proc/{pid}/task/*"):
+        # A thread may end while it is read: it is simply not counted.
+        with contextlib.suppress(OSError, ValueError):
+            with open(f"{task}/status", encoding="ascii") as f:
+                words = [line.split() for line in f]
+            out[int(task.rpartition("/")[2])] = sum(
+                int(w[1]) for w in words if w and w[0].endswith("ctxt_switches:")
+            )
+    return out
+
+
+def switches_between(before: dict[int, int], after: dict[int, int]) -> int:
+    """Context switches between two ``thread_switches`` readings: each
+    thread's own difference, a thread that began in between all of its
+    count; one that ended in between counts nothing (it is gone)."""
+    return sum(n - before.get(tid, 0) for tid, n in after.items())
+
+
+def own_switches() -> int:
+    """Context switches so far of this process: every thread, those that
+    ended included (getrusage), where /proc loses a thread once it ends."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_nvcsw + usage.ru_nivcsw
 
 
 def cpu_seconds(pid: int, tid: int | None = None) -> float:

@@ -204,7 +204,9 @@ def _concurrency(runs: list[PlannerRun], raw: RawPair, pp: ProfilePlan, opts: Op
     for n in opts.concurrency:
         for run in interleaved(runs, opts.repeats):
             lat = run.latency.setdefault(n, Latency())
-            pulls = run.pair.pull_many(_conc_pulls(pp, n), cpu=lat.cpu, grant_cpu=lat.grant_cpu)
+            pulls = run.pair.pull_many(
+                _conc_pulls(pp, n), cpu=lat.cpu, grant_cpu=lat.grant_cpu, switches=lat.switches
+            )
             for out in pulls:
                 lat.post.append(float(out["stats"]["post_seconds"]))
                 lat.pull.append(float(out["wall_seconds"]))
@@ -216,6 +218,8 @@ def _concurrency(runs: list[PlannerRun], raw: RawPair, pp: ProfilePlan, opts: Op
                 lat.raw_pull += r["pull_seconds"]
                 for place, seconds in zip(RAW_CPU_PLACES, r["cpu_seconds"], strict=True):
                     lat.raw_cpu[place] = lat.raw_cpu.get(place, 0.0) + max(0.0, seconds)
+                for place, switches in zip(RAW_CPU_PLACES, r["switches"], strict=True):
+                    lat.raw_switches[place] = lat.raw_switches.get(place, 0.0) + switches
         opts.progress(f"{pp.profile.name}: concurrency {n}: " + ", ".join(
             f"{r.pair.planner} post p95 {pct(r.latency[n].post, 95) * 1e3:.1f} ms, "
             f"pull p95 {pct(r.latency[n].pull, 95) * 1e3:.1f} ms "

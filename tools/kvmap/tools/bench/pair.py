@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from kvmap.tools.bench.host import cpu_seconds
+from kvmap.tools.bench.host import cpu_seconds, switches_between, thread_switches
 from kvmap.tools.bench.options import MIB
 from kvmap.tools.bench.results import Rss
 from kvmap.tools.bench.worker import packed_ids
@@ -147,6 +147,7 @@ class Pair:
         pulls: list[tuple[str, Request, str]],
         cpu: dict[str, float] | None = None,
         grant_cpu: dict[str, float] | None = None,
+        switches: dict[str, float] | None = None,
     ) -> list[dict[str, Any]]:
         """Every (decode worker, request, prefill worker) pull in flight at
         once (granted first, outside the timing); their answers in order.
@@ -154,7 +155,9 @@ class Pair:
         (``CPU_PLACES``; the grants are outside the count, as the timing).
         With ``grant_cpu``, the owner daemon's CPU seconds over the grants
         are added to it (``GRANT_CPU_PLACES``): what a request's grant costs
-        the prefill side, which raw NIXL has no counterpart of."""
+        the prefill side, which raw NIXL has no counterpart of. With
+        ``switches`` (and ``cpu``), the pulls' context switches are added
+        to it by place (``SWITCH_PLACES``), over the same window."""
         before_grants = cpu_now(self) if grant_cpu is not None else {}
         cmds = [self._pull_cmd(name, req, remote) for name, req, remote in pulls]
         if grant_cpu is not None:
@@ -166,10 +169,25 @@ class Pair:
         # specs and started the threads (harness work, not the client's) and
         # closes when the last pull is DONE and answered.
         call(self.dw, {"cmd": "stage_pulls", "pulls": cmds})
+        switched = self._thread_switches()
         before = cpu_now(self)
-        out = call(self.dw, {"cmd": "release_pulls"})["pulls"]
+        released = call(self.dw, {"cmd": "release_pulls"})
         _add_cpu(cpu, before, cpu_now(self), CPU_PLACES)
-        return out
+        if switches is not None:
+            after = self._thread_switches()
+            counted = {p: switches_between(b, after[p]) for p, b in switched.items()}
+            # The worker's pull threads have ended by now: it counts its own.
+            counted["decode_worker"] = int(released["switches"])
+            for place, n in counted.items():
+                switches[place] = switches.get(place, 0.0) + n
+        pulled: list[dict[str, Any]] = released["pulls"]
+        return pulled
+
+    def _thread_switches(self) -> dict[str, dict[int, int]]:
+        """``thread_switches`` of every place but the decode worker."""
+        pids = (self.prefill.proc.pid, self.decode.proc.pid, self.pw.pid)
+        places = ("prefill_daemon", "decode_daemon", "prefill_worker")
+        return {place: thread_switches(pid) for place, pid in zip(places, pids, strict=True)}
 
     def pull_streams(self, streams: list[list[tuple[str, Request, str]]]) -> float:
         """Each stream's pulls ((decode worker, request, prefill worker), as
@@ -267,6 +285,13 @@ CPU_PLACES = (
     "decode_worker",
     "prefill_worker",
 )
+
+
+# Where a concurrency round's context switches are counted: each daemon
+# (every thread), and both bench workers. On a VM each wake of a blocked
+# thread costs tens of microseconds of CPU (docs/benchmarks.md, "The hop,
+# twelfth round"): the figure says how many a pull takes.
+SWITCH_PLACES = ("prefill_daemon", "decode_daemon", "decode_worker", "prefill_worker")
 
 
 # Where a grant's CPU time is counted: the owner daemon's event loop and its

@@ -55,7 +55,7 @@ from kvmap.daemon.adapters.nixl_agent import DlistHandle, NixlAgent, Xfer, XferO
 from kvmap.daemon.adapters.nixl_loader import nixl_module
 from kvmap.daemon.engine.progress import BUSY_INTERVAL_S, IDLE_INTERVAL_S, LEASE_INTERVAL_S
 from kvmap.tools import json_lines
-from kvmap.tools.bench.host import cpu_seconds
+from kvmap.tools.bench.host import cpu_seconds, own_switches, switches_between, thread_switches
 from kvmap.tools.bench.profiles import get_profile
 from kvmap.tools.launch import WorkerProc, _readline, local_env
 
@@ -199,9 +199,19 @@ class RawSide:
             # planning above and the command's parsing left out, as the
             # daemons' CPU is counted around a round of pulls.
             before = [cpu_seconds(pid) for pid in pids]
+            switched = own_switches(), [thread_switches(pid) for pid in pids[1:]]
             rounds.append(self._round(jobs, split, explicit))
             rounds[-1]["cpu_seconds"] = [
                 cpu_seconds(pid) - b for pid, b in zip(pids, before, strict=True)
+            ]
+            # Context switches likewise: this process's own (every thread),
+            # the others' thread by thread from /proc.
+            rounds[-1]["switches"] = [
+                own_switches() - switched[0],
+                *(
+                    switches_between(b, thread_switches(pid))
+                    for pid, b in zip(pids[1:], switched[1], strict=True)
+                ),
             ]
         return {
             "ok": True,
@@ -425,7 +435,8 @@ class RawPair:
 
     def pull(self, requests: list[dict[str, Any]], repeats: int, **variant: Any) -> dict[str, Any]:
         """``repeats`` rounds of ``requests`` (``RawSide.pull``); each
-        round's ``cpu_seconds`` is [initiator, target]. The target is at
+        round's ``cpu_seconds`` and ``switches`` (context switches) are
+        [initiator, target]. The target is at
         the busy pace only meanwhile."""
         self._call(self.target, {"cmd": "pace", "busy": True})
         try:

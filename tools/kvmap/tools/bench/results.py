@@ -153,6 +153,12 @@ class Concurrency:
     # ``cpu_seconds_per_pull``), by place (pair.GRANT_CPU_PLACES) and
     # "total"; {} in results from before it was measured.
     cpu_seconds_per_grant: dict[str, float] = field(default_factory=dict)
+    # Context switches per pull over the level's rounds (the same window as
+    # ``cpu_seconds_per_pull``): kvmap's by place (pair.SWITCH_PLACES) and
+    # raw NIXL's (series.RAW_CPU_PLACES), each with a "total"; {} in results
+    # from before they were counted.
+    context_switches_per_pull: dict[str, float] = field(default_factory=dict)
+    raw_nixl_context_switches_per_pull: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,10 @@ class Latency:
     raw_cpu: dict[str, float] = field(default_factory=dict)
     # The owner daemon's CPU seconds over the rounds' grants (GRANT_CPU_PLACES).
     grant_cpu: dict[str, float] = field(default_factory=dict)
+    # Context switches over the rounds, kvmap's (pair.SWITCH_PLACES) and raw
+    # NIXL's (RAW_CPU_PLACES).
+    switches: dict[str, float] = field(default_factory=dict)
+    raw_switches: dict[str, float] = field(default_factory=dict)
 
     def figures(self) -> Concurrency:
         return Concurrency(
@@ -96,6 +100,8 @@ class Latency:
             raw_nixl_pull_p95_seconds=pct(self.raw_pull, 95),
             # One grant per pull.
             cpu_seconds_per_grant=per_pull(self.grant_cpu, len(self.pull)),
+            context_switches_per_pull=per_pull(self.switches, len(self.pull)),
+            raw_nixl_context_switches_per_pull=per_pull(self.raw_switches, len(self.raw_pull)),
         )
 
     def samples(self) -> LatencySamples:
@@ -129,7 +135,8 @@ RAW_CPU_PLACES = ("initiator", "target")
 
 
 def per_pull(cpu: dict[str, float], pulls: int) -> dict[str, float]:
-    """CPU seconds per pull by place, and their ``total``; {} without pulls."""
+    """CPU seconds (or context switches) per pull by place, and their
+    ``total``; {} without pulls."""
     if not pulls:
         return {}
     out = {k: v / pulls for k, v in cpu.items()}

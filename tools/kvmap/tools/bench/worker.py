@@ -38,6 +38,7 @@ from kvmap.client.fd_handoff import sealed_memfd
 from kvmap.core.errors import KvmapError, Unavailable
 from kvmap.core.geometry import ViewSpec, WorkerGeometry
 from kvmap.tools import block_pattern, json_lines
+from kvmap.tools.bench.host import own_switches
 from kvmap.tools.bench.profiles import WORD, get_profile
 from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
 
@@ -358,16 +359,20 @@ class BenchWorker:
         return {"ok": True, "staged": sum(len(stream) for stream in streams)}
 
     def release_pulls(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        """Release the staged pulls together; their answers, in order, and
-        the wall time until the last one was done."""
+        """Release the staged pulls together; their answers, in order, the
+        wall time until the last one was done, and this process's context
+        switches meanwhile (its pull threads', which /proc forgets once
+        they end, included)."""
         staged, self._staged = self._staged, None
         if staged is None:
             return {"ok": False, "code": "NOT_STAGED", "message": "stage_pulls first"}
+        switched = own_switches()
         out, wall = staged.release()
+        switches = own_switches() - switched
         failed = [o for o in out if not o.get("ok")]
         if failed:
             return {"ok": False, "code": failed[0].get("code"), "message": str(failed[0])}
-        return {"ok": True, "pulls": out, "wall_seconds": wall}
+        return {"ok": True, "pulls": out, "wall_seconds": wall, "switches": switches}
 
     def _spec(self, cmd: dict[str, Any]) -> transfers_pb2.TransferSpec:
         reg = self.workers[cmd["name"]]
