@@ -218,6 +218,42 @@ def test_a_call_returns_its_statuses_and_reuses_its_connection(served: Served) -
     calls.close()
 
 
+def test_as_many_connections_as_calls_at_once_are_kept_for_the_next_round(
+    served: Served,
+) -> None:
+    """A worker that makes 32 calls at once keeps all 32 connections when
+    they end, and its next 32 calls at once open none: a worker keeping
+    fewer than it uses would connect (and the daemon accept and check) again
+    for every call past them, round after round."""
+    calls = LocalCalls(served.path)
+    at_once = 32
+
+    def round_of_calls() -> None:
+        served.script.release.clear()
+        threads = [
+            threading.Thread(target=calls.call, args=(pull("held"), 10)) for _ in range(at_once)
+        ]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        # Every call holds its connection until released ("held").
+        while len([c for c in served.script.calls if c[0] == "held"]) < at_once:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        served.script.calls.clear()
+        served.script.release.set()
+        for t in threads:
+            t.join(10)
+
+    round_of_calls()
+    assert len(calls._idle) == at_once
+    kept = set(calls._idle)
+    round_of_calls()
+    assert set(calls._idle) == kept  # the same connections, no new one
+    assert served.connections() == at_once
+    calls.close()
+
+
 def test_push_and_the_callers_span_reach_the_transfer(served: Served) -> None:
     """A push is a push; a well-formed traceparent is the transfer's parent,
     a malformed one is dropped (as gRPC's metadata is)."""

@@ -36,8 +36,14 @@ from kvmap.core.protowire import varint
 from kvmap.v1 import local_calls_pb2, registry_pb2, transfers_pb2
 
 LENGTH = struct.Struct("<I")
-# Idle connections kept for later calls.
-MAX_IDLE = 16
+# Idle connections kept for later calls: as many as a worker makes at once
+# (its pull threads'), up to this many. A worker that kept fewer than it
+# uses opened and closed the rest for every round of calls, each a connect,
+# an accept and a credentials check on the daemon's event loop (at 32 pulls
+# at once, 2 context switches more per pull on the daemon: see
+# docs/benchmarks.md, "The hop, twelfth round"). An idle connection costs
+# the daemon a socket; its MAX_CONNECTIONS bounds them all.
+MAX_IDLE = 64
 # The longest reply frame accepted (a status is a few hundred bytes).
 MAX_REPLY_BYTES = 1 << 20
 # How long opening a connection may take (a local socket: at once, or never).
