@@ -105,3 +105,36 @@ def test_the_adapter_picks_the_package_import_nixl_picks(tmp_path: Path) -> None
     assert out.returncode == 0, out.stdout + out.stderr
     by_nixl, by_adapter = out.stdout.split()
     assert by_adapter == by_nixl
+
+
+# Imports the daemon's entry point, logs an exception with the daemon's
+# text renderer, and says whether rich was imported.
+RICH = r"""
+import sys
+import kvmap.daemon.cli.kvmapd
+from kvmap.daemon.adapters.logs import configure_logging, log
+configure_logging("text")
+try:
+    1 / 0
+except ZeroDivisionError:
+    log.exception("boom", worker="w0")
+print("rich" if sys.modules.get("rich") is not None else "no rich", "structlog.dev" in sys.modules)
+"""
+
+
+def test_the_daemon_leaves_rich_unimported(tmp_path: Path) -> None:
+    """rich (installed here, as vLLM's dependency; the image has none) is not
+    imported by the daemon's entry point, although structlog imports it
+    wherever it is installed (a sixth of a start, for tracebacks the daemon
+    never draws with it); the daemon's text logs still render, an exception's
+    traceback included."""
+    assert importlib.util.find_spec("rich") is not None  # else this proves nothing
+    out = subprocess.run(
+        [sys.executable, "-c", RICH],
+        cwd=tmp_path, env=local_env(tmp_path), capture_output=True, text=True, timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.split() == ["no", "rich", "True"]
+    assert "boom" in out.stderr and "worker=w0" in out.stderr, out.stderr
+    assert "ZeroDivisionError: division by zero" in out.stderr, out.stderr

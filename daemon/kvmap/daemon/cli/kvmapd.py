@@ -10,6 +10,14 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn, cast
 
+# Before anything imports structlog: it imports rich wherever rich is
+# installed (vLLM brings it; the daemon's image has none), for pretty
+# tracebacks the daemon never draws, and that import was a sixth of a
+# start (docs/benchmarks.md, "The hop, twelfth round"). A None entry makes
+# `import rich` fail as if it were absent; a process that already has rich
+# keeps it.
+sys.modules.setdefault("rich", None)  # type: ignore[arg-type]
+
 from kvmap.core.config import DaemonConfig, effective, exposure_warning
 from kvmap.daemon.adapters.config_files import explain, load_config, show_value
 from kvmap.daemon.adapters.logs import configure_logging, enable_crash_dumps, log
