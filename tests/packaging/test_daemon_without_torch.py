@@ -56,6 +56,18 @@ print(json.dumps({"heavy": heavy}))
 """
 
 
+def _python(tmp_path: Path, code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter, as the daemon's tests run it
+    (loopback UCX, temporary files in ``tmp_path``); it must exit 0."""
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        cwd=tmp_path, env=local_env(tmp_path), capture_output=True, text=True, timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
 def test_torch_is_installed_here() -> None:
     """The tests below prove something only where torch is importable (it is,
     in the environment .ci/setup makes): otherwise `import nixl` would not
@@ -80,12 +92,7 @@ def test_nixl_transfers_without_importing_torch(tmp_path: Path) -> None:
     """A process that imports the daemon's entry point, creates two real NIXL
     agents and completes a READ between them (every byte checked) has imported
     neither torch nor vLLM."""
-    out = subprocess.run(
-        [sys.executable, "-c", TRANSFER, *HEAVY],
-        cwd=tmp_path, env=local_env(tmp_path), capture_output=True, text=True, timeout=120,
-        check=False,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
+    out = _python(tmp_path, TRANSFER, *HEAVY)
     assert json.loads(out.stdout.splitlines()[-1]) == {"heavy": []}
 
 
@@ -97,12 +104,7 @@ def test_the_adapter_picks_the_package_import_nixl_picks(tmp_path: Path) -> None
         "from kvmap.daemon.adapters.nixl_loader import nixl_module\n"
         "print(nixl._api.__name__, nixl_module('_api').__name__)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=tmp_path, env=local_env(tmp_path), capture_output=True, text=True, timeout=120,
-        check=False,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
+    out = _python(tmp_path, code)
     by_nixl, by_adapter = out.stdout.split()
     assert by_adapter == by_nixl
 
@@ -129,12 +131,7 @@ def test_the_daemon_leaves_rich_unimported(tmp_path: Path) -> None:
     never draws with it); the daemon's text logs still render, an exception's
     traceback included."""
     assert importlib.util.find_spec("rich") is not None  # else this proves nothing
-    out = subprocess.run(
-        [sys.executable, "-c", RICH],
-        cwd=tmp_path, env=local_env(tmp_path), capture_output=True, text=True, timeout=120,
-        check=False,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
+    out = _python(tmp_path, RICH)
     assert out.stdout.split() == ["no", "rich", "True"]
     assert "boom" in out.stderr and "worker=w0" in out.stderr, out.stderr
     assert "ZeroDivisionError: division by zero" in out.stderr, out.stderr

@@ -199,20 +199,19 @@ class RawSide:
             # planning above and the command's parsing left out, as the
             # daemons' CPU is counted around a round of pulls.
             before = [cpu_seconds(pid) for pid in pids]
-            switched = own_switches(), [thread_switches(pid) for pid in pids[1:]]
+            # Context switches likewise: this process's own (every thread,
+            # those that end included), the others' thread by thread.
+            own_before = own_switches()
+            others_before = [thread_switches(pid) for pid in pids[1:]]
             rounds.append(self._round(jobs, split, explicit))
             rounds[-1]["cpu_seconds"] = [
                 cpu_seconds(pid) - b for pid, b in zip(pids, before, strict=True)
             ]
-            # Context switches likewise: this process's own (every thread),
-            # the others' thread by thread from /proc.
-            rounds[-1]["switches"] = [
-                own_switches() - switched[0],
-                *(
-                    switches_between(b, thread_switches(pid))
-                    for pid, b in zip(pids[1:], switched[1], strict=True)
-                ),
+            others = [
+                switches_between(b, thread_switches(pid))
+                for pid, b in zip(pids[1:], others_before, strict=True)
             ]
+            rounds[-1]["switches"] = [own_switches() - own_before, *others]
         return {
             "ok": True,
             "rounds": rounds,
@@ -436,8 +435,7 @@ class RawPair:
     def pull(self, requests: list[dict[str, Any]], repeats: int, **variant: Any) -> dict[str, Any]:
         """``repeats`` rounds of ``requests`` (``RawSide.pull``); each
         round's ``cpu_seconds`` and ``switches`` (context switches) are
-        [initiator, target]. The target is at
-        the busy pace only meanwhile."""
+        [initiator, target]. The target is at the busy pace only meanwhile."""
         self._call(self.target, {"cmd": "pace", "busy": True})
         try:
             return self._call(
