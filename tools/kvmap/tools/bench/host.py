@@ -93,10 +93,8 @@ def thread_switches(pid: int) -> dict[int, int]:
         # A thread may end while it is read: it is simply not counted.
         with contextlib.suppress(OSError, ValueError):
             with open(f"{task}/status", encoding="ascii") as f:
-                words = [line.split() for line in f]
-            out[int(task.rpartition("/")[2])] = sum(
-                int(w[1]) for w in words if w and w[0].endswith("ctxt_switches:")
-            )
+                counts = [line.split()[1] for line in f if "ctxt_switches:" in line]
+            out[int(task.rpartition("/")[2])] = sum(int(n) for n in counts)
     return out
 
 

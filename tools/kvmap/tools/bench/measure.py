@@ -216,9 +216,10 @@ def _concurrency(runs: list[PlannerRun], raw: RawPair, pp: ProfilePlan, opts: Op
             for r in rounds:
                 lat.raw_post += r["post_seconds"]
                 lat.raw_pull += r["pull_seconds"]
-                for place, seconds in zip(RAW_CPU_PLACES, r["cpu_seconds"], strict=True):
+                for place, seconds, switches in zip(
+                    RAW_CPU_PLACES, r["cpu_seconds"], r["switches"], strict=True
+                ):
                     lat.raw_cpu[place] = lat.raw_cpu.get(place, 0.0) + max(0.0, seconds)
-                for place, switches in zip(RAW_CPU_PLACES, r["switches"], strict=True):
                     lat.raw_switches[place] = lat.raw_switches.get(place, 0.0) + switches
         opts.progress(f"{pp.profile.name}: concurrency {n}: " + ", ".join(
             f"{r.pair.planner} post p95 {pct(r.latency[n].post, 95) * 1e3:.1f} ms, "

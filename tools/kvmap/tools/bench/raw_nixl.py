@@ -198,11 +198,14 @@ class RawSide:
             # CPU of the round only (this process and the target's), the
             # planning above and the command's parsing left out, as the
             # daemons' CPU is counted around a round of pulls.
-            before = [cpu_seconds(pid) for pid in pids]
             # Context switches likewise: this process's own (every thread,
-            # those that end included), the others' thread by thread.
+            # those that end included), the others' thread by thread. Read
+            # outside the CPU readings: a read of the target's threads from
+            # /proc costs this process ~40 us a thread, which would count as
+            # the round's CPU.
             own_before = own_switches()
             others_before = [thread_switches(pid) for pid in pids[1:]]
+            before = [cpu_seconds(pid) for pid in pids]
             rounds.append(self._round(jobs, split, explicit))
             rounds[-1]["cpu_seconds"] = [
                 cpu_seconds(pid) - b for pid, b in zip(pids, before, strict=True)
