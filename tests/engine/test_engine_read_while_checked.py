@@ -211,7 +211,8 @@ def test_a_deadline_inside_the_post_still_releases_what_the_post_made() -> None:
         (
             "nixl",
             r"waiting for NIXL to complete it \(READ of 1 descriptors posted 0\.\ds ago, "
-            r"PROC after [1-9]\d* polls, still watched\)",
+            r"PROC after [1-9]\d* polls, still watched; "
+            r"the progress pump's last pass 0\.\ds ago\)",
         ),
     ],
 )

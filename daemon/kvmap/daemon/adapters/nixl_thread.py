@@ -7,13 +7,18 @@ so passes come thousands of times a second while transfers are in flight.
 A pass that finds nothing stays on this thread; waking the event loop for
 every pass (a future, a self-pipe write and an epoll wake per pass, on both
 threads) cost more CPU per pull than the pass itself (docs/benchmarks.md,
-"Per-pull CPU")."""
+"Per-pull CPU").
+
+Its queue is a ``Mailbox``, not a ``queue.SimpleQueue``: CPython 3.11's and
+3.12's ``SimpleQueue.get(timeout=...)`` can block until the next ``put``
+however short its timeout (below), and between pulls nothing else is put:
+the pump stopped, and a pull in flight waited out its whole deadline."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
-import queue
 import sys
 import threading
 import time
@@ -60,9 +65,62 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
         future.set_result(result)
 
 
+class Mailbox:
+    """A queue with one reader whose timed wait returns in time.
+
+    ``queue.SimpleQueue.get(timeout=t)`` in CPython 3.11 and 3.12 takes its
+    lock first and then recomputes the time left; when the queue is still
+    empty and ``t`` has run out by then (a wait of a few microseconds, a
+    preemption, a signal handler), the time left is negative, and a negative
+    timeout means "wait forever": the reader sleeps until the next ``put``.
+    The NIXL thread waits this way between pump passes, thousands of times a
+    second, and with one transfer in flight no ``put`` comes until the
+    transfer's deadline (docs/benchmarks.md, "The hop, thirteenth round").
+    Here the items sit in a deque and a plain lock is the doorbell:
+    ``Lock.acquire(timeout=...)`` stops at a negative time left."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[object] = collections.deque()
+        # Held while nobody has rung; ``put`` releases it, ``get`` takes it.
+        self._bell = threading.Lock()
+        self._bell.acquire()
+
+    def put(self, item: object) -> None:
+        """From any thread."""
+        self._items.append(item)
+        with contextlib.suppress(RuntimeError):  # rung already, not yet heard
+            self._bell.release()
+
+    def get(self, timeout: float | None = None) -> object | None:
+        """The oldest item; None once ``timeout`` seconds passed without one
+        (None: wait as long as it takes). The reader's thread only, so an
+        item seen here is still there to take. A ring may be stale (its
+        item was taken without waiting): the wait goes on for the time
+        left. No context managers: the NIXL thread waits here thousands of
+        times a second."""
+        items = self._items
+        if not items:
+            if timeout is None:
+                while not items:
+                    self._bell.acquire()
+            elif timeout > 0:
+                deadline = time.monotonic() + timeout
+                left = timeout
+                while not items and self._bell.acquire(timeout=left):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+            if not items:
+                return None
+        return items.popleft()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
 class NixlThread:
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._jobs = Mailbox()
         self._pump: Pump | None = None
         self._due = 0.0  # time.monotonic() of the next pump pass
         self._lock = threading.Lock()
@@ -147,15 +205,12 @@ class NixlThread:
                 self._due = time.monotonic() + self._pass(pump)
                 self._running = (0.0, "")
 
-    def _next(self, jobs: queue.SimpleQueue[object]) -> object:
-        """The next queued item; a plain pump turn when none came in time."""
+    def _next(self, jobs: Mailbox) -> object:
+        """The next queued item; None (a plain pump turn) when none came
+        before the next pass is due."""
         if self._pump is None:
             return jobs.get()
-        wait = self._due - time.monotonic()
-        try:
-            return jobs.get(timeout=wait) if wait > 0 else jobs.get_nowait()
-        except queue.Empty:
-            return None
+        return jobs.get(timeout=max(0.0, self._due - time.monotonic()))
 
     def _run(self, job: _Job) -> None:
         if job.future.cancelled():

@@ -74,13 +74,19 @@ class Posting:
 
     def _waited_on(self, xfers: list[Xfer]) -> str:
         """What was known of transfers still waited for: NIXL reporting them
-        in progress pass after pass, or a pump that never polled them."""
+        in progress pass after pass, a pump that never polled them, or one
+        that stopped passing (its last pass long ago)."""
         now = time.monotonic()
+        last = self._progress.last_pass
+        pump = f"the progress pump's last pass {now - last:.1f}s ago" if last else "no pass yet"
         return "; ".join(
-            f"{x.op.value} of {x.num_descs} descriptors posted {now - x.posted_at:.1f}s ago, "
-            f"{x.state.value} after {x.polls} polls, "
-            + ("still watched" if self._progress.watching(x) else "no longer watched")
-            for x in xfers
+            [
+                f"{x.op.value} of {x.num_descs} descriptors posted {now - x.posted_at:.1f}s ago, "
+                f"{x.state.value} after {x.polls} polls, "
+                + ("still watched" if self._progress.watching(x) else "no longer watched")
+                for x in xfers
+            ]
+            + [pump]
         )
 
     def _post(

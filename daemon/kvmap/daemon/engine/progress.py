@@ -74,6 +74,10 @@ class Progress:
         self._notif_failures = 0
         # Watched transfers already logged as slow (NIXL thread only).
         self._told_slow: set[Xfer] = set()
+        # time.monotonic() of the last pass's start, 0.0 before the first
+        # (written on the NIXL thread, read anywhere): a transfer that runs
+        # out of time says whether the pump was still passing.
+        self.last_pass = 0.0
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -121,7 +125,7 @@ class Progress:
         with self._lock:
             watched = list(self._watched)
         finished: dict[Xfer, XferState] = {}
-        now = time.monotonic()
+        now = self.last_pass = time.monotonic()
         for x in watched:
             x.polls += 1
             state = self._agent.poll(x)
