@@ -25,7 +25,7 @@ from pathlib import PurePosixPath
 
 TIERS = ("fast", "integration", "vllm")
 PROCESS_DIRECTORIES = frozenset(
-    {"integration", "fuzz", "security", "bench", "bench_load", "gpu", "packaging"}
+    {"integration", "fuzz", "security", "bench", "bench_load", "gpu", "packaging", "multinode"}
 )
 SERIAL_DIRECTORIES = frozenset({"vllm"})
 # Serial beyond SERIAL_DIRECTORIES, by path under tests/, and why.
@@ -48,6 +48,7 @@ SERIAL_FILES = {
 # hands files out in collection order, so these start at once instead of
 # leaving one worker busy with one of them after the rest are done.
 LONGEST_FIRST = (
+    "multinode/test_churn.py",
     "vllm/test_vllm_tp.py",
     "vllm/test_vllm_upgrade_stream.py",
     "bench/test_bench.py",

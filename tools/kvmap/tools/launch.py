@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 
+from kvmap.tools.netbed import Node, node_env
 from kvmap.tools.peers import SESSION_ENV, peer_channel, read_secret, session_peer_secret
 from kvmap.tools.zygote import ForkedProcess, Zygote
 
@@ -80,16 +81,24 @@ def _close_zygote(zygote: Zygote, home: Path) -> None:
 
 
 def start_python(
-    argv: list[str], env: dict[str, str], cwd: Path, log_path: Path, zygote: Zygote | None
+    argv: list[str],
+    env: dict[str, str],
+    cwd: Path,
+    log_path: Path,
+    zygote: Zygote | None,
+    *,
+    node: Node | None = None,
 ) -> subprocess.Popen[str] | ForkedProcess:
     """``python *argv`` (``-m MODULE ...`` or ``SCRIPT ...``) in ``cwd``
     with ``env``, stdin and stdout piped (text), stderr to ``log_path``:
-    forked from ``zygote`` when there is one (``zygote_for``)."""
-    if zygote is not None:
+    forked from ``zygote`` when there is one (``zygote_for``), or started
+    afresh inside a test bed's ``node`` (a namespace is entered at exec)."""
+    if zygote is not None and node is None:
         return zygote.spawn(argv, env, cwd, log_path)
+    command = [sys.executable, *argv]
     with open(log_path, "w") as log:
         return subprocess.Popen(
-            [sys.executable, *argv],
+            node.argv(command) if node is not None else command,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=log,
@@ -154,6 +163,10 @@ class DaemonProc:
     # The peer secret it was started with ("" for none): what its TCP
     # callers of Peer and RegionMaps present.
     secret: str = ""
+    # The address its TCP listener is on: loopback, or the address of the
+    # test bed's node it runs on (``node``; kvmap.tools.netbed).
+    host: str = "127.0.0.1"
+    node: Node | None = None
 
     @property
     def unix_target(self) -> str:
@@ -161,7 +174,7 @@ class DaemonProc:
 
     @property
     def tcp_target(self) -> str:
-        return f"127.0.0.1:{self.tcp_port}"
+        return f"{self.host}:{self.tcp_port}"
 
     def channel(self, tcp: bool = False, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
         """A channel to the Unix socket, or to the TCP port presenting the
@@ -209,11 +222,22 @@ def _with_peer_secret(extra: Sequence[str]) -> tuple[list[str], str]:
 
 
 def start_daemon(
-    workdir: Path, *extra: str, name: str = "kvmapd", listen: str = "127.0.0.1:0"
+    workdir: Path,
+    *extra: str,
+    name: str = "kvmapd",
+    listen: str = "127.0.0.1:0",
+    node: Node | None = None,
 ) -> DaemonProc:
     """Start ``kvmapd serve`` in ``workdir``; it shares this process's peer
-    secret with the other daemons started here unless ``extra`` names one."""
+    secret with the other daemons started here unless ``extra`` names one.
+    On a test bed's ``node`` it runs in the node's namespace, listens on the
+    node's address (``listen`` names the port) and its UCX uses the node's
+    link over TCP only."""
     workdir.mkdir(parents=True, exist_ok=True)
+    env = local_env(workdir)
+    if node is not None:
+        env = node_env(env)
+        listen = node.hostport(int(listen.rpartition(":")[2]))
     flags, secret = _with_peer_secret(extra)
     sock = workdir / f"{name}.sock"
     ready = workdir / f"{name}.ready"
@@ -235,10 +259,10 @@ def start_daemon(
         "json",
         *flags,
     ]
+    if node is not None:
+        args = node.argv(args)
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, env=local_env(workdir), cwd=workdir
-        )
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir)
     _track(proc, log_path)
     deadline = time.monotonic() + START_TIMEOUT_S
     while not ready.exists():
@@ -258,6 +282,8 @@ def start_daemon(
         workdir=workdir,
         log_path=log_path,
         secret=secret,
+        host=node.address if node is not None else "127.0.0.1",
+        node=node,
     )
 
 
@@ -296,17 +322,29 @@ class WorkerProc:
             except (BrokenPipeError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait(10)
+        self._close_pipes()
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        """A caller that starts thousands of workers (the churn soak) must
+        not keep two pipes of each one that is gone."""
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
 
 
 def _readline(proc: subprocess.Popen[str] | ForkedProcess, timeout: float, log_path: Path) -> str:
     assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    if not ready:
+    # poll, not select: a caller with over 1,024 fds open (a long soak) is fine.
+    poller = select.poll()
+    poller.register(proc.stdout, select.POLLIN | select.POLLHUP)
+    if not poller.poll(max(0.0, timeout) * 1000):
         raise TimeoutError(f"worker {proc.pid} gave no answer in {timeout}s:\n{_tail(log_path)}")
     line = proc.stdout.readline()
     if not line:
