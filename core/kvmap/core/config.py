@@ -62,6 +62,12 @@ class DaemonConfig:
     transfer_timeout_s: float = 30.0
     # How long a peer waits for a remote daemon's handshake before UNAVAILABLE.
     connect_timeout_s: float = 3.0
+    # Seconds a TCP connection (UCX's and gRPC's) may stay silent before the
+    # kernel probes its peer; a peer whose node or link is gone is cut
+    # PROBES x 2 s later (adapters/tcp_keepalive.py). 0 leaves the sockets
+    # as UCX and gRPC set them: UCX's accepted ones then never notice a
+    # vanished peer and keep its fds.
+    peer_keepalive_s: int = 10
     # UCX threads of the daemon's NIXL agent: a large transfer's descriptors
     # are posted and progressed by this many threads at once, so one daemon
     # moves a pod's pulls on more than one core (0: the NIXL thread alone).
@@ -165,6 +171,8 @@ class DaemonConfig:
         for name in ("transfer_timeout_s", "connect_timeout_s", "restore_attach_grace_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, getattr(self, name), "must be positive")
+        if isinstance(self.peer_keepalive_s, int) and not 0 <= self.peer_keepalive_s <= 3600:
+            raise ConfigError("peer_keepalive_s", self.peer_keepalive_s, "must be 0 to 3600")
         self._validate_caps()
         return self._validated_peers()._validated_shm_prefixes()
 

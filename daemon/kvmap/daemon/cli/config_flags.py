@@ -25,6 +25,8 @@ KEY_HELP = {
     "drain_seconds": "seconds SIGTERM waits for in-flight transfers",
     "transfer_timeout_s": "default deadline of a transfer, handshake to completion",
     "connect_timeout_s": "seconds to wait for a peer daemon's handshake before UNAVAILABLE",
+    "peer_keepalive_s": "seconds a TCP connection to a peer may stay silent before the kernel "
+    "probes it; a peer whose node or link is gone is cut 6 s later (0: off)",
     "nixl_threads": "UCX threads that post and progress a large transfer's descriptors at "
     "once (0: the daemon's one NIXL thread alone)",
     "check_before_read": "start a pull's read only once the owner accepted it; "

@@ -37,6 +37,7 @@ from kvmap.daemon.adapters.nixl_port import AgentFactory, NixlPort
 from kvmap.daemon.adapters.nixl_thread import NixlThread
 from kvmap.daemon.adapters.peer_client import PeerClient
 from kvmap.daemon.adapters.state_store import StateStore, StateStoreError
+from kvmap.daemon.adapters.tcp_keepalive import HalfOpenGuard, Keepalive
 from kvmap.daemon.engine.activity import Activity
 from kvmap.daemon.engine.events import EventOutbox
 from kvmap.daemon.engine.grants import GrantTable
@@ -218,6 +219,8 @@ class DaemonApp:
         )
         self._spawn(self._expire_leases())
         self._spawn(self._watch_nixl_thread())
+        if self.config.peer_keepalive_s > 0:
+            self._spawn(self._guard_half_open(Keepalive(self.config.peer_keepalive_s)))
         await self.lifecycle.restore(self.planner)
 
     def _wake_progress(self) -> None:
@@ -233,6 +236,15 @@ class DaemonApp:
         while True:
             await asyncio.sleep(0.5)
             self.owner.expire()
+
+    async def _guard_half_open(self, keepalive: Keepalive) -> None:
+        """Keepalive on each new TCP connection within a sweep's period
+        (adapters/tcp_keepalive.py says why: UCX arms only those it dials)."""
+        guard = HalfOpenGuard(keepalive)
+        period = max(1.0, keepalive.idle_s / 4)
+        while True:
+            guard.sweep()
+            await asyncio.sleep(period)
 
     async def _watch_nixl_thread(self) -> None:
         while True:
