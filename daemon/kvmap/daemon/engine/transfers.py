@@ -244,11 +244,13 @@ class TransferEngine:
             self._succeeded(direction, req.target, time.perf_counter() - started)
         except TimeoutError:
             late = DeadlineExceeded(
-                f"transfer {req.request_id}: no completion in {req.timeout_s}s, {where.now}"
+                f"transfer {req.request_id} with {req.target}:"
+                f" no completion in {req.timeout_s}s, {where.now}"
             )
             self._failed(direction, req.target, late, span)
             raise late from None
         except BaseException as err:
+            _say_where(err, where.now)
             self._failed(direction, req.target, err, span)
             raise
         finally:
@@ -591,3 +593,11 @@ class TransferEngine:
         await asyncio.gather(*self._finishing, return_exceptions=True)
         await self._caches.close()
         await self.peers.close()
+
+
+def _say_where(err: BaseException, now: str) -> None:
+    """A peer's outage or deadline names the phase the transfer was in (its
+    message already names the peer: "remote daemon <target>: ..."): the
+    operator tells a link lost before the handshake from one lost mid-read."""
+    if isinstance(err, Unavailable | DeadlineExceeded) and now not in err.message:
+        err.message = f"{err.message} (while {now})"
