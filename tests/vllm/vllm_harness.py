@@ -28,6 +28,7 @@ import pytest
 
 from kvmap.tools import launch
 from kvmap.tools.launch import DaemonProc, local_env, start_daemon
+from kvmap.tools.netbed import Node, node_env
 from kvmap.tools.zygote import ForkedProcess, Zygote
 from kvmap.v1 import admin_pb2, admin_pb2_grpc
 
@@ -93,13 +94,17 @@ class EngineProc:
         *args: str,
         log_level: str = "WARNING",
         timeout: float = 120.0,
+        node: Node | None = None,
     ) -> EngineProc:
+        """An engine; on a test bed's ``node``, inside its namespace."""
         workdir = tmp / name
         workdir.mkdir(parents=True, exist_ok=True)
         log_path = workdir / "engine.log"
         argv = [str(ENGINE), "serve", str(model), *args]
         env = engine_env(workdir, log_level)
-        proc = launch.start_python(argv, env, workdir, log_path, engine_zygote())
+        if node is not None:
+            env = node_env(env)
+        proc = launch.start_python(argv, env, workdir, log_path, engine_zygote(), node=node)
         return cls(name, proc, log_path, timeout=timeout)
 
     def wait_ready(self, timeout: float = ENGINE_START_S) -> None:
