@@ -47,6 +47,8 @@ SERVE_CASES = [
     ("attach_grace_s", "attach_grace_s = 0\n", [], ["attach_grace_s = 0 in {cfg}", "positive"]),
     ("max_workers", None, ["--max-workers", "0"], ["--max-workers 0", "positive integer"]),
     ("nixl_threads", "nixl_threads = 65\n", [], ["{cfg}", "nixl_threads", "between 0 and 64"]),
+    ("peer_keepalive_s", None, ["--peer-keepalive-s", "-1"],
+     ["--peer-keepalive-s -1", "0 to 3600"]),
     ("check_before_read", 'check_before_read = "yes"\n', [],
      ['check_before_read = "yes" in {cfg}', "true or false"]),
     ("max_registered_bytes", 'max_registered_bytes = "2TiB"\n', [],

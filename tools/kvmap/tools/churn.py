@@ -408,7 +408,7 @@ def _fatal_lines(log: str) -> list[str]:
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        prog="python -m kvmap.tools.churn", description=__doc__.split("\n")[0]
+        prog="python -m kvmap.tools.churn", description=__doc__.split("\n")[0], allow_abbrev=False
     )
     ap.add_argument("--peers", type=int, default=ChurnConfig.peers, help="decode peers in all")
     ap.add_argument("--at-once", type=int, default=ChurnConfig.at_once, help="peers at a time")

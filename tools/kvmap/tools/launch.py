@@ -221,6 +221,20 @@ def _with_peer_secret(extra: Sequence[str]) -> tuple[list[str], str]:
     return [*args, PEER_SECRET_FLAG, path], read_secret(path)
 
 
+def _wait_ready(proc: subprocess.Popen[bytes], ready: Path, log_path: Path) -> dict[str, Any]:
+    """The daemon's ready file, once it is written (bounded)."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not ready.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"kvmapd exited {proc.returncode}:\n{log_path.read_text()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"kvmapd not ready in {START_TIMEOUT_S}s:\n{log_path.read_text()}")
+        time.sleep(0.05)
+    info: dict[str, Any] = json.loads(ready.read_text())
+    return info
+
+
 def start_daemon(
     workdir: Path,
     *extra: str,
@@ -264,15 +278,7 @@ def start_daemon(
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir)
     _track(proc, log_path)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not ready.exists():
-        if proc.poll() is not None:
-            raise AssertionError(f"kvmapd exited {proc.returncode}:\n{log_path.read_text()}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"kvmapd not ready in {START_TIMEOUT_S}s:\n{log_path.read_text()}")
-        time.sleep(0.05)
-    info = json.loads(ready.read_text())
+    info = _wait_ready(proc, ready, log_path)
     return DaemonProc(
         proc=proc,
         socket=str(sock),

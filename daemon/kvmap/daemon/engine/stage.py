@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextvars
 
+from kvmap.core.errors import DeadlineExceeded, Unavailable
+
 
 class Stage:
     __slots__ = ("now",)
@@ -31,3 +33,11 @@ def new_stage() -> Stage:
 def stage() -> Stage:
     """The running transfer's stage (a stage of its own outside a transfer)."""
     return _STAGE.get(None) or Stage()
+
+
+def say_where(err: BaseException, now: str) -> None:
+    """A peer's outage or deadline names the stage the transfer was in (its
+    message already names the peer: "remote daemon <target>: ..."), so an
+    operator tells a link lost before the handshake from one lost mid-read."""
+    if isinstance(err, Unavailable | DeadlineExceeded) and now not in err.message:
+        err.message = f"{err.message} (while {now})"

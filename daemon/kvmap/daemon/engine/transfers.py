@@ -64,7 +64,7 @@ from kvmap.daemon.engine.pacing import Pacing, within
 from kvmap.daemon.engine.posting import Posting
 from kvmap.daemon.engine.prepared import HandshakeKey, Prepared, TransferCaches, side_memory
 from kvmap.daemon.engine.progress import Progress
-from kvmap.daemon.engine.stage import new_stage, stage
+from kvmap.daemon.engine.stage import new_stage, say_where, stage
 from kvmap.daemon.engine.workers import WorkerRecord, WorkerTable
 from kvmap.tracing import NULL_SPAN, OFF, Span, Tracer, code_name, current, use
 from kvmap.v1 import admin_pb2
@@ -250,7 +250,7 @@ class TransferEngine:
             self._failed(direction, req.target, late, span)
             raise late from None
         except BaseException as err:
-            _say_where(err, where.now)
+            say_where(err, where.now)
             self._failed(direction, req.target, err, span)
             raise
         finally:
@@ -593,11 +593,3 @@ class TransferEngine:
         await asyncio.gather(*self._finishing, return_exceptions=True)
         await self._caches.close()
         await self.peers.close()
-
-
-def _say_where(err: BaseException, now: str) -> None:
-    """A peer's outage or deadline names the phase the transfer was in (its
-    message already names the peer: "remote daemon <target>: ..."): the
-    operator tells a link lost before the handshake from one lost mid-read."""
-    if isinstance(err, Unavailable | DeadlineExceeded) and now not in err.message:
-        err.message = f"{err.message} (while {now})"
