@@ -478,14 +478,17 @@ def grant(
     *,
     ttl_ms: int = 0,
     max_uses: int = 0,
+    write: bool = False,
 ) -> registry_pb2.GrantTransferResponse:
-    """The owner's worker asks its daemon for a capability (it is attached)."""
+    """The owner's worker asks its daemon for a capability to read (or, with
+    ``write``, to write) the blocks (it is attached)."""
     req = registry_pb2.GrantTransferRequest(
         worker=owner.id,
         request_id=request_id,
         groups=[types_pb2.BlockGrant(transfer_group=g, block_ids=ids) for g, ids in blocks.items()],
         ttl_ms=ttl_ms,
         max_uses=max_uses,
+        access=registry_pb2.GRANT_ACCESS_WRITE if write else registry_pb2.GRANT_ACCESS_READ,
     )
     return world.transport(owner.role).grant_transfer(req, T)
 
@@ -498,16 +501,18 @@ def make_spec(
     groups: list[tuple[int, list[int], list[int]]],
     *,
     capability: str | None = None,
+    write: bool = False,
     **extra: object,
 ) -> transfers_pb2.TransferSpec:
     """A transfer of ``groups`` (group, local ids, remote ids) with a
     capability the remote worker's daemon granted for exactly its blocks of
-    them (unless ``capability`` is given)."""
+    them, to be read or (``write``: a push) written (unless ``capability``
+    is given)."""
     if capability is None:
         blocks: dict[int, list[int]] = {}
         for group, _, remote_ids in groups:
             blocks.setdefault(group, []).extend(remote_ids)
-        capability = grant(world, remote, request_id, blocks).capability
+        capability = grant(world, remote, request_id, blocks, write=write).capability
     target = (
         world.backend.prefill_target if remote.role == "prefill" else world.backend.decode_target
     )
@@ -621,7 +626,8 @@ def test_push_writes_the_remote_blocks_and_tells_the_owner(world: World, pair: P
     owner = Events(world.transport("decode"), pair.decode.id)
     try:
         assert owner.next().WhichOneof("event") == "attached"
-        spec = make_spec(world, "push-1", pair.prefill, pair.decode, [(0, [8, 9], [12, 2])])
+        groups = [(0, [8, 9], [12, 2])]
+        spec = make_spec(world, "push-1", pair.prefill, pair.decode, groups, write=True)
         states = run(world, "prefill", spec, push=True)
         assert states[-1].state == transfers_pb2.TRANSFER_STATE_DONE
         assert states[-1].stats.bytes == 2 * LAYERS * PAGE

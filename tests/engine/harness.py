@@ -22,7 +22,7 @@ from kvmap.core import convert
 from kvmap.core.config import DaemonConfig
 from kvmap.core.errors import HandshakeAgain, StaleGeneration, Unavailable
 from kvmap.core.geometry import WorkerKey
-from kvmap.core.grants import Grant
+from kvmap.core.grants import Access, Grant
 from kvmap.core.transfer_requests import Announcement, ReleaseNotice
 from kvmap.core.transfer_wire import (
     announcement_from_proto,
@@ -147,6 +147,9 @@ class FakePeers:
         req = release_notice_to_proto(notice)
         self.begun.append(req)
         release_grant(app, req)
+
+    async def offer_push(self, target: str, offer: types_pb2.PushOffer, timeout_s: float) -> int:
+        return self._app(target).push_offers.relay(offer, peer=HARNESS_PEER)
 
     async def end(self, target: str, token: str) -> None:
         self.ended.append(token)
@@ -299,10 +302,11 @@ class Node:
         ttl_ms: int = 0,
         max_uses: int = 0,
         open_uses: bool = False,
+        write: bool = False,
     ) -> str:
-        """A capability for ``blocks`` (per group) of the worker's request, as
-        Registry.GrantTransfer mints it for an attached worker (the worker is
-        attached for the call)."""
+        """A capability for ``blocks`` (per group) of the worker's request, to
+        read them or (``write``) to write them, as Registry.GrantTransfer
+        mints it for an attached worker (the worker is attached for the call)."""
         events = self.app.table.subscribe(worker.key)
         try:
             capability, _ = self.app.owner.grant(
@@ -312,6 +316,7 @@ class Node:
                 ttl_ms=ttl_ms,
                 max_uses=max_uses,
                 open_uses=open_uses,
+                access=Access.WRITE if write else Access.READ,
             )
         finally:
             self.app.table.unsubscribe(worker.key, events)
@@ -346,17 +351,19 @@ def spec(
     remote_generation: int = 0,
     timeout_ms: int = 0,
     capability: str | None = None,
+    write: bool = False,
 ) -> transfers_pb2.TransferSpec:
-    """A pull/push of ``pairs`` (local block, remote block) of transfer group 0,
-    with a capability the owner granted for exactly the remote blocks of
-    ``pairs`` (unless ``capability`` is given; a worker the owner does not
-    have gets none that it would know)."""
+    """A pull (push with ``write``) of ``pairs`` (local block, remote block)
+    of transfer group 0, with a capability the owner granted for exactly the
+    remote blocks of ``pairs``, to read or to write them (unless
+    ``capability`` is given; a worker the owner does not have gets none that
+    it would know)."""
     if capability is None:
         if remote_node.app.table.find(remote.key) is None:
             capability = "unknown-worker"
         else:
             remote_blocks = sorted({p[1] for p in pairs})
-            capability = remote_node.grant(remote, request_id, {0: remote_blocks})
+            capability = remote_node.grant(remote, request_id, {0: remote_blocks}, write=write)
     s = transfers_pb2.TransferSpec(
         request_id=request_id,
         local_worker=local.id,

@@ -89,7 +89,7 @@ def test_a_push_never_writes_the_owner_before_it_agrees() -> None:
             before = wb.block(2)
             answer = a.peers.hold_begins(b.target)
             push = asyncio.ensure_future(
-                collected(run_spec(a.app, spec(wa, b, wb, [(1, 2)]), write=True))
+                collected(run_spec(a.app, spec(wa, b, wb, [(1, 2)], write=True), write=True))
             )
             await until(lambda: a.peers.begins_asked == 1)
             await asyncio.sleep(0.2)

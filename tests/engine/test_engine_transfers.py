@@ -186,7 +186,7 @@ def test_push_writes_into_the_remote_worker() -> None:
             a, wa, b, wb = await two(c)
             before_b = [wb.block(i) for i in range(BLOCKS)]
             events = b.app.table.subscribe(wb.key)
-            await a.transfer(spec(wa, b, wb, [(4, 0), (7, 2)]), write=True)
+            await a.transfer(spec(wa, b, wb, [(4, 0), (7, 2)], write=True), write=True)
             expected = list(before_b)
             expected[0], expected[2] = wa.block(4), wa.block(7)
             assert [wb.block(i) for i in range(BLOCKS)] == expected

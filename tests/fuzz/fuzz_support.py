@@ -117,6 +117,10 @@ ALLOWED: dict[str, frozenset[Code]] = {
     "/kvmap.v1.Transfers/Release": frozenset(
         {OK, INVALID, NOT_FOUND, PRECONDITION, EXHAUSTED, UNAVAILABLE, DEADLINE, DENIED}
     ),
+    # Relayed to the named prefill daemon: its answer, or why it was not reached.
+    "/kvmap.v1.Transfers/OfferPush": frozenset(
+        {OK, INVALID, NOT_FOUND, EXHAUSTED, UNAVAILABLE, DEADLINE, DENIED}
+    ),
     "/kvmap.v1.Peer/GetAgentMetadata": frozenset({OK, INVALID, NOT_FOUND}),
     "/kvmap.v1.Peer/BeginTransfer": frozenset(
         {OK, INVALID, NOT_FOUND, PRECONDITION, EXHAUSTED, UNAVAILABLE, DENIED}
@@ -127,6 +131,8 @@ ALLOWED: dict[str, frozenset[Code]] = {
     # The same, per message of the stream.
     "/kvmap.v1.Peer/BeginTransferStream": frozenset({OK, INVALID, EXHAUSTED}),
     "/kvmap.v1.Peer/EndTransfer": frozenset({OK, INVALID, NOT_FOUND}),
+    # NOT_FOUND: no attached worker of the engine the offer names.
+    "/kvmap.v1.Peer/OfferPush": frozenset({OK, INVALID, NOT_FOUND}),
 }
 UNIX_METHODS = [m for m in ALLOWED if not m.startswith("/kvmap.v1.Peer/")]
 TCP_METHODS = [m for m in ALLOWED if m.startswith(("/kvmap.v1.Peer/", "/kvmap.v1.RegionMaps/"))]

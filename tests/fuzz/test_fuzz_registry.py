@@ -730,6 +730,19 @@ def _seed_requests() -> dict[str, bytes]:
     reg = template("ghost")
     for a in reg.allocations:
         a.shm_fd.CopyFrom(types_pb2.ShmFdHandle(token="0" * 32, index=1, offset_bytes=4096))
+    # A well-formed push offer of the ghost worker's blocks to an engine.
+    offer = types_pb2.PushOffer(
+        push_id="p" * 24,
+        prefill_engine_id="ghost",
+        decode_worker=ghost,
+        decode_target=spec.remote_target,
+        decode_tp_size=1,
+        decode_block_size=16,
+        num_tokens=32,
+        groups=[types_pb2.BlockGrant(transfer_group=0, block_ids=[1, 2])],
+        capability="c" * 43,
+        request_id="r",
+    )
     msgs: dict[str, Any] = {
         "/kvmap.v1.Registry/RegisterWorker": reg,
         "/kvmap.v1.Registry/DeregisterWorker": registry_pb2.DeregisterWorkerRequest(worker=ghost),
@@ -776,6 +789,10 @@ def _seed_requests() -> dict[str, bytes]:
             groups=[types_pb2.BlockGrant(transfer_group=0, block_ids=[4, 5, 6])],
         ),
         "/kvmap.v1.Peer/EndTransfer": peer_pb2.EndTransferRequest(transfer_token="t" * 32),
+        "/kvmap.v1.Peer/OfferPush": peer_pb2.PeerOfferPushRequest(offer=offer),
+        "/kvmap.v1.Transfers/OfferPush": transfers_pb2.OfferPushRequest(
+            target=spec.remote_target, offer=offer, timeout_ms=500
+        ),
     }
     begin = msgs["/kvmap.v1.Peer/BeginTransfer"]
     assert isinstance(begin, peer_pb2.BeginTransferRequest)

@@ -222,9 +222,9 @@ def capability(c: Cluster, s: dict[str, Any]) -> str:
     """The example's capability: the prefill worker's grant of ``s["grant"]``
     for request "fz" (or, for "<other-request>", for another request)."""
     if s["capability"] == "<granted>":
-        return grant(c.pw, "fz", s["grant"])
+        return grant(c.pw, "fz", s["grant"], write=s["write"])
     if s["capability"] == "<other-request>":
-        return grant(c.pw, "fz-other", s["grant"])
+        return grant(c.pw, "fz-other", s["grant"], write=s["write"])
     return str(s["capability"])
 
 

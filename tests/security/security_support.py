@@ -208,11 +208,12 @@ class ShmWorker:
         unread_release: registry_pb2.UnreadRelease.ValueType = (
             registry_pb2.UNREAD_RELEASE_UNSPECIFIED
         ),
+        access: registry_pb2.GrantAccess.ValueType = registry_pb2.GRANT_ACCESS_READ,
     ) -> str:
         """The capability for a peer to transfer exactly ``blocks`` (ids per
         transfer group) of this worker for ``request_id`` (``open_uses``: its
         first claim fixes the count; ``unread_release``: the worker's word on
-        a release declaring no readers)."""
+        a release declaring no readers; ``access``: read them, or write them)."""
         return str(
             self._granted(
                 request_id,
@@ -221,6 +222,7 @@ class ShmWorker:
                 max_uses=max_uses,
                 open_uses=open_uses,
                 unread_release=unread_release,
+                access=access,
             ).capability
         )
 
@@ -243,6 +245,7 @@ class ShmWorker:
         unread_release: registry_pb2.UnreadRelease.ValueType = (
             registry_pb2.UNREAD_RELEASE_UNSPECIFIED
         ),
+        access: registry_pb2.GrantAccess.ValueType = registry_pb2.GRANT_ACCESS_READ,
     ) -> registry_pb2.GrantTransferResponse:
         resp = self.live.registry.GrantTransfer(
             registry_pb2.GrantTransferRequest(
@@ -256,10 +259,12 @@ class ShmWorker:
                 max_uses=max_uses,
                 open_uses=open_uses,
                 unread_release=unread_release,
+                access=access,
             ),
             timeout=CALL_TIMEOUT_S,
         )
         assert resp.unread_release == unread_release, "the grant must keep the worker's word"
+        assert resp.access == access, "the grant must keep its direction"
         return resp
 
     def grantable(self, groups: Sequence[dict[str, Any]]) -> dict[int, list[int]]:
@@ -355,12 +360,15 @@ class Cluster:
         remote_generation: int = 0,
         timeout_ms: int = 0,
         capability: str | None = None,
+        write: bool = False,
     ) -> transfers_pb2.TransferSpec:
         """A transfer between decode (local) and prefill (remote) with, unless
         ``capability`` is given, the prefill worker's grant of the remote ids
-        it has (``ShmWorker.grantable``), whichever way the transfer goes."""
+        it has (``ShmWorker.grantable``): a read grant, or (``write``: a push
+        into them) a write grant."""
         if capability is None:
-            capability = self.pw.grant(request_id, self.pw.grantable(groups))
+            access = registry_pb2.GRANT_ACCESS_WRITE if write else registry_pb2.GRANT_ACCESS_READ
+            capability = self.pw.grant(request_id, self.pw.grantable(groups), access=access)
         spec = transfers_pb2.TransferSpec(
             request_id=request_id,
             local_worker=types_pb2.WorkerId(engine_id=local_engine),

@@ -52,7 +52,8 @@ def test_accepted_transfers_write_exactly_the_requested_bytes(c: Cluster) -> Non
 
     # A push may read one source block twice (only destinations must be unique).
     src, dst = [7, 7, 23], [30, 1, 16]
-    code, msg = c.transfer(c.spec([{"group": 0, "local": src, "remote": dst}]), write=True)
+    spec = c.spec([{"group": 0, "local": src, "remote": dst}], write=True)
+    code, msg = c.transfer(spec, write=True)
     assert code is Code.OK, msg
     expect_transfer(c.pw, c.dw, 0, dst, src)
     c.assert_all_intact("after an accepted push")
@@ -63,7 +64,7 @@ def test_accepted_transfers_write_exactly_the_requested_bytes(c: Cluster) -> Non
     assert code is Code.OK, msg
     expect_transfer(c.dw, c.pw, 0, local, remote)
     src, dst = [3], [12]
-    code, msg = c.transfer(c.spec([_g(src, dst)]), write=True, local=True)
+    code, msg = c.transfer(c.spec([_g(src, dst)], write=True), write=True, local=True)
     assert code is Code.OK, msg
     expect_transfer(c.pw, c.dw, 0, dst, src)
     c.assert_all_intact("after an accepted pull and push on the local calls socket")
@@ -185,10 +186,11 @@ def _hostile(
 ) -> None:
     groups, overrides, code, fragment = case
     before = (c.p.snapshot(), c.d.snapshot())
-    got, msg = c.transfer(c.spec(groups, **overrides), write=write)
+    got, msg = c.transfer(c.spec(groups, write=write, **overrides), write=write)
     assert (got, fragment in msg) == (code, True), (got, msg)
     # The local calls socket answers the same call with the same status and words.
-    assert c.transfer(c.spec(groups, **overrides), write=write, local=True) == (got, msg)
+    again = c.spec(groups, write=write, **overrides)
+    assert c.transfer(again, write=write, local=True) == (got, msg)
     c.assert_all_intact(f"after a refused {'push' if write else 'pull'} ({got.name})")
     assert (c.p.snapshot(), c.d.snapshot()) == before
     c.p.assert_healthy()

@@ -184,7 +184,9 @@ def test_a_lying_peer_map_is_refused_and_nothing_is_written(
     assert got in refused, (got, msg)
     c.assert_all_intact(f"after a pull against a peer lying with {lie}")
     # A push against the liar must not write the prefill worker either.
-    spec = c.spec([{"group": 0, "local": [3, 4], "remote": remote_ids}], target=f.target)
+    spec = c.spec(
+        [{"group": 0, "local": [3, 4], "remote": remote_ids}], target=f.target, write=True
+    )
     got, msg = c.transfer(spec, write=True)
     assert got in refused, (got, msg)
     c.assert_all_intact(f"after a push against a peer lying with {lie}")

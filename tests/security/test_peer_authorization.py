@@ -68,6 +68,13 @@ def peer_calls(channel: grpc.Channel, engine_id: str) -> dict[str, tuple[Code, s
         "EndTransfer": lambda: peer.EndTransfer(
             peer_pb2.EndTransferRequest(transfer_token="t"), timeout=TIMEOUT_S
         ),
+        # A push offer would reach the engine's workers (push mode).
+        "OfferPush": lambda: peer.OfferPush(
+            peer_pb2.PeerOfferPushRequest(
+                offer=types_pb2.PushOffer(push_id="p" * 24, prefill_engine_id=engine_id)
+            ),
+            timeout=TIMEOUT_S,
+        ),
         "ListWorkers": lambda: maps.ListWorkers(
             region_maps_pb2.ListWorkersRequest(), timeout=TIMEOUT_S
         ),
@@ -95,7 +102,14 @@ def test_a_stranger_address_learns_nothing_on_tcp(tmp_path: Path) -> None:
     a 127.0.0.1 client every Peer and RegionMaps RPC with PERMISSION_DENIED and one message
     (no worker names, no metadata), while health stays open and the Unix socket still lists
     the worker. A daemon accepting 127.0.0.1 answers the same client the same calls."""
-    rpcs = ("GetAgentMetadata", "BeginTransfer", "EndTransfer", "ListWorkers", "GetRegionMap")
+    rpcs = (
+        "GetAgentMetadata",
+        "BeginTransfer",
+        "EndTransfer",
+        "OfferPush",
+        "ListWorkers",
+        "GetRegionMap",
+    )
     refused = {name: (Code.PERMISSION_DENIED, INBOUND_DENIED) for name in rpcs}
     with daemon_with_worker(tmp_path / "p", "prefill", "--peer-accept", "127.0.0.2/32") as p:
         with p.channel(tcp=True) as ch:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from security_support import Cluster, Code, expect_transfer, start_cluster
 
-from kvmap.v1 import admin_pb2, admin_pb2_grpc
+from kvmap.v1 import admin_pb2, admin_pb2_grpc, registry_pb2
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -116,7 +116,7 @@ def test_a_refused_push_writes_nothing_at_the_owner(c: Cluster) -> None:
     """A push writes the owner's memory, so even with reads that do not wait
     it goes only after the owner agreed: a push with a capability for
     another block is refused and every byte of both workers is as it was."""
-    cap = c.pw.grant("push", {0: [9]})
+    cap = c.pw.grant("push", {0: [9]}, access=registry_pb2.GRANT_ACCESS_WRITE)
     spec = c.spec([{"group": 0, "local": [2], "remote": [8]}], request_id="push", capability=cap)
     got, details = c.transfer(spec, write=True)
     assert (got, details.endswith(DENIED)) == (Code.PERMISSION_DENIED, True), details

@@ -91,6 +91,7 @@ class KvmapClient:
         unread_release: registry_pb2.UnreadRelease.ValueType = (
             registry_pb2.UNREAD_RELEASE_UNSPECIFIED
         ),
+        access: registry_pb2.GrantAccess.ValueType = registry_pb2.GRANT_ACCESS_UNSPECIFIED,
     ) -> registry_pb2.GrantTransferResponse:
         """Mint the capability a peer must present to read (or write) exactly
         ``blocks`` (block ids per transfer group) of ``worker`` for
@@ -98,7 +99,8 @@ class KvmapClient:
         ``open_uses``: the first transfer that declares its readers fixes the
         count (``max_uses`` must be 0); ``unread_release``: whether a release
         declaring no readers may use an open grant up unread (ALLOWED, where
-        the worker's layout agrees) or never (REFUSED)."""
+        the worker's layout agrees) or never (REFUSED); ``access``: READ (a
+        pull, the default) or WRITE (a push into these blocks)."""
         req = registry_pb2.GrantTransferRequest(
             worker=worker,
             request_id=request_id,
@@ -110,13 +112,26 @@ class KvmapClient:
             max_uses=max_uses,
             open_uses=open_uses,
             unread_release=unread_release,
+            access=access,
         )
         return self.transport.grant_transfer(req, self.timeout_s)
 
-    def revoke_transfer(self, worker: types_pb2.WorkerId, request_id: str) -> None:
-        """Withdraw every grant of ``request_id`` (its blocks are being freed)."""
+    def revoke_transfer(self, worker: types_pb2.WorkerId, request_id: str) -> int:
+        """Withdraw every grant of ``request_id`` (its blocks are being
+        freed); how many announced writes into them have not finished
+        (``RevokeTransferResponse.writes_in_flight``)."""
         req = registry_pb2.RevokeTransferRequest(worker=worker, request_id=request_id)
-        self.transport.revoke_transfer(req, self.timeout_s)
+        return self.transport.revoke_transfer(req, self.timeout_s).writes_in_flight
+
+    def offer_push(
+        self, target: str, offer: types_pb2.PushOffer, timeout_s: float | None = None
+    ) -> int:
+        """Offer a worker's write-granted blocks to the prefill engine on the
+        daemon at ``target`` (Transfers.OfferPush); how many of its workers heard."""
+        req = transfers_pb2.OfferPushRequest(
+            target=target, offer=offer, timeout_ms=int((timeout_s or self.timeout_s) * 1000)
+        )
+        return self.transport.offer_push(req, (timeout_s or self.timeout_s) + 2.0).workers
 
     def pull(
         self, spec: transfers_pb2.TransferSpec, timeout_s: float | None = None

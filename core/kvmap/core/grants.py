@@ -60,6 +60,29 @@ MAX_REPLACED_AGENTS = 4
 MAX_AGENT_NAME = 256
 
 
+class Access(IntEnum):
+    """What a grant lets its holder do with the blocks; the values are
+    ``registry.proto``'s ``GrantAccess``. A grant admits one direction only:
+    a decode peer that may read a prefill worker's blocks must never write
+    them (its prefix cache would serve the bytes to other requests), and a
+    prefill peer that may write a decode worker's blocks must never read
+    them (another request's KV may have been there)."""
+
+    READ = 1
+    WRITE = 2
+
+
+def check_access(value: int) -> Access:
+    """A grant request's ``access`` (hostile: protobuf passes on unknown
+    enum values); UNSPECIFIED (0) is READ, as every grant was before."""
+    if value == 0:
+        return Access.READ
+    try:
+        return Access(value)
+    except ValueError:
+        raise InvalidArgument("access", f"{value} is not a GrantAccess") from None
+
+
 class UnreadRelease(IntEnum):
     """The granting worker's word on a release declaring no readers
     (``release_use`` with readers 0), stored with the grant; the values are
@@ -98,7 +121,8 @@ class Grant:
     granted block ids sorted and distinct; ``uses`` counts completed
     transfers and released uses. ``max_uses`` is ``OPEN_USES`` until the
     first claim of an open grant fixes it. ``unread_release`` is the
-    worker's word on a release declaring no readers."""
+    worker's word on a release declaring no readers; ``access`` the one
+    direction (read or write) the grant admits."""
 
     digest: bytes
     worker: WorkerKey
@@ -109,6 +133,7 @@ class Grant:
     max_uses: int
     uses: int = 0
     unread_release: UnreadRelease = UnreadRelease.UNSPECIFIED
+    access: Access = Access.READ
 
     @property
     def block_count(self) -> int:

@@ -333,10 +333,14 @@ def _transfer(w: DemoWorker, op: str, cmd: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_ACCESS = {"read": registry_pb2.GRANT_ACCESS_READ, "write": registry_pb2.GRANT_ACCESS_WRITE}
+
+
 def _grant(w: DemoWorker, cmd: dict[str, Any]) -> dict[str, Any]:
-    """``grant``: this worker (the owner) lets a peer read or write exactly
-    ``groups`` ([{"group", "blocks"}]) for ``request_id``; ``revoke`` takes
-    every grant of ``request_id`` back."""
+    """``grant``: this worker (the owner) lets a peer read (``access``
+    "read", the default) or write ("write") exactly ``groups`` ([{"group",
+    "blocks"}]) for ``request_id``; ``revoke`` takes every grant of
+    ``request_id`` back."""
     try:
         if cmd["cmd"] == "revoke":
             w.client.revoke_transfer(w.worker, cmd["request_id"])
@@ -350,6 +354,7 @@ def _grant(w: DemoWorker, cmd: dict[str, Any]) -> dict[str, Any]:
             blocks,
             ttl_ms=int(cmd.get("ttl_ms", 0)),
             max_uses=int(cmd.get("max_uses", 0)),
+            access=_ACCESS[cmd.get("access", "read")],
         )
     except KvmapError as err:
         return _failed(err)

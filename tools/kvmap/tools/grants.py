@@ -37,9 +37,11 @@ def grant(
     *,
     ttl_ms: int = 0,
     max_uses: int = 0,
+    write: bool = False,
 ) -> str:
     """``owner`` grants ``groups`` ([{"group", "blocks"}]) for
-    ``request_id``; the capability. Raises ``GrantRefused``."""
+    ``request_id``, to be read or (``write``) written; the capability.
+    Raises ``GrantRefused``."""
     answer = owner.call(
         {
             "cmd": "grant",
@@ -47,6 +49,7 @@ def grant(
             "groups": groups,
             "ttl_ms": ttl_ms,
             "max_uses": max_uses,
+            "access": "write" if write else "read",
         }
     )
     if not answer.get("ok"):
@@ -56,6 +59,8 @@ def grant(
 
 def granted(owner: WorkerProc, cmd: dict[str, Any], **kw: Any) -> dict[str, Any]:
     """``cmd`` (a ``pull`` or ``push`` command) with the capability ``owner``
-    granted for exactly its remote blocks and request id."""
-    capability = grant(owner, cmd["request_id"], owner_blocks(cmd["groups"]), **kw)
+    granted for exactly its remote blocks and request id: a read grant for a
+    pull, a write grant for a push."""
+    write = cmd["cmd"] == "push"
+    capability = grant(owner, cmd["request_id"], owner_blocks(cmd["groups"]), write=write, **kw)
     return {**cmd, "capability": capability}

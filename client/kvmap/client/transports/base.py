@@ -55,6 +55,10 @@ class Transport(Protocol):
         self, req: transfers_pb2.ReleaseRequest, timeout: float
     ) -> transfers_pb2.ReleaseResponse: ...
 
+    def offer_push(
+        self, req: transfers_pb2.OfferPushRequest, timeout: float
+    ) -> transfers_pb2.OfferPushResponse: ...
+
     def get_region_map(
         self, req: region_maps_pb2.GetRegionMapRequest, timeout: float
     ) -> region_maps_pb2.GetRegionMapResponse: ...

@@ -272,6 +272,13 @@ class GrpcTransport:
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
+    def offer_push(
+        self, req: transfers_pb2.OfferPushRequest, timeout: float
+    ) -> transfers_pb2.OfferPushResponse:
+        """Transfers.OfferPush, as this process's uid (only the uid that
+        registered the offered worker may offer its blocks)."""
+        return self._as_caller(self._transfers.OfferPush, req, timeout)
+
     def get_region_map(
         self, req: region_maps_pb2.GetRegionMapRequest, timeout: float
     ) -> region_maps_pb2.GetRegionMapResponse:

@@ -60,7 +60,7 @@ from kvmap.daemon.adapters.peer_batches import BeginBatches, outcomes
 from kvmap.daemon.adapters.peer_secret import peer_secret
 from kvmap.daemon.adapters.peer_stream import BeginStreams, StreamUnsupported
 from kvmap.tracing import TRACEPARENT
-from kvmap.v1 import peer_pb2, peer_pb2_grpc
+from kvmap.v1 import peer_pb2, peer_pb2_grpc, types_pb2
 
 log = structlog.get_logger("kvmapd.peers")
 
@@ -454,6 +454,21 @@ class PeerClient:
             reason = reason_of(err.trailing_metadata())
             raise _begin_error(target, req, err.code(), err.details() or "", reason) from None
         return resp.transfer_token
+
+    async def offer_push(self, target: str, offer: types_pb2.PushOffer, timeout_s: float) -> int:
+        """Peer.OfferPush: hand a decode worker's write-granted blocks to
+        the prefill engine on ``target``; how many of its workers heard."""
+        stub = await self._stub(target)
+        await self._connected(target)
+        try:
+            resp = await stub.OfferPush(
+                peer_pb2.PeerOfferPushRequest(offer=offer),
+                timeout=timeout_s,
+                metadata=self._metadata,
+            )
+        except aio.AioRpcError as err:
+            raise _peer_error(target, err) from None
+        return resp.workers
 
     async def end(self, target: str, token: str) -> None:
         """Tell the owner a transfer it began is over, off the caller's path:

@@ -47,7 +47,7 @@ import numpy as np
 import structlog
 
 from kvmap.core.geometry import WorkerKey
-from kvmap.core.grants import BlockIds, Grant, UnreadRelease
+from kvmap.core.grants import Access, BlockIds, Grant, UnreadRelease
 from kvmap.daemon.adapters.store_faults import (
     STORE_SUFFIXES,
     StateStoreError,
@@ -442,6 +442,9 @@ class StateStore:
             # In the blob, not a column: a store written before the field
             # reads as UNSPECIFIED (the layout decides, as it did then).
             unread_release=registry_pb2.UnreadRelease.ValueType(grant.unread_release),
+            # A store written before the field reads as READ: what every
+            # grant was then.
+            access=registry_pb2.GrantAccess.ValueType(grant.access),
         )
         for g, ids in named or grant.blocks.items():
             # Added in place: a BlockGrant made first would be copied in again.
@@ -510,6 +513,7 @@ class StateStore:
                     max_uses=int(max_uses),
                     uses=int(uses),
                     unread_release=_unread_release(stored.unread_release),
+                    access=_access(stored.access),
                 )
             )
         return out
@@ -522,6 +526,18 @@ def _unread_release(value: int) -> UnreadRelease:
         return UnreadRelease(value)
     except ValueError:
         return UnreadRelease.REFUSED
+
+
+def _access(value: int) -> Access:
+    """A stored access; UNSPECIFIED (a store of a kvmapd before the field)
+    reads as READ, and one this kvmapd does not know as WRITE: a write grant
+    admits no read, so an unknown direction never reads a worker's KV."""
+    if value == 0:
+        return Access.READ
+    try:
+        return Access(value)
+    except ValueError:
+        return Access.WRITE
 
 
 def _stored(key: str, blob: bytes, doc: str, planner: str, generation: int) -> StoredWorker:

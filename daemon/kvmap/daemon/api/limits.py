@@ -43,6 +43,8 @@ TCP_REQUEST_LIMITS: dict[str, int] = {
     # Each message of the stream, as a BeginTransfers request.
     "/kvmap.v1.Peer/BeginTransferStream": BEGIN_TRANSFER_BYTES,
     "/kvmap.v1.Peer/EndTransfer": SMALL_REQUEST_BYTES,
+    # An offer names at most a transfer's blocks, as BeginTransfer does.
+    "/kvmap.v1.Peer/OfferPush": BEGIN_TRANSFER_BYTES,
     "/kvmap.v1.RegionMaps/ListWorkers": SMALL_REQUEST_BYTES,
     "/kvmap.v1.RegionMaps/GetRegionMap": SMALL_REQUEST_BYTES,
     "/kvmap.v1.RegionMaps/PlanPreview": BEGIN_TRANSFER_BYTES,

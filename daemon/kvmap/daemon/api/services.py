@@ -19,9 +19,11 @@ from grpc_reflection.v1alpha import reflection
 
 from kvmap.core import convert
 from kvmap.core import planner as planners
+from kvmap.core.config import parse_host_port
 from kvmap.core.errors import SHUTTING_DOWN, KvmapError, ResourceExhausted, Unavailable
 from kvmap.core.features import DAEMON_FEATURES
 from kvmap.core.geometry import WorkerKey
+from kvmap.core.push_offers import offer_from_proto
 from kvmap.core.transfer_requests import TransferRequest, UseRelease
 from kvmap.core.transfer_wire import (
     MAX_BEGIN_CALLS,
@@ -225,6 +227,7 @@ def grant_transfer(
             max_uses=request.max_uses,
             open_uses=request.open_uses,
             unread_release=request.unread_release,
+            access=request.access,
         )
     return registry_pb2.GrantTransferResponse(
         capability=capability,
@@ -232,6 +235,7 @@ def grant_transfer(
         expires_unix_ms=grant.expires_unix_ms,
         open_uses=grant.open,
         unread_release=registry_pb2.UnreadRelease.ValueType(grant.unread_release),
+        access=registry_pb2.GrantAccess.ValueType(grant.access),
     )
 
 
@@ -243,8 +247,8 @@ def revoke_transfer(
     """RevokeTransfer, for either listener (``grant_transfer``)."""
     key = worker_key(request.worker)
     app.lifecycle.check_caller(key, caller())
-    app.owner.revoke(key, request.request_id)
-    return registry_pb2.RevokeTransferResponse()
+    in_flight = app.owner.revoke(key, request.request_id)
+    return registry_pb2.RevokeTransferResponse(writes_in_flight=in_flight)
 
 
 class RegionMapsService(region_maps_pb2_grpc.RegionMapsServicer):
@@ -342,7 +346,10 @@ def tcp_service_names() -> tuple[str, ...]:
 
 # What this daemon's Peer service serves beyond every release's methods
 # (GetAgentMetadataResponse.features).
-PEER_FEATURES = (peer_pb2.PEER_FEATURE_BEGIN_TRANSFER_STREAM,)
+PEER_FEATURES = (
+    peer_pb2.PEER_FEATURE_BEGIN_TRANSFER_STREAM,
+    peer_pb2.PEER_FEATURE_PUSH_OFFERS,
+)
 
 
 class PeerService(peer_pb2_grpc.PeerServicer):
@@ -474,6 +481,14 @@ class PeerService(peer_pb2_grpc.PeerServicer):
         self.app.owner.end(request.transfer_token, peer=peer_identity(context))
         return peer_pb2.EndTransferResponse()
 
+    async def OfferPush(
+        self, request: peer_pb2.PeerOfferPushRequest, context: Ctx
+    ) -> peer_pb2.PeerOfferPushResponse:
+        if self.app.draining:
+            raise Unavailable(SHUTTING_DOWN)
+        workers = self.app.push_offers.relay(request.offer, peer=peer_identity(context))
+        return peer_pb2.PeerOfferPushResponse(workers=workers)
+
 
 class TransfersService(transfers_pb2_grpc.TransfersServicer):
     def __init__(self, app: DaemonApp) -> None:
@@ -513,6 +528,23 @@ class TransfersService(transfers_pb2_grpc.TransfersServicer):
         async for _ in self._tracked(use, "release", _caller_span(self.app, context)):
             pass
         return transfers_pb2.ReleaseResponse()
+
+    async def OfferPush(
+        self, request: transfers_pb2.OfferPushRequest, context: Ctx
+    ) -> transfers_pb2.OfferPushResponse:
+        """Relay a worker's offer to the prefill daemon at ``target``: only
+        the uid that registered the offered worker may offer its blocks, and
+        the offer is checked here before it leaves (``core.push_offers``)."""
+        if self.app.draining:
+            raise Unavailable(SHUTTING_DOWN)
+        offer = offer_from_proto(request.offer)
+        key = worker_key(offer.decode_worker, "offer.decode_worker")
+        self.app.table.get(key)
+        self.app.lifecycle.check_caller(key, local_caller(context, self.app.fds))
+        parse_host_port(request.target, "target")
+        timeout_s = (request.timeout_ms / 1000) or self.app.config.transfer_timeout_s
+        workers = await self.app.adapters.peers.offer_push(request.target, request.offer, timeout_s)
+        return transfers_pb2.OfferPushResponse(workers=workers)
 
     async def _tracked(
         self,

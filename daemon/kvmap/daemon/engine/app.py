@@ -46,6 +46,7 @@ from kvmap.daemon.engine.lifecycle import Lifecycle
 from kvmap.daemon.engine.owner import OwnerSide
 from kvmap.daemon.engine.pacing import Pacing
 from kvmap.daemon.engine.progress import Progress
+from kvmap.daemon.engine.push_offers import PushOfferRelay
 from kvmap.daemon.engine.registration import Registrar
 from kvmap.daemon.engine.transfers import Peers, TransferEngine
 from kvmap.daemon.engine.workers import WorkerRecord, WorkerTable
@@ -129,6 +130,11 @@ class DaemonApp:
         self.activity = Activity()
         self._background: set[asyncio.Task[object]] = set()
         self.events = EventOutbox(self.table, self.store, self.grants)
+        self.push_offers = PushOfferRelay(self.table)
+        self._build_sides(config, metrics)
+
+    def _build_sides(self, config: DaemonConfig, metrics: Metrics) -> None:
+        """The workers' lifecycle and the owner's side, over the tables above."""
         self.lifecycle = Lifecycle(
             config=config,
             table=self.table,
@@ -284,8 +290,12 @@ class DaemonApp:
         self.tracer.shutdown()  # the last spans (bounded: a collector may be gone)
 
     def stats(self) -> admin_pb2.GetStatsResponse:
+        counters = admin_pb2.TransferCounters()
+        counters.CopyFrom(self.counters)
+        counters.push_offers_relayed = self.push_offers.relayed
+        counters.push_offers_refused = self.push_offers.refused
         return admin_pb2.GetStatsResponse(
-            transfers=self.counters,
+            transfers=counters,
             workers=len(self.table),
             remote_agents=self.engine.remote_agent_count,
             daemon_instance=self.instance,

@@ -141,6 +141,7 @@ class GrantTable:
         max_uses: int,
         open_uses: bool = False,
         unread_release: int = core.UnreadRelease.UNSPECIFIED,
+        access: int = core.Access.READ,
     ) -> tuple[str, Grant]:
         """Mint a capability for ``record``'s worker; the caller checked that
         the worker is attached. Returns the capability (the only copy) and
@@ -150,6 +151,7 @@ class GrantTable:
         ttl_ms = core.check_ttl(ttl_ms)
         max_uses = core.check_grant_uses(max_uses, open_uses)
         unread = core.check_unread_release(unread_release, open_uses)
+        direction = core.check_access(access)
         blocks = core.granted_blocks(groups, self._group_limits(record))
         self._check_room(record.key, sum(len(ids) for ids in blocks.values()))
         capability = new_capability()
@@ -162,6 +164,7 @@ class GrantTable:
             expires_unix_ms=self._clock() + ttl_ms,
             max_uses=max_uses,
             unread_release=unread,
+            access=direction,
         )
         # First: a failed write leaves nothing behind.
         self._store.save_grant(grant, named=groups)
@@ -192,15 +195,15 @@ class GrantTable:
             if why:
                 raise ResourceExhausted(why)
 
-    def revoke(self, worker: WorkerKey, request_id: str) -> int:
-        """Withdraw every grant of a request; how many there were."""
+    def revoke(self, worker: WorkerKey, request_id: str) -> list[bytes]:
+        """Withdraw every grant of a request; their digests."""
         gone = [
             d
             for d, e in self._entries.items()
             if e.grant.worker == worker and e.grant.request_id == request_id
         ]
         self._remove(gone)
-        return len(gone)
+        return gone
 
     def drop_worker(self, worker: WorkerKey) -> None:
         """The worker's memory is gone or replaced: none of its grants holds."""
@@ -245,6 +248,7 @@ class GrantTable:
         peer: str,
         replaces: frozenset[str] = frozenset(),
         readers: int = 0,
+        write: bool = False,
     ) -> Grant:
         """Every check of a BeginTransfer's capability, changing nothing. A
         claim held by an agent in ``replaces`` (the caller's daemon before a
@@ -260,6 +264,9 @@ class GrantTable:
             request_id=request_id,
             groups=groups,
         )
+        if (grant.access is core.Access.WRITE) != write:
+            # A read grant never lets a peer write, nor a write grant read.
+            raise PermissionDenied(core.DENIED)
         entry = self._entries[grant.digest]
         taken = entry.claimed_by in replaces and entry.claimed_peer == peer
         # A taken-over claim's transfers died with their agent: they will

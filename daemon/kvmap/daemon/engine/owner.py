@@ -20,7 +20,7 @@ from kvmap.core.errors import (
     Unavailable,
 )
 from kvmap.core.geometry import WorkerKey
-from kvmap.core.grants import DENIED, Grant
+from kvmap.core.grants import DENIED, Access, Grant
 from kvmap.core.transfer_requests import Announcement, ReleaseNotice
 from kvmap.daemon.adapters.metrics import Metrics
 from kvmap.daemon.engine.events import EventOutbox
@@ -125,6 +125,7 @@ class OwnerSide:
         max_uses: int,
         open_uses: bool = False,
         unread_release: int = 0,
+        access: int = 0,
     ) -> tuple[str, Grant]:
         """Registry.GrantTransfer: a capability for one request's blocks of an
         attached worker (its transfer_finished event must reach someone)."""
@@ -140,12 +141,21 @@ class OwnerSide:
             max_uses=max_uses,
             open_uses=open_uses,
             unread_release=unread_release,
+            access=access,
         )
 
-    def revoke(self, key: WorkerKey, request_id: str) -> None:
-        """Registry.RevokeTransfer: idempotent for a known worker."""
+    def revoke(self, key: WorkerKey, request_id: str) -> int:
+        """Registry.RevokeTransfer: idempotent for a known worker. Returns
+        the writes into the worker's blocks that peers announced under the
+        request's grants (revoked now, or before) and have not finished:
+        their bytes may still land, so the blocks must not be reused yet."""
         self._table.get(key)
         self._grants.revoke(key, request_id)
+        return sum(
+            1
+            for lease in self._leases.snapshot()
+            if lease.write and lease.record.key == key and lease.request_id == request_id
+        )
 
     def begin(self, a: Announcement, *, peer: str, span: Span = NULL_SPAN) -> Lease:
         """Peer.BeginTransfer (its arguments checked by the wire parse) from
@@ -172,6 +182,7 @@ class OwnerSide:
             peer=peer,
             replaces=replaces,
             readers=a.readers,
+            write=a.write,
         )
         asked_s = (a.lease_ms / 1000) if a.lease_ms else DEFAULT_LEASE_S
         lease = self._leases.begin(
@@ -230,7 +241,9 @@ class OwnerSide:
         )
         done = registry_pb2.TransferFinishedEvent(
             request_id=n.request_id,
-            direction=registry_pb2.TRANSFER_DIRECTION_PULLED_FROM,
+            direction=registry_pb2.TRANSFER_DIRECTION_PUSHED_TO
+            if used.access is Access.WRITE
+            else registry_pb2.TRANSFER_DIRECTION_PULLED_FROM,
             peer_agent=n.peer_agent,
             released=True,
         )

@@ -67,7 +67,7 @@ from kvmap.daemon.engine.progress import Progress
 from kvmap.daemon.engine.stage import new_stage, say_where, stage
 from kvmap.daemon.engine.workers import WorkerRecord, WorkerTable
 from kvmap.tracing import NULL_SPAN, OFF, Span, Tracer, code_name, current, use
-from kvmap.v1 import admin_pb2
+from kvmap.v1 import admin_pb2, types_pb2
 
 log = structlog.get_logger("kvmapd.transfers")
 
@@ -98,6 +98,9 @@ class Peers(Protocol):
     async def begin(self, target: str, announcement: Announcement, timeout_s: float) -> str: ...
     async def release(self, target: str, notice: ReleaseNotice, timeout_s: float) -> None: ...
     async def end(self, target: str, token: str) -> None: ...
+    async def offer_push(
+        self, target: str, offer: types_pb2.PushOffer, timeout_s: float
+    ) -> int: ...
     async def close(self) -> None: ...
 
 

@@ -119,6 +119,8 @@ class TransferCounters(_message.Message):
     BLOCKS_FIELD_NUMBER: _builtins.int
     SERVED_DONE_FIELD_NUMBER: _builtins.int
     SERVED_BLOCKS_FIELD_NUMBER: _builtins.int
+    PUSH_OFFERS_RELAYED_FIELD_NUMBER: _builtins.int
+    PUSH_OFFERS_REFUSED_FIELD_NUMBER: _builtins.int
     pulls_done: _builtins.int
     pushes_done: _builtins.int
     failed: _builtins.int
@@ -128,6 +130,11 @@ class TransferCounters(_message.Message):
     served_done: _builtins.int
     """Transfers by remote peers against this daemon's workers that finished."""
     served_blocks: _builtins.int
+    push_offers_relayed: _builtins.int
+    """Push offers (Peer.OfferPush) this daemon relayed to its prefill workers,
+    and those it refused (malformed, or no attached worker of the engine).
+    """
+    push_offers_refused: _builtins.int
     def __init__(
         self,
         *,
@@ -139,10 +146,12 @@ class TransferCounters(_message.Message):
         blocks: _builtins.int = ...,
         served_done: _builtins.int = ...,
         served_blocks: _builtins.int = ...,
+        push_offers_relayed: _builtins.int = ...,
+        push_offers_refused: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "bytes", b"bytes", "descriptors", b"descriptors", "failed", b"failed", "pulls_done", b"pulls_done", "pushes_done", b"pushes_done", "served_blocks", b"served_blocks", "served_done", b"served_done"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "bytes", b"bytes", "descriptors", b"descriptors", "failed", b"failed", "pulls_done", b"pulls_done", "push_offers_refused", b"push_offers_refused", "push_offers_relayed", b"push_offers_relayed", "pushes_done", b"pushes_done", "served_blocks", b"served_blocks", "served_done", b"served_done"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

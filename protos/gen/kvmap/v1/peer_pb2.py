@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmap.v1 import types_pb2 as kvmap_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13kvmap/v1/peer.proto\x12\x08kvmap.v1\x1a\x14kvmap/v1/types.proto\"=\n\x17GetAgentMetadataRequest\x12\"\n\x06worker\x18\x01 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\"\xc9\x01\n\x18GetAgentMetadataResponse\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\'\n\nregion_map\x18\x03 \x01(\x0b\x32\x13.kvmap.v1.RegionMap\x12\x16\n\ngeneration\x18\x04 \x01(\x04\x42\x02\x18\x01\x12\x17\n\x0f\x64\x61\x65mon_instance\x18\x05 \x01(\t\x12\'\n\x08\x66\x65\x61tures\x18\x06 \x03(\x0e\x32\x15.kvmap.v1.PeerFeature\"\xe9\x02\n\x14\x42\x65ginTransferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x06worker\x18\x02 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x12\n\npeer_agent\x18\x05 \x01(\t\x12\r\n\x05write\x18\x06 \x01(\x08\x12\x10\n\x08lease_ms\x18\x07 \x01(\r\x12\x0e\n\x06\x62locks\x18\x08 \x01(\x03\x12\r\n\x05\x62ytes\x18\t \x01(\x03\x12\x12\n\ncapability\x18\n \x01(\t\x12$\n\x06groups\x18\x0b \x03(\x0b\x32\x14.kvmap.v1.BlockGrant\x12\x17\n\x0freplaces_agents\x18\x0c \x03(\t\x12\x0f\n\x07readers\x18\r \x01(\r\x12\x0f\n\x07release\x18\x0e \x01(\x08\x12\x13\n\x0btransfer_id\x18\x0f \x01(\t\x12\x13\n\x0btraceparent\x18\x10 \x01(\t\"/\n\x15\x42\x65ginTransferResponse\x12\x16\n\x0etransfer_token\x18\x01 \x01(\t\"F\n\x15\x42\x65ginTransfersRequest\x12-\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x1e.kvmap.v1.BeginTransferRequest\"\\\n\x13\x42\x65ginTransferResult\x12\x16\n\x0etransfer_token\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"H\n\x16\x42\x65ginTransfersResponse\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.kvmap.v1.BeginTransferResult\"K\n\x1a\x42\x65ginTransferStreamRequest\x12-\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x1e.kvmap.v1.BeginTransferRequest\"M\n\x1b\x42\x65ginTransferStreamResponse\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.kvmap.v1.BeginTransferResult\"C\n\x12\x45ndTransferRequest\x12\x16\n\x0etransfer_token\x18\x01 \x01(\t\x12\x15\n\tcompleted\x18\x02 \x01(\x08\x42\x02\x18\x01\"\x15\n\x13\x45ndTransferResponse*S\n\x0bPeerFeature\x12\x1c\n\x18PEER_FEATURE_UNSPECIFIED\x10\x00\x12&\n\"PEER_FEATURE_BEGIN_TRANSFER_STREAM\x10\x01\x32\xbc\x03\n\x04Peer\x12Y\n\x10GetAgentMetadata\x12!.kvmap.v1.GetAgentMetadataRequest\x1a\".kvmap.v1.GetAgentMetadataResponse\x12P\n\rBeginTransfer\x12\x1e.kvmap.v1.BeginTransferRequest\x1a\x1f.kvmap.v1.BeginTransferResponse\x12S\n\x0e\x42\x65ginTransfers\x12\x1f.kvmap.v1.BeginTransfersRequest\x1a .kvmap.v1.BeginTransfersResponse\x12\x66\n\x13\x42\x65ginTransferStream\x12$.kvmap.v1.BeginTransferStreamRequest\x1a%.kvmap.v1.BeginTransferStreamResponse(\x01\x30\x01\x12J\n\x0b\x45ndTransfer\x12\x1c.kvmap.v1.EndTransferRequest\x1a\x1d.kvmap.v1.EndTransferResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13kvmap/v1/peer.proto\x12\x08kvmap.v1\x1a\x14kvmap/v1/types.proto\":\n\x14PeerOfferPushRequest\x12\"\n\x05offer\x18\x01 \x01(\x0b\x32\x13.kvmap.v1.PushOffer\"(\n\x15PeerOfferPushResponse\x12\x0f\n\x07workers\x18\x01 \x01(\r\"=\n\x17GetAgentMetadataRequest\x12\"\n\x06worker\x18\x01 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\"\xc9\x01\n\x18GetAgentMetadataResponse\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\'\n\nregion_map\x18\x03 \x01(\x0b\x32\x13.kvmap.v1.RegionMap\x12\x16\n\ngeneration\x18\x04 \x01(\x04\x42\x02\x18\x01\x12\x17\n\x0f\x64\x61\x65mon_instance\x18\x05 \x01(\t\x12\'\n\x08\x66\x65\x61tures\x18\x06 \x03(\x0e\x32\x15.kvmap.v1.PeerFeature\"\xe9\x02\n\x14\x42\x65ginTransferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x06worker\x18\x02 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x12\n\npeer_agent\x18\x05 \x01(\t\x12\r\n\x05write\x18\x06 \x01(\x08\x12\x10\n\x08lease_ms\x18\x07 \x01(\r\x12\x0e\n\x06\x62locks\x18\x08 \x01(\x03\x12\r\n\x05\x62ytes\x18\t \x01(\x03\x12\x12\n\ncapability\x18\n \x01(\t\x12$\n\x06groups\x18\x0b \x03(\x0b\x32\x14.kvmap.v1.BlockGrant\x12\x17\n\x0freplaces_agents\x18\x0c \x03(\t\x12\x0f\n\x07readers\x18\r \x01(\r\x12\x0f\n\x07release\x18\x0e \x01(\x08\x12\x13\n\x0btransfer_id\x18\x0f \x01(\t\x12\x13\n\x0btraceparent\x18\x10 \x01(\t\"/\n\x15\x42\x65ginTransferResponse\x12\x16\n\x0etransfer_token\x18\x01 \x01(\t\"F\n\x15\x42\x65ginTransfersRequest\x12-\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x1e.kvmap.v1.BeginTransferRequest\"\\\n\x13\x42\x65ginTransferResult\x12\x16\n\x0etransfer_token\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"H\n\x16\x42\x65ginTransfersResponse\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.kvmap.v1.BeginTransferResult\"K\n\x1a\x42\x65ginTransferStreamRequest\x12-\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x1e.kvmap.v1.BeginTransferRequest\"M\n\x1b\x42\x65ginTransferStreamResponse\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.kvmap.v1.BeginTransferResult\"C\n\x12\x45ndTransferRequest\x12\x16\n\x0etransfer_token\x18\x01 \x01(\t\x12\x15\n\tcompleted\x18\x02 \x01(\x08\x42\x02\x18\x01\"\x15\n\x13\x45ndTransferResponse*q\n\x0bPeerFeature\x12\x1c\n\x18PEER_FEATURE_UNSPECIFIED\x10\x00\x12&\n\"PEER_FEATURE_BEGIN_TRANSFER_STREAM\x10\x01\x12\x1c\n\x18PEER_FEATURE_PUSH_OFFERS\x10\x02\x32\x8a\x04\n\x04Peer\x12Y\n\x10GetAgentMetadata\x12!.kvmap.v1.GetAgentMetadataRequest\x1a\".kvmap.v1.GetAgentMetadataResponse\x12P\n\rBeginTransfer\x12\x1e.kvmap.v1.BeginTransferRequest\x1a\x1f.kvmap.v1.BeginTransferResponse\x12S\n\x0e\x42\x65ginTransfers\x12\x1f.kvmap.v1.BeginTransfersRequest\x1a .kvmap.v1.BeginTransfersResponse\x12\x66\n\x13\x42\x65ginTransferStream\x12$.kvmap.v1.BeginTransferStreamRequest\x1a%.kvmap.v1.BeginTransferStreamResponse(\x01\x30\x01\x12J\n\x0b\x45ndTransfer\x12\x1c.kvmap.v1.EndTransferRequest\x1a\x1d.kvmap.v1.EndTransferResponse\x12L\n\tOfferPush\x12\x1e.kvmap.v1.PeerOfferPushRequest\x1a\x1f.kvmap.v1.PeerOfferPushResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,30 +36,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETAGENTMETADATARESPONSE'].fields_by_name['generation']._serialized_options = b'\030\001'
   _globals['_ENDTRANSFERREQUEST'].fields_by_name['completed']._loaded_options = None
   _globals['_ENDTRANSFERREQUEST'].fields_by_name['completed']._serialized_options = b'\030\001'
-  _globals['_PEERFEATURE']._serialized_start=1223
-  _globals['_PEERFEATURE']._serialized_end=1306
-  _globals['_GETAGENTMETADATAREQUEST']._serialized_start=55
-  _globals['_GETAGENTMETADATAREQUEST']._serialized_end=116
-  _globals['_GETAGENTMETADATARESPONSE']._serialized_start=119
-  _globals['_GETAGENTMETADATARESPONSE']._serialized_end=320
-  _globals['_BEGINTRANSFERREQUEST']._serialized_start=323
-  _globals['_BEGINTRANSFERREQUEST']._serialized_end=684
-  _globals['_BEGINTRANSFERRESPONSE']._serialized_start=686
-  _globals['_BEGINTRANSFERRESPONSE']._serialized_end=733
-  _globals['_BEGINTRANSFERSREQUEST']._serialized_start=735
-  _globals['_BEGINTRANSFERSREQUEST']._serialized_end=805
-  _globals['_BEGINTRANSFERRESULT']._serialized_start=807
-  _globals['_BEGINTRANSFERRESULT']._serialized_end=899
-  _globals['_BEGINTRANSFERSRESPONSE']._serialized_start=901
-  _globals['_BEGINTRANSFERSRESPONSE']._serialized_end=973
-  _globals['_BEGINTRANSFERSTREAMREQUEST']._serialized_start=975
-  _globals['_BEGINTRANSFERSTREAMREQUEST']._serialized_end=1050
-  _globals['_BEGINTRANSFERSTREAMRESPONSE']._serialized_start=1052
-  _globals['_BEGINTRANSFERSTREAMRESPONSE']._serialized_end=1129
-  _globals['_ENDTRANSFERREQUEST']._serialized_start=1131
-  _globals['_ENDTRANSFERREQUEST']._serialized_end=1198
-  _globals['_ENDTRANSFERRESPONSE']._serialized_start=1200
-  _globals['_ENDTRANSFERRESPONSE']._serialized_end=1221
-  _globals['_PEER']._serialized_start=1309
-  _globals['_PEER']._serialized_end=1753
+  _globals['_PEERFEATURE']._serialized_start=1325
+  _globals['_PEERFEATURE']._serialized_end=1438
+  _globals['_PEEROFFERPUSHREQUEST']._serialized_start=55
+  _globals['_PEEROFFERPUSHREQUEST']._serialized_end=113
+  _globals['_PEEROFFERPUSHRESPONSE']._serialized_start=115
+  _globals['_PEEROFFERPUSHRESPONSE']._serialized_end=155
+  _globals['_GETAGENTMETADATAREQUEST']._serialized_start=157
+  _globals['_GETAGENTMETADATAREQUEST']._serialized_end=218
+  _globals['_GETAGENTMETADATARESPONSE']._serialized_start=221
+  _globals['_GETAGENTMETADATARESPONSE']._serialized_end=422
+  _globals['_BEGINTRANSFERREQUEST']._serialized_start=425
+  _globals['_BEGINTRANSFERREQUEST']._serialized_end=786
+  _globals['_BEGINTRANSFERRESPONSE']._serialized_start=788
+  _globals['_BEGINTRANSFERRESPONSE']._serialized_end=835
+  _globals['_BEGINTRANSFERSREQUEST']._serialized_start=837
+  _globals['_BEGINTRANSFERSREQUEST']._serialized_end=907
+  _globals['_BEGINTRANSFERRESULT']._serialized_start=909
+  _globals['_BEGINTRANSFERRESULT']._serialized_end=1001
+  _globals['_BEGINTRANSFERSRESPONSE']._serialized_start=1003
+  _globals['_BEGINTRANSFERSRESPONSE']._serialized_end=1075
+  _globals['_BEGINTRANSFERSTREAMREQUEST']._serialized_start=1077
+  _globals['_BEGINTRANSFERSTREAMREQUEST']._serialized_end=1152
+  _globals['_BEGINTRANSFERSTREAMRESPONSE']._serialized_start=1154
+  _globals['_BEGINTRANSFERSTREAMRESPONSE']._serialized_end=1231
+  _globals['_ENDTRANSFERREQUEST']._serialized_start=1233
+  _globals['_ENDTRANSFERREQUEST']._serialized_end=1300
+  _globals['_ENDTRANSFERRESPONSE']._serialized_start=1302
+  _globals['_ENDTRANSFERRESPONSE']._serialized_end=1323
+  _globals['_PEER']._serialized_start=1441
+  _globals['_PEER']._serialized_end=1963
 # @@protoc_insertion_point(module_scope)

@@ -34,6 +34,8 @@ class _PeerFeatureEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PeerFeatu
     PEER_FEATURE_UNSPECIFIED: _PeerFeature.ValueType  # 0
     PEER_FEATURE_BEGIN_TRANSFER_STREAM: _PeerFeature.ValueType  # 1
     """BeginTransferStream."""
+    PEER_FEATURE_PUSH_OFFERS: _PeerFeature.ValueType  # 2
+    """OfferPush."""
 
 class PeerFeature(_PeerFeature, metaclass=_PeerFeatureEnumTypeWrapper):
     """Peer methods a daemon serves that some releases do not."""
@@ -41,7 +43,49 @@ class PeerFeature(_PeerFeature, metaclass=_PeerFeatureEnumTypeWrapper):
 PEER_FEATURE_UNSPECIFIED: PeerFeature.ValueType  # 0
 PEER_FEATURE_BEGIN_TRANSFER_STREAM: PeerFeature.ValueType  # 1
 """BeginTransferStream."""
+PEER_FEATURE_PUSH_OFFERS: PeerFeature.ValueType  # 2
+"""OfferPush."""
 Global___PeerFeature: _TypeAlias = PeerFeature  # noqa: Y015
+
+@_typing.final
+class PeerOfferPushRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OFFER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def offer(self) -> _types_pb2.PushOffer: ...
+    def __init__(
+        self,
+        *,
+        offer: _types_pb2.PushOffer | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["offer", b"offer"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["offer", b"offer"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerOfferPushRequest: _TypeAlias = PeerOfferPushRequest  # noqa: Y015
+
+@_typing.final
+class PeerOfferPushResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKERS_FIELD_NUMBER: _builtins.int
+    workers: _builtins.int
+    """How many workers of the prefill engine the offer reached."""
+    def __init__(
+        self,
+        *,
+        workers: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["workers", b"workers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerOfferPushResponse: _TypeAlias = PeerOfferPushResponse  # noqa: Y015
 
 @_typing.final
 class GetAgentMetadataRequest(_message.Message):

@@ -60,6 +60,11 @@ class PeerStub:
                 request_serializer=kvmap_dot_v1_dot_peer__pb2.EndTransferRequest.SerializeToString,
                 response_deserializer=kvmap_dot_v1_dot_peer__pb2.EndTransferResponse.FromString,
                 _registered_method=True)
+        self.OfferPush = channel.unary_unary(
+                '/kvmap.v1.Peer/OfferPush',
+                request_serializer=kvmap_dot_v1_dot_peer__pb2.PeerOfferPushRequest.SerializeToString,
+                response_deserializer=kvmap_dot_v1_dot_peer__pb2.PeerOfferPushResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -116,6 +121,16 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OfferPush(self, request, context):
+        """A decode daemon offers a decode worker's blocks to a prefill engine
+        of this daemon for a push (the offer is relayed to the engine's
+        attached workers, PushOfferedEvent). NOT_FOUND when no worker of that
+        engine is attached. Served by owners that list PEER_FEATURE_PUSH_OFFERS.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +158,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.EndTransfer,
                     request_deserializer=kvmap_dot_v1_dot_peer__pb2.EndTransferRequest.FromString,
                     response_serializer=kvmap_dot_v1_dot_peer__pb2.EndTransferResponse.SerializeToString,
+            ),
+            'OfferPush': grpc.unary_unary_rpc_method_handler(
+                    servicer.OfferPush,
+                    request_deserializer=kvmap_dot_v1_dot_peer__pb2.PeerOfferPushRequest.FromString,
+                    response_serializer=kvmap_dot_v1_dot_peer__pb2.PeerOfferPushResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -281,6 +301,33 @@ class Peer:
             '/kvmap.v1.Peer/EndTransfer',
             kvmap_dot_v1_dot_peer__pb2.EndTransferRequest.SerializeToString,
             kvmap_dot_v1_dot_peer__pb2.EndTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OfferPush(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmap.v1.Peer/OfferPush',
+            kvmap_dot_v1_dot_peer__pb2.PeerOfferPushRequest.SerializeToString,
+            kvmap_dot_v1_dot_peer__pb2.PeerOfferPushResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -61,6 +61,12 @@ class PeerStub:
     """
     EndTransfer: _grpc.UnaryUnaryMultiCallable[_peer_pb2.EndTransferRequest, _peer_pb2.EndTransferResponse]
     """Release a pin when the puller gave up without posting a notification."""
+    OfferPush: _grpc.UnaryUnaryMultiCallable[_peer_pb2.PeerOfferPushRequest, _peer_pb2.PeerOfferPushResponse]
+    """A decode daemon offers a decode worker's blocks to a prefill engine
+    of this daemon for a push (the offer is relayed to the engine's
+    attached workers, PushOfferedEvent). NOT_FOUND when no worker of that
+    engine is attached. Served by owners that list PEER_FEATURE_PUSH_OFFERS.
+    """
 
 @_typing.type_check_only
 class PeerAsyncStub(PeerStub):
@@ -95,6 +101,12 @@ class PeerAsyncStub(PeerStub):
     """
     EndTransfer: _aio.UnaryUnaryMultiCallable[_peer_pb2.EndTransferRequest, _peer_pb2.EndTransferResponse]  # type: ignore[assignment]
     """Release a pin when the puller gave up without posting a notification."""
+    OfferPush: _aio.UnaryUnaryMultiCallable[_peer_pb2.PeerOfferPushRequest, _peer_pb2.PeerOfferPushResponse]  # type: ignore[assignment]
+    """A decode daemon offers a decode worker's blocks to a prefill engine
+    of this daemon for a push (the offer is relayed to the engine's
+    attached workers, PushOfferedEvent). NOT_FOUND when no worker of that
+    engine is attached. Served by owners that list PEER_FEATURE_PUSH_OFFERS.
+    """
 
 class PeerServicer(metaclass=_abc_1.ABCMeta):
     """Daemon-to-daemon API on TCP."""
@@ -156,5 +168,17 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_peer_pb2.EndTransferResponse, _abc.Awaitable[_peer_pb2.EndTransferResponse]]:
         """Release a pin when the puller gave up without posting a notification."""
+
+    @_abc_1.abstractmethod
+    def OfferPush(
+        self,
+        request: _peer_pb2.PeerOfferPushRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.PeerOfferPushResponse, _abc.Awaitable[_peer_pb2.PeerOfferPushResponse]]:
+        """A decode daemon offers a decode worker's blocks to a prefill engine
+        of this daemon for a push (the offer is relayed to the engine's
+        attached workers, PushOfferedEvent). NOT_FOUND when no worker of that
+        engine is attached. Served by owners that list PEER_FEATURE_PUSH_OFFERS.
+        """
 
 def add_PeerServicer_to_server(servicer: PeerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

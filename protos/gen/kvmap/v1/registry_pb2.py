@@ -25,19 +25,21 @@ _sym_db = _symbol_database.Default()
 from kvmap.v1 import types_pb2 as kvmap_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmap/v1/registry.proto\x12\x08kvmap.v1\x1a\x14kvmap/v1/types.proto\"\x9d\x02\n\x15RegisterWorkerRequest\x12\"\n\x06worker\x18\x01 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\x12\x17\n\x0fkv_cache_layout\x18\x02 \x01(\t\x12\x19\n\x11\x62lock_size_tokens\x18\x03 \x01(\x03\x12)\n\x0b\x61llocations\x18\x04 \x03(\x0b\x32\x14.kvmap.v1.Allocation\x12\x1d\n\x05views\x18\x05 \x03(\x0b\x32\x0e.kvmap.v1.View\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\x12&\n\x05model\x18\x07 \x01(\x0b\x32\x17.kvmap.v1.ModelIdentity\x12)\n\x0bhead_layout\x18\x08 \x01(\x0b\x32\x14.kvmap.v1.HeadLayout\"l\n\x16RegisterWorkerResponse\x12\'\n\nregion_map\x18\x01 \x01(\x0b\x32\x13.kvmap.v1.RegionMap\x12)\n\x08\x66\x65\x61tures\x18\x02 \x03(\x0e\x32\x17.kvmap.v1.DaemonFeature\"=\n\x17\x44\x65registerWorkerRequest\x12\"\n\x06worker\x18\x01 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\".\n\x18\x44\x65registerWorkerResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\"3\n\rAttachRequest\x12\"\n\x06worker\x18\x01 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\"\xb4\x01\n\x15TransferFinishedEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\tdirection\x18\x02 \x01(\x0e\x32\x1b.kvmap.v1.TransferDirection\x12\x12\n\npeer_agent\x18\x03 \x01(\t\x12\x0c\n\x04uses\x18\x04 \x01(\r\x12\x10\n\x08max_uses\x18\x05 \x01(\r\x12\x11\n\texhausted\x18\x06 \x01(\x08\x12\x10\n\x08released\x18\x07 \x01(\x08\"S\n\x15RegionMapChangedEvent\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12&\n\x07planner\x18\x02 \x01(\x0b\x32\x15.kvmap.v1.PlannerInfo\"<\n\rAttachedEvent\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x17\n\x0f\x64\x61\x65mon_instance\x18\x02 \x01(\t\"\xc3\x01\n\x0e\x41ttachResponse\x12+\n\x08\x61ttached\x18\x01 \x01(\x0b\x32\x17.kvmap.v1.AttachedEventH\x00\x12<\n\x11transfer_finished\x18\x02 \x01(\x0b\x32\x1f.kvmap.v1.TransferFinishedEventH\x00\x12=\n\x12region_map_changed\x18\x03 \x01(\x0b\x32\x1f.kvmap.v1.RegionMapChangedEventH\x00\x42\x07\n\x05\x65vent\"\xda\x01\n\x14GrantTransferRequest\x12\"\n\x06worker\x18\x01 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12$\n\x06groups\x18\x03 \x03(\x0b\x32\x14.kvmap.v1.BlockGrant\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\x12\x10\n\x08max_uses\x18\x05 \x01(\r\x12\x11\n\topen_uses\x18\x06 \x01(\x08\x12/\n\x0eunread_release\x18\x07 \x01(\x0e\x32\x17.kvmap.v1.UnreadRelease\"\x9c\x01\n\x15GrantTransferResponse\x12\x12\n\ncapability\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x17\n\x0f\x65xpires_unix_ms\x18\x03 \x01(\x03\x12\x11\n\topen_uses\x18\x04 \x01(\x08\x12/\n\x0eunread_release\x18\x05 \x01(\x0e\x32\x17.kvmap.v1.UnreadRelease\"O\n\x15RevokeTransferRequest\x12\"\n\x06worker\x18\x01 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"\x18\n\x16RevokeTransferResponse*\xf4\x01\n\rDaemonFeature\x12\x1e\n\x1a\x44\x41\x45MON_FEATURE_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x44\x41\x45MON_FEATURE_TOKEN_MODE\x10\x01\x12%\n!DAEMON_FEATURE_REMOTE_FIRST_TOKEN\x10\x02\x12\x1e\n\x1a\x44\x41\x45MON_FEATURE_OPEN_GRANTS\x10\x03\x12\x1a\n\x16\x44\x41\x45MON_FEATURE_RELEASE\x10\x04\x12\x1e\n\x1a\x44\x41\x45MON_FEATURE_RELEASE_RPC\x10\x05\x12!\n\x1d\x44\x41\x45MON_FEATURE_UNREAD_RELEASE\x10\x06*}\n\x11TransferDirection\x12\"\n\x1eTRANSFER_DIRECTION_UNSPECIFIED\x10\x00\x12\"\n\x1eTRANSFER_DIRECTION_PULLED_FROM\x10\x01\x12 \n\x1cTRANSFER_DIRECTION_PUSHED_TO\x10\x02*g\n\rUnreadRelease\x12\x1e\n\x1aUNREAD_RELEASE_UNSPECIFIED\x10\x00\x12\x1a\n\x16UNREAD_RELEASE_ALLOWED\x10\x01\x12\x1a\n\x16UNREAD_RELEASE_REFUSED\x10\x02\x32\xa0\x03\n\x08Registry\x12S\n\x0eRegisterWorker\x12\x1f.kvmap.v1.RegisterWorkerRequest\x1a .kvmap.v1.RegisterWorkerResponse\x12Y\n\x10\x44\x65registerWorker\x12!.kvmap.v1.DeregisterWorkerRequest\x1a\".kvmap.v1.DeregisterWorkerResponse\x12=\n\x06\x41ttach\x12\x17.kvmap.v1.AttachRequest\x1a\x18.kvmap.v1.AttachResponse0\x01\x12P\n\rGrantTransfer\x12\x1e.kvmap.v1.GrantTransferRequest\x1a\x1f.kvmap.v1.GrantTransferResponse\x12S\n\x0eRevokeTransfer\x12\x1f.kvmap.v1.RevokeTransferRequest\x1a .kvmap.v1.RevokeTransferResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmap/v1/registry.proto\x12\x08kvmap.v1\x1a\x14kvmap/v1/types.proto\"\x9d\x02\n\x15RegisterWorkerRequest\x12\"\n\x06worker\x18\x01 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\x12\x17\n\x0fkv_cache_layout\x18\x02 \x01(\t\x12\x19\n\x11\x62lock_size_tokens\x18\x03 \x01(\x03\x12)\n\x0b\x61llocations\x18\x04 \x03(\x0b\x32\x14.kvmap.v1.Allocation\x12\x1d\n\x05views\x18\x05 \x03(\x0b\x32\x0e.kvmap.v1.View\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\x12&\n\x05model\x18\x07 \x01(\x0b\x32\x17.kvmap.v1.ModelIdentity\x12)\n\x0bhead_layout\x18\x08 \x01(\x0b\x32\x14.kvmap.v1.HeadLayout\"l\n\x16RegisterWorkerResponse\x12\'\n\nregion_map\x18\x01 \x01(\x0b\x32\x13.kvmap.v1.RegionMap\x12)\n\x08\x66\x65\x61tures\x18\x02 \x03(\x0e\x32\x17.kvmap.v1.DaemonFeature\"=\n\x17\x44\x65registerWorkerRequest\x12\"\n\x06worker\x18\x01 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\".\n\x18\x44\x65registerWorkerResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\"3\n\rAttachRequest\x12\"\n\x06worker\x18\x01 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\"\xb4\x01\n\x15TransferFinishedEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\tdirection\x18\x02 \x01(\x0e\x32\x1b.kvmap.v1.TransferDirection\x12\x12\n\npeer_agent\x18\x03 \x01(\t\x12\x0c\n\x04uses\x18\x04 \x01(\r\x12\x10\n\x08max_uses\x18\x05 \x01(\r\x12\x11\n\texhausted\x18\x06 \x01(\x08\x12\x10\n\x08released\x18\x07 \x01(\x08\"S\n\x15RegionMapChangedEvent\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12&\n\x07planner\x18\x02 \x01(\x0b\x32\x15.kvmap.v1.PlannerInfo\"D\n\x10PushOfferedEvent\x12\"\n\x05offer\x18\x01 \x01(\x0b\x32\x13.kvmap.v1.PushOffer\x12\x0c\n\x04peer\x18\x02 \x01(\t\"<\n\rAttachedEvent\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x17\n\x0f\x64\x61\x65mon_instance\x18\x02 \x01(\t\"\xf7\x01\n\x0e\x41ttachResponse\x12+\n\x08\x61ttached\x18\x01 \x01(\x0b\x32\x17.kvmap.v1.AttachedEventH\x00\x12<\n\x11transfer_finished\x18\x02 \x01(\x0b\x32\x1f.kvmap.v1.TransferFinishedEventH\x00\x12=\n\x12region_map_changed\x18\x03 \x01(\x0b\x32\x1f.kvmap.v1.RegionMapChangedEventH\x00\x12\x32\n\x0cpush_offered\x18\x04 \x01(\x0b\x32\x1a.kvmap.v1.PushOfferedEventH\x00\x42\x07\n\x05\x65vent\"\x81\x02\n\x14GrantTransferRequest\x12\"\n\x06worker\x18\x01 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12$\n\x06groups\x18\x03 \x03(\x0b\x32\x14.kvmap.v1.BlockGrant\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\x12\x10\n\x08max_uses\x18\x05 \x01(\r\x12\x11\n\topen_uses\x18\x06 \x01(\x08\x12/\n\x0eunread_release\x18\x07 \x01(\x0e\x32\x17.kvmap.v1.UnreadRelease\x12%\n\x06\x61\x63\x63\x65ss\x18\x08 \x01(\x0e\x32\x15.kvmap.v1.GrantAccess\"\xc3\x01\n\x15GrantTransferResponse\x12\x12\n\ncapability\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x17\n\x0f\x65xpires_unix_ms\x18\x03 \x01(\x03\x12\x11\n\topen_uses\x18\x04 \x01(\x08\x12/\n\x0eunread_release\x18\x05 \x01(\x0e\x32\x17.kvmap.v1.UnreadRelease\x12%\n\x06\x61\x63\x63\x65ss\x18\x06 \x01(\x0e\x32\x15.kvmap.v1.GrantAccess\"O\n\x15RevokeTransferRequest\x12\"\n\x06worker\x18\x01 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"2\n\x16RevokeTransferResponse\x12\x18\n\x10writes_in_flight\x18\x01 \x01(\r*\xb5\x02\n\rDaemonFeature\x12\x1e\n\x1a\x44\x41\x45MON_FEATURE_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x44\x41\x45MON_FEATURE_TOKEN_MODE\x10\x01\x12%\n!DAEMON_FEATURE_REMOTE_FIRST_TOKEN\x10\x02\x12\x1e\n\x1a\x44\x41\x45MON_FEATURE_OPEN_GRANTS\x10\x03\x12\x1a\n\x16\x44\x41\x45MON_FEATURE_RELEASE\x10\x04\x12\x1e\n\x1a\x44\x41\x45MON_FEATURE_RELEASE_RPC\x10\x05\x12!\n\x1d\x44\x41\x45MON_FEATURE_UNREAD_RELEASE\x10\x06\x12\x1f\n\x1b\x44\x41\x45MON_FEATURE_WRITE_GRANTS\x10\x07\x12\x1e\n\x1a\x44\x41\x45MON_FEATURE_PUSH_OFFERS\x10\x08*}\n\x11TransferDirection\x12\"\n\x1eTRANSFER_DIRECTION_UNSPECIFIED\x10\x00\x12\"\n\x1eTRANSFER_DIRECTION_PULLED_FROM\x10\x01\x12 \n\x1cTRANSFER_DIRECTION_PUSHED_TO\x10\x02*Z\n\x0bGrantAccess\x12\x1c\n\x18GRANT_ACCESS_UNSPECIFIED\x10\x00\x12\x15\n\x11GRANT_ACCESS_READ\x10\x01\x12\x16\n\x12GRANT_ACCESS_WRITE\x10\x02*g\n\rUnreadRelease\x12\x1e\n\x1aUNREAD_RELEASE_UNSPECIFIED\x10\x00\x12\x1a\n\x16UNREAD_RELEASE_ALLOWED\x10\x01\x12\x1a\n\x16UNREAD_RELEASE_REFUSED\x10\x02\x32\xa0\x03\n\x08Registry\x12S\n\x0eRegisterWorker\x12\x1f.kvmap.v1.RegisterWorkerRequest\x1a .kvmap.v1.RegisterWorkerResponse\x12Y\n\x10\x44\x65registerWorker\x12!.kvmap.v1.DeregisterWorkerRequest\x1a\".kvmap.v1.DeregisterWorkerResponse\x12=\n\x06\x41ttach\x12\x17.kvmap.v1.AttachRequest\x1a\x18.kvmap.v1.AttachResponse0\x01\x12P\n\rGrantTransfer\x12\x1e.kvmap.v1.GrantTransferRequest\x1a\x1f.kvmap.v1.GrantTransferResponse\x12S\n\x0eRevokeTransfer\x12\x1f.kvmap.v1.RevokeTransferRequest\x1a .kvmap.v1.RevokeTransferResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmap.v1.registry_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DAEMONFEATURE']._serialized_start=1637
-  _globals['_DAEMONFEATURE']._serialized_end=1881
-  _globals['_TRANSFERDIRECTION']._serialized_start=1883
-  _globals['_TRANSFERDIRECTION']._serialized_end=2008
-  _globals['_UNREADRELEASE']._serialized_start=2010
-  _globals['_UNREADRELEASE']._serialized_end=2113
+  _globals['_DAEMONFEATURE']._serialized_start=1863
+  _globals['_DAEMONFEATURE']._serialized_end=2172
+  _globals['_TRANSFERDIRECTION']._serialized_start=2174
+  _globals['_TRANSFERDIRECTION']._serialized_end=2299
+  _globals['_GRANTACCESS']._serialized_start=2301
+  _globals['_GRANTACCESS']._serialized_end=2391
+  _globals['_UNREADRELEASE']._serialized_start=2393
+  _globals['_UNREADRELEASE']._serialized_end=2496
   _globals['_REGISTERWORKERREQUEST']._serialized_start=60
   _globals['_REGISTERWORKERREQUEST']._serialized_end=345
   _globals['_REGISTERWORKERRESPONSE']._serialized_start=347
@@ -52,18 +54,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRANSFERFINISHEDEVENT']._serialized_end=802
   _globals['_REGIONMAPCHANGEDEVENT']._serialized_start=804
   _globals['_REGIONMAPCHANGEDEVENT']._serialized_end=887
-  _globals['_ATTACHEDEVENT']._serialized_start=889
-  _globals['_ATTACHEDEVENT']._serialized_end=949
-  _globals['_ATTACHRESPONSE']._serialized_start=952
-  _globals['_ATTACHRESPONSE']._serialized_end=1147
-  _globals['_GRANTTRANSFERREQUEST']._serialized_start=1150
-  _globals['_GRANTTRANSFERREQUEST']._serialized_end=1368
-  _globals['_GRANTTRANSFERRESPONSE']._serialized_start=1371
-  _globals['_GRANTTRANSFERRESPONSE']._serialized_end=1527
-  _globals['_REVOKETRANSFERREQUEST']._serialized_start=1529
-  _globals['_REVOKETRANSFERREQUEST']._serialized_end=1608
-  _globals['_REVOKETRANSFERRESPONSE']._serialized_start=1610
-  _globals['_REVOKETRANSFERRESPONSE']._serialized_end=1634
-  _globals['_REGISTRY']._serialized_start=2116
-  _globals['_REGISTRY']._serialized_end=2532
+  _globals['_PUSHOFFEREDEVENT']._serialized_start=889
+  _globals['_PUSHOFFEREDEVENT']._serialized_end=957
+  _globals['_ATTACHEDEVENT']._serialized_start=959
+  _globals['_ATTACHEDEVENT']._serialized_end=1019
+  _globals['_ATTACHRESPONSE']._serialized_start=1022
+  _globals['_ATTACHRESPONSE']._serialized_end=1269
+  _globals['_GRANTTRANSFERREQUEST']._serialized_start=1272
+  _globals['_GRANTTRANSFERREQUEST']._serialized_end=1529
+  _globals['_GRANTTRANSFERRESPONSE']._serialized_start=1532
+  _globals['_GRANTTRANSFERRESPONSE']._serialized_end=1727
+  _globals['_REVOKETRANSFERREQUEST']._serialized_start=1729
+  _globals['_REVOKETRANSFERREQUEST']._serialized_end=1808
+  _globals['_REVOKETRANSFERRESPONSE']._serialized_start=1810
+  _globals['_REVOKETRANSFERRESPONSE']._serialized_end=1860
+  _globals['_REGISTRY']._serialized_start=2499
+  _globals['_REGISTRY']._serialized_end=2915
 # @@protoc_insertion_point(module_scope)

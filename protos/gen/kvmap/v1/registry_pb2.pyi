@@ -47,6 +47,15 @@ class _DaemonFeatureEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DaemonF
     """GrantTransferRequest.unread_release: the prefill worker's word on
     whether a release declaring no readers may burn its open grant.
     """
+    DAEMON_FEATURE_WRITE_GRANTS: _DaemonFeature.ValueType  # 7
+    """GrantTransferRequest.access: grants that admit writes (pushes) only,
+    and grants that admit reads only. A daemon without it lets any grant
+    be read or written.
+    """
+    DAEMON_FEATURE_PUSH_OFFERS: _DaemonFeature.ValueType  # 8
+    """Transfers.OfferPush, Peer.OfferPush and AttachResponse.push_offered:
+    a decode worker's blocks offered to a prefill engine for a push.
+    """
 
 class DaemonFeature(_DaemonFeature, metaclass=_DaemonFeatureEnumTypeWrapper):
     """Wire features a daemon may lack (an older kvmapd lists none of them)."""
@@ -72,6 +81,15 @@ DAEMON_FEATURE_UNREAD_RELEASE: DaemonFeature.ValueType  # 6
 """GrantTransferRequest.unread_release: the prefill worker's word on
 whether a release declaring no readers may burn its open grant.
 """
+DAEMON_FEATURE_WRITE_GRANTS: DaemonFeature.ValueType  # 7
+"""GrantTransferRequest.access: grants that admit writes (pushes) only,
+and grants that admit reads only. A daemon without it lets any grant
+be read or written.
+"""
+DAEMON_FEATURE_PUSH_OFFERS: DaemonFeature.ValueType  # 8
+"""Transfers.OfferPush, Peer.OfferPush and AttachResponse.push_offered:
+a decode worker's blocks offered to a prefill engine for a push.
+"""
 Global___DaemonFeature: _TypeAlias = DaemonFeature  # noqa: Y015
 
 class _TransferDirection:
@@ -94,6 +112,25 @@ TRANSFER_DIRECTION_PULLED_FROM: TransferDirection.ValueType  # 1
 TRANSFER_DIRECTION_PUSHED_TO: TransferDirection.ValueType  # 2
 """A remote daemon wrote into this worker's blocks."""
 Global___TransferDirection: _TypeAlias = TransferDirection  # noqa: Y015
+
+class _GrantAccess:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _GrantAccessEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_GrantAccess.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    GRANT_ACCESS_UNSPECIFIED: _GrantAccess.ValueType  # 0
+    """READ, as every grant of a daemon that predates the field."""
+    GRANT_ACCESS_READ: _GrantAccess.ValueType  # 1
+    GRANT_ACCESS_WRITE: _GrantAccess.ValueType  # 2
+
+class GrantAccess(_GrantAccess, metaclass=_GrantAccessEnumTypeWrapper): ...
+
+GRANT_ACCESS_UNSPECIFIED: GrantAccess.ValueType  # 0
+"""READ, as every grant of a daemon that predates the field."""
+GRANT_ACCESS_READ: GrantAccess.ValueType  # 1
+GRANT_ACCESS_WRITE: GrantAccess.ValueType  # 2
+Global___GrantAccess: _TypeAlias = GrantAccess  # noqa: Y015
 
 class _UnreadRelease:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -355,6 +392,36 @@ class RegionMapChangedEvent(_message.Message):
 Global___RegionMapChangedEvent: _TypeAlias = RegionMapChangedEvent  # noqa: Y015
 
 @_typing.final
+class PushOfferedEvent(_message.Message):
+    """A decode daemon offered a decode worker's blocks to this worker's engine
+    for a push (Peer.OfferPush): sent to every attached worker of the engine
+    the offer names, live only (an offer is not stored: one that is missed
+    ends in the decode side's timeout and a recompute).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OFFER_FIELD_NUMBER: _builtins.int
+    PEER_FIELD_NUMBER: _builtins.int
+    peer: _builtins.str
+    """The authenticated peer the offer came from (its address)."""
+    @_builtins.property
+    def offer(self) -> _types_pb2.PushOffer: ...
+    def __init__(
+        self,
+        *,
+        offer: _types_pb2.PushOffer | None = ...,
+        peer: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["offer", b"offer"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["offer", b"offer", "peer", b"peer"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushOfferedEvent: _TypeAlias = PushOfferedEvent  # noqa: Y015
+
+@_typing.final
 class AttachedEvent(_message.Message):
     """First message on every Attach stream."""
 
@@ -385,24 +452,28 @@ class AttachResponse(_message.Message):
     ATTACHED_FIELD_NUMBER: _builtins.int
     TRANSFER_FINISHED_FIELD_NUMBER: _builtins.int
     REGION_MAP_CHANGED_FIELD_NUMBER: _builtins.int
+    PUSH_OFFERED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def attached(self) -> Global___AttachedEvent: ...
     @_builtins.property
     def transfer_finished(self) -> Global___TransferFinishedEvent: ...
     @_builtins.property
     def region_map_changed(self) -> Global___RegionMapChangedEvent: ...
+    @_builtins.property
+    def push_offered(self) -> Global___PushOfferedEvent: ...
     def __init__(
         self,
         *,
         attached: Global___AttachedEvent | None = ...,
         transfer_finished: Global___TransferFinishedEvent | None = ...,
         region_map_changed: Global___RegionMapChangedEvent | None = ...,
+        push_offered: Global___PushOfferedEvent | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["attached", b"attached", "event", b"event", "region_map_changed", b"region_map_changed", "transfer_finished", b"transfer_finished"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["attached", b"attached", "event", b"event", "push_offered", b"push_offered", "region_map_changed", b"region_map_changed", "transfer_finished", b"transfer_finished"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attached", b"attached", "event", b"event", "region_map_changed", b"region_map_changed", "transfer_finished", b"transfer_finished"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attached", b"attached", "event", b"event", "push_offered", b"push_offered", "region_map_changed", b"region_map_changed", "transfer_finished", b"transfer_finished"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["attached", "transfer_finished", "region_map_changed"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["attached", "transfer_finished", "region_map_changed", "push_offered"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
@@ -419,6 +490,7 @@ class GrantTransferRequest(_message.Message):
     MAX_USES_FIELD_NUMBER: _builtins.int
     OPEN_USES_FIELD_NUMBER: _builtins.int
     UNREAD_RELEASE_FIELD_NUMBER: _builtins.int
+    ACCESS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     ttl_ms: _builtins.int
     """Lifetime of the capability; 0 means the daemon's default."""
@@ -434,6 +506,11 @@ class GrantTransferRequest(_message.Message):
     """Whether a release declaring no readers (BeginTransferRequest.release
     with readers 0: "no decode rank reads this rank") may use the open
     grant up unread. Stored with the grant. ALLOWED needs open_uses.
+    """
+    access: Global___GrantAccess.ValueType
+    """What the capability lets a peer do with the blocks: READ them (a pull;
+    UNSPECIFIED means READ) or WRITE them (a push into a decode worker's
+    blocks). A grant admits only its own direction.
     """
     @_builtins.property
     def worker(self) -> _types_pb2.WorkerId: ...
@@ -451,10 +528,11 @@ class GrantTransferRequest(_message.Message):
         max_uses: _builtins.int = ...,
         open_uses: _builtins.bool = ...,
         unread_release: Global___UnreadRelease.ValueType = ...,
+        access: Global___GrantAccess.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["worker", b"worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "max_uses", b"max_uses", "open_uses", b"open_uses", "request_id", b"request_id", "ttl_ms", b"ttl_ms", "unread_release", b"unread_release", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["access", b"access", "groups", b"groups", "max_uses", b"max_uses", "open_uses", b"open_uses", "request_id", b"request_id", "ttl_ms", b"ttl_ms", "unread_release", b"unread_release", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -469,6 +547,7 @@ class GrantTransferResponse(_message.Message):
     EXPIRES_UNIX_MS_FIELD_NUMBER: _builtins.int
     OPEN_USES_FIELD_NUMBER: _builtins.int
     UNREAD_RELEASE_FIELD_NUMBER: _builtins.int
+    ACCESS_FIELD_NUMBER: _builtins.int
     capability: _builtins.str
     """Secret the decode side presents in Peer.BeginTransfer."""
     generation: _builtins.int
@@ -480,6 +559,10 @@ class GrantTransferResponse(_message.Message):
     """The unread_release stored with the grant (UNSPECIFIED from a daemon
     that predates the field).
     """
+    access: Global___GrantAccess.ValueType
+    """The access stored with the grant (UNSPECIFIED from a daemon that
+    predates the field: it lets the grant be read or written).
+    """
     def __init__(
         self,
         *,
@@ -488,10 +571,11 @@ class GrantTransferResponse(_message.Message):
         expires_unix_ms: _builtins.int = ...,
         open_uses: _builtins.bool = ...,
         unread_release: Global___UnreadRelease.ValueType = ...,
+        access: Global___GrantAccess.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "expires_unix_ms", b"expires_unix_ms", "generation", b"generation", "open_uses", b"open_uses", "unread_release", b"unread_release"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["access", b"access", "capability", b"capability", "expires_unix_ms", b"expires_unix_ms", "generation", b"generation", "open_uses", b"open_uses", "unread_release", b"unread_release"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -524,12 +608,21 @@ Global___RevokeTransferRequest: _TypeAlias = RevokeTransferRequest  # noqa: Y015
 class RevokeTransferResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    WRITES_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    writes_in_flight: _builtins.int
+    """Writes into the worker's blocks under the request's revoked grants that
+    peers announced and have not finished: their bytes may still land. A
+    decode worker reuses the blocks only once this is 0 (it asks again,
+    revoking is idempotent) or the leases ran out.
+    """
     def __init__(
         self,
+        *,
+        writes_in_flight: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["writes_in_flight", b"writes_in_flight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmap.v1 import types_pb2 as kvmap_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvmap/v1/transfers.proto\x12\x08kvmap.v1\x1a\x14kvmap/v1/types.proto\"\x9d\x01\n\x0bGroupBlocks\x12\x16\n\x0etransfer_group\x18\x01 \x01(\r\x12\x17\n\x0flocal_block_ids\x18\x02 \x03(\x03\x12\x18\n\x10remote_block_ids\x18\x03 \x03(\x03\x12\x13\n\x0blayer_names\x18\x04 \x03(\t\x12\x12\n\nnum_tokens\x18\x05 \x01(\x03\x12\x1a\n\x12remote_first_token\x18\x06 \x01(\x03\"\x9e\x02\n\x0cTransferSpec\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x0clocal_worker\x18\x02 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\x12\x15\n\rremote_target\x18\x03 \x01(\t\x12)\n\rremote_worker\x18\x04 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\x12%\n\x06groups\x18\x05 \x03(\x0b\x32\x15.kvmap.v1.GroupBlocks\x12\x19\n\x11remote_generation\x18\x06 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x07 \x01(\r\x12\x12\n\ncapability\x18\x08 \x01(\t\x12\x0f\n\x07readers\x18\t \x01(\r\x12\x13\n\x07release\x18\n \x01(\x08\x42\x02\x18\x01\"\x94\x01\n\rTransferStats\x12\x13\n\x0b\x64\x65scriptors\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x14\n\x0cpost_seconds\x18\x03 \x01(\x01\x12\x1a\n\x12\x63ompletion_seconds\x18\x04 \x01(\x01\x12\x19\n\x11remote_generation\x18\x05 \x01(\x04\x12\x12\n\nhandshaked\x18\x06 \x01(\x08\"\x86\x01\n\x0eTransferStatus\x12&\n\x05state\x18\x01 \x01(\x0e\x32\x17.kvmap.v1.TransferState\x12\x0f\n\x07message\x18\x02 \x01(\t\x12&\n\x05stats\x18\x03 \x01(\x0b\x32\x17.kvmap.v1.TransferStats\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\"3\n\x0bPullRequest\x12$\n\x04spec\x18\x01 \x01(\x0b\x32\x16.kvmap.v1.TransferSpec\"8\n\x0cPullResponse\x12(\n\x06status\x18\x01 \x01(\x0b\x32\x18.kvmap.v1.TransferStatus\"3\n\x0bPushRequest\x12$\n\x04spec\x18\x01 \x01(\x0b\x32\x16.kvmap.v1.TransferSpec\"8\n\x0cPushResponse\x12(\n\x06status\x18\x01 \x01(\x0b\x32\x18.kvmap.v1.TransferStatus\"\xc9\x01\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x0clocal_worker\x18\x02 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\x12\x15\n\rremote_target\x18\x03 \x01(\t\x12)\n\rremote_worker\x18\x04 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\x12\x12\n\ncapability\x18\x05 \x01(\t\x12\x0f\n\x07readers\x18\x06 \x01(\r\x12\x12\n\ntimeout_ms\x18\x07 \x01(\r\"\x11\n\x0fReleaseResponse*\x87\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x1e\n\x1aTRANSFER_STATE_HANDSHAKING\x10\x01\x12\x1d\n\x15TRANSFER_STATE_POSTED\x10\x02\x1a\x02\x08\x01\x12\x17\n\x13TRANSFER_STATE_DONE\x10\x03\x32\xbd\x01\n\tTransfers\x12\x37\n\x04Pull\x12\x15.kvmap.v1.PullRequest\x1a\x16.kvmap.v1.PullResponse0\x01\x12\x37\n\x04Push\x12\x15.kvmap.v1.PushRequest\x1a\x16.kvmap.v1.PushResponse0\x01\x12>\n\x07Release\x12\x18.kvmap.v1.ReleaseRequest\x1a\x19.kvmap.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvmap/v1/transfers.proto\x12\x08kvmap.v1\x1a\x14kvmap/v1/types.proto\"Z\n\x10OfferPushRequest\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\"\n\x05offer\x18\x02 \x01(\x0b\x32\x13.kvmap.v1.PushOffer\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\"$\n\x11OfferPushResponse\x12\x0f\n\x07workers\x18\x01 \x01(\r\"\x9d\x01\n\x0bGroupBlocks\x12\x16\n\x0etransfer_group\x18\x01 \x01(\r\x12\x17\n\x0flocal_block_ids\x18\x02 \x03(\x03\x12\x18\n\x10remote_block_ids\x18\x03 \x03(\x03\x12\x13\n\x0blayer_names\x18\x04 \x03(\t\x12\x12\n\nnum_tokens\x18\x05 \x01(\x03\x12\x1a\n\x12remote_first_token\x18\x06 \x01(\x03\"\x9e\x02\n\x0cTransferSpec\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x0clocal_worker\x18\x02 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\x12\x15\n\rremote_target\x18\x03 \x01(\t\x12)\n\rremote_worker\x18\x04 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\x12%\n\x06groups\x18\x05 \x03(\x0b\x32\x15.kvmap.v1.GroupBlocks\x12\x19\n\x11remote_generation\x18\x06 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x07 \x01(\r\x12\x12\n\ncapability\x18\x08 \x01(\t\x12\x0f\n\x07readers\x18\t \x01(\r\x12\x13\n\x07release\x18\n \x01(\x08\x42\x02\x18\x01\"\x94\x01\n\rTransferStats\x12\x13\n\x0b\x64\x65scriptors\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x14\n\x0cpost_seconds\x18\x03 \x01(\x01\x12\x1a\n\x12\x63ompletion_seconds\x18\x04 \x01(\x01\x12\x19\n\x11remote_generation\x18\x05 \x01(\x04\x12\x12\n\nhandshaked\x18\x06 \x01(\x08\"\x86\x01\n\x0eTransferStatus\x12&\n\x05state\x18\x01 \x01(\x0e\x32\x17.kvmap.v1.TransferState\x12\x0f\n\x07message\x18\x02 \x01(\t\x12&\n\x05stats\x18\x03 \x01(\x0b\x32\x17.kvmap.v1.TransferStats\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\"3\n\x0bPullRequest\x12$\n\x04spec\x18\x01 \x01(\x0b\x32\x16.kvmap.v1.TransferSpec\"8\n\x0cPullResponse\x12(\n\x06status\x18\x01 \x01(\x0b\x32\x18.kvmap.v1.TransferStatus\"3\n\x0bPushRequest\x12$\n\x04spec\x18\x01 \x01(\x0b\x32\x16.kvmap.v1.TransferSpec\"8\n\x0cPushResponse\x12(\n\x06status\x18\x01 \x01(\x0b\x32\x18.kvmap.v1.TransferStatus\"\xc9\x01\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x0clocal_worker\x18\x02 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\x12\x15\n\rremote_target\x18\x03 \x01(\t\x12)\n\rremote_worker\x18\x04 \x01(\x0b\x32\x12.kvmap.v1.WorkerId\x12\x12\n\ncapability\x18\x05 \x01(\t\x12\x0f\n\x07readers\x18\x06 \x01(\r\x12\x12\n\ntimeout_ms\x18\x07 \x01(\r\"\x11\n\x0fReleaseResponse*\x87\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x1e\n\x1aTRANSFER_STATE_HANDSHAKING\x10\x01\x12\x1d\n\x15TRANSFER_STATE_POSTED\x10\x02\x1a\x02\x08\x01\x12\x17\n\x13TRANSFER_STATE_DONE\x10\x03\x32\x83\x02\n\tTransfers\x12\x37\n\x04Pull\x12\x15.kvmap.v1.PullRequest\x1a\x16.kvmap.v1.PullResponse0\x01\x12\x37\n\x04Push\x12\x15.kvmap.v1.PushRequest\x1a\x16.kvmap.v1.PushResponse0\x01\x12>\n\x07Release\x12\x18.kvmap.v1.ReleaseRequest\x1a\x19.kvmap.v1.ReleaseResponse\x12\x44\n\tOfferPush\x12\x1a.kvmap.v1.OfferPushRequest\x1a\x1b.kvmap.v1.OfferPushResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,28 +36,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRANSFERSTATE'].values_by_name["TRANSFER_STATE_POSTED"]._serialized_options = b'\010\001'
   _globals['_TRANSFERSPEC'].fields_by_name['release']._loaded_options = None
   _globals['_TRANSFERSPEC'].fields_by_name['release']._serialized_options = b'\030\001'
-  _globals['_TRANSFERSTATE']._serialized_start=1243
-  _globals['_TRANSFERSTATE']._serialized_end=1378
-  _globals['_GROUPBLOCKS']._serialized_start=61
-  _globals['_GROUPBLOCKS']._serialized_end=218
-  _globals['_TRANSFERSPEC']._serialized_start=221
-  _globals['_TRANSFERSPEC']._serialized_end=507
-  _globals['_TRANSFERSTATS']._serialized_start=510
-  _globals['_TRANSFERSTATS']._serialized_end=658
-  _globals['_TRANSFERSTATUS']._serialized_start=661
-  _globals['_TRANSFERSTATUS']._serialized_end=795
-  _globals['_PULLREQUEST']._serialized_start=797
-  _globals['_PULLREQUEST']._serialized_end=848
-  _globals['_PULLRESPONSE']._serialized_start=850
-  _globals['_PULLRESPONSE']._serialized_end=906
-  _globals['_PUSHREQUEST']._serialized_start=908
-  _globals['_PUSHREQUEST']._serialized_end=959
-  _globals['_PUSHRESPONSE']._serialized_start=961
-  _globals['_PUSHRESPONSE']._serialized_end=1017
-  _globals['_RELEASEREQUEST']._serialized_start=1020
-  _globals['_RELEASEREQUEST']._serialized_end=1221
-  _globals['_RELEASERESPONSE']._serialized_start=1223
-  _globals['_RELEASERESPONSE']._serialized_end=1240
-  _globals['_TRANSFERS']._serialized_start=1381
-  _globals['_TRANSFERS']._serialized_end=1570
+  _globals['_TRANSFERSTATE']._serialized_start=1373
+  _globals['_TRANSFERSTATE']._serialized_end=1508
+  _globals['_OFFERPUSHREQUEST']._serialized_start=60
+  _globals['_OFFERPUSHREQUEST']._serialized_end=150
+  _globals['_OFFERPUSHRESPONSE']._serialized_start=152
+  _globals['_OFFERPUSHRESPONSE']._serialized_end=188
+  _globals['_GROUPBLOCKS']._serialized_start=191
+  _globals['_GROUPBLOCKS']._serialized_end=348
+  _globals['_TRANSFERSPEC']._serialized_start=351
+  _globals['_TRANSFERSPEC']._serialized_end=637
+  _globals['_TRANSFERSTATS']._serialized_start=640
+  _globals['_TRANSFERSTATS']._serialized_end=788
+  _globals['_TRANSFERSTATUS']._serialized_start=791
+  _globals['_TRANSFERSTATUS']._serialized_end=925
+  _globals['_PULLREQUEST']._serialized_start=927
+  _globals['_PULLREQUEST']._serialized_end=978
+  _globals['_PULLRESPONSE']._serialized_start=980
+  _globals['_PULLRESPONSE']._serialized_end=1036
+  _globals['_PUSHREQUEST']._serialized_start=1038
+  _globals['_PUSHREQUEST']._serialized_end=1089
+  _globals['_PUSHRESPONSE']._serialized_start=1091
+  _globals['_PUSHRESPONSE']._serialized_end=1147
+  _globals['_RELEASEREQUEST']._serialized_start=1150
+  _globals['_RELEASEREQUEST']._serialized_end=1351
+  _globals['_RELEASERESPONSE']._serialized_start=1353
+  _globals['_RELEASERESPONSE']._serialized_end=1370
+  _globals['_TRANSFERS']._serialized_start=1511
+  _globals['_TRANSFERS']._serialized_end=1770
 # @@protoc_insertion_point(module_scope)

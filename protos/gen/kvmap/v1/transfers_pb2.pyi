@@ -53,6 +53,56 @@ TRANSFER_STATE_DONE: TransferState.ValueType  # 3
 Global___TransferState: _TypeAlias = TransferState  # noqa: Y015
 
 @_typing.final
+class OfferPushRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TARGET_FIELD_NUMBER: _builtins.int
+    OFFER_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    target: _builtins.str
+    """The prefill daemon's peer address, "host:port"."""
+    timeout_ms: _builtins.int
+    """Deadline for telling the prefill daemon; 0 means the daemon's
+    transfer timeout.
+    """
+    @_builtins.property
+    def offer(self) -> _types_pb2.PushOffer: ...
+    def __init__(
+        self,
+        *,
+        target: _builtins.str = ...,
+        offer: _types_pb2.PushOffer | None = ...,
+        timeout_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["offer", b"offer"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["offer", b"offer", "target", b"target", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OfferPushRequest: _TypeAlias = OfferPushRequest  # noqa: Y015
+
+@_typing.final
+class OfferPushResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKERS_FIELD_NUMBER: _builtins.int
+    workers: _builtins.int
+    """How many workers of the prefill engine the offer reached."""
+    def __init__(
+        self,
+        *,
+        workers: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["workers", b"workers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OfferPushResponse: _TypeAlias = OfferPushResponse  # noqa: Y015
+
+@_typing.final
 class GroupBlocks(_message.Message):
     """Block pairs of one transfer group: local_block_ids[i] <-> remote_block_ids[i]."""
 

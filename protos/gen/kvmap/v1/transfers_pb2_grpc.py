@@ -50,6 +50,11 @@ class TransfersStub:
                 request_serializer=kvmap_dot_v1_dot_transfers__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=kvmap_dot_v1_dot_transfers__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.OfferPush = channel.unary_unary(
+                '/kvmap.v1.Transfers/OfferPush',
+                request_serializer=kvmap_dot_v1_dot_transfers__pb2.OfferPushRequest.SerializeToString,
+                response_deserializer=kvmap_dot_v1_dot_transfers__pb2.OfferPushResponse.FromString,
+                _registered_method=True)
 
 
 class TransfersServicer:
@@ -81,6 +86,15 @@ class TransfersServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OfferPush(self, request, context):
+        """Offer a decode worker's blocks, granted for writing, to the prefill
+        engine on the daemon at `target` (Peer.OfferPush there). Served by
+        daemons that list DAEMON_FEATURE_PUSH_OFFERS.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TransfersServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -98,6 +112,11 @@ def add_TransfersServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=kvmap_dot_v1_dot_transfers__pb2.ReleaseRequest.FromString,
                     response_serializer=kvmap_dot_v1_dot_transfers__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'OfferPush': grpc.unary_unary_rpc_method_handler(
+                    servicer.OfferPush,
+                    request_deserializer=kvmap_dot_v1_dot_transfers__pb2.OfferPushRequest.FromString,
+                    response_serializer=kvmap_dot_v1_dot_transfers__pb2.OfferPushResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +201,33 @@ class Transfers:
             '/kvmap.v1.Transfers/Release',
             kvmap_dot_v1_dot_transfers__pb2.ReleaseRequest.SerializeToString,
             kvmap_dot_v1_dot_transfers__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OfferPush(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmap.v1.Transfers/OfferPush',
+            kvmap_dot_v1_dot_transfers__pb2.OfferPushRequest.SerializeToString,
+            kvmap_dot_v1_dot_transfers__pb2.OfferPushResponse.FromString,
             options,
             channel_credentials,
             insecure,

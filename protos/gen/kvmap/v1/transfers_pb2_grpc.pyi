@@ -44,6 +44,11 @@ class TransfersStub:
     tells its worker (TransferFinishedEvent.released). Served by daemons
     that list DAEMON_FEATURE_RELEASE_RPC; it replaces TransferSpec.release.
     """
+    OfferPush: _grpc.UnaryUnaryMultiCallable[_transfers_pb2.OfferPushRequest, _transfers_pb2.OfferPushResponse]
+    """Offer a decode worker's blocks, granted for writing, to the prefill
+    engine on the daemon at `target` (Peer.OfferPush there). Served by
+    daemons that list DAEMON_FEATURE_PUSH_OFFERS.
+    """
 
 @_typing.type_check_only
 class TransfersAsyncStub(TransfersStub):
@@ -60,6 +65,11 @@ class TransfersAsyncStub(TransfersStub):
     (Peer.BeginTransfer with `release`), which counts the use as spent and
     tells its worker (TransferFinishedEvent.released). Served by daemons
     that list DAEMON_FEATURE_RELEASE_RPC; it replaces TransferSpec.release.
+    """
+    OfferPush: _aio.UnaryUnaryMultiCallable[_transfers_pb2.OfferPushRequest, _transfers_pb2.OfferPushResponse]  # type: ignore[assignment]
+    """Offer a decode worker's blocks, granted for writing, to the prefill
+    engine on the daemon at `target` (Peer.OfferPush there). Served by
+    daemons that list DAEMON_FEATURE_PUSH_OFFERS.
     """
 
 class TransfersServicer(metaclass=_abc_1.ABCMeta):
@@ -92,6 +102,17 @@ class TransfersServicer(metaclass=_abc_1.ABCMeta):
         (Peer.BeginTransfer with `release`), which counts the use as spent and
         tells its worker (TransferFinishedEvent.released). Served by daemons
         that list DAEMON_FEATURE_RELEASE_RPC; it replaces TransferSpec.release.
+        """
+
+    @_abc_1.abstractmethod
+    def OfferPush(
+        self,
+        request: _transfers_pb2.OfferPushRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_transfers_pb2.OfferPushResponse, _abc.Awaitable[_transfers_pb2.OfferPushResponse]]:
+        """Offer a decode worker's blocks, granted for writing, to the prefill
+        engine on the daemon at `target` (Peer.OfferPush there). Served by
+        daemons that list DAEMON_FEATURE_PUSH_OFFERS.
         """
 
 def add_TransfersServicer_to_server(servicer: TransfersServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -703,3 +703,84 @@ class BlockGrant(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___BlockGrant: _TypeAlias = BlockGrant  # noqa: Y015
+
+@_typing.final
+class PushOffer(_message.Message):
+    """A decode worker's blocks for one request, offered to a prefill engine so
+    that the prefill side writes (pushes) the request's KV into them as it
+    computes it (Transfers.OfferPush, Peer.OfferPush, PushOfferedEvent).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PUSH_ID_FIELD_NUMBER: _builtins.int
+    PREFILL_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    DECODE_WORKER_FIELD_NUMBER: _builtins.int
+    DECODE_TARGET_FIELD_NUMBER: _builtins.int
+    DECODE_TP_SIZE_FIELD_NUMBER: _builtins.int
+    DECODE_BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    GROUPS_FIELD_NUMBER: _builtins.int
+    CAPABILITY_FIELD_NUMBER: _builtins.int
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    push_id: _builtins.str
+    """The id the router gave the request on both engines
+    (kv_transfer_params "kvmap_push_id"): how the prefill side finds the
+    offer for its request. 16 to 128 URL-safe characters.
+    """
+    prefill_engine_id: _builtins.str
+    """The prefill engine whose workers hear of the offer."""
+    decode_target: _builtins.str
+    decode_tp_size: _builtins.int
+    """The decode engine's tensor-parallel size and block size (tokens)."""
+    decode_block_size: _builtins.int
+    first_token: _builtins.int
+    """The decode side needs prompt tokens [first_token, first_token +
+    num_tokens): its own prefix cache holds the tokens before first_token
+    (a multiple of decode_block_size).
+    """
+    num_tokens: _builtins.int
+    capability: _builtins.str
+    """The write capability (Registry.GrantTransfer with access WRITE), and
+    when it expires.
+    """
+    expires_unix_ms: _builtins.int
+    request_id: _builtins.str
+    """The decode engine's id of the request (its grant's request_id)."""
+    @_builtins.property
+    def decode_worker(self) -> Global___WorkerId:
+        """The decode worker whose blocks are offered, and its daemon's peer
+        address ("host:port") that the prefill side pushes to.
+        """
+
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockGrant]:
+        """The decode worker's blocks that hold those tokens, in token order, per
+        transfer group; the write capability grants exactly these.
+        """
+
+    def __init__(
+        self,
+        *,
+        push_id: _builtins.str = ...,
+        prefill_engine_id: _builtins.str = ...,
+        decode_worker: Global___WorkerId | None = ...,
+        decode_target: _builtins.str = ...,
+        decode_tp_size: _builtins.int = ...,
+        decode_block_size: _builtins.int = ...,
+        first_token: _builtins.int = ...,
+        num_tokens: _builtins.int = ...,
+        groups: _abc.Iterable[Global___BlockGrant] | None = ...,
+        capability: _builtins.str = ...,
+        expires_unix_ms: _builtins.int = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["decode_worker", b"decode_worker"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "decode_block_size", b"decode_block_size", "decode_target", b"decode_target", "decode_tp_size", b"decode_tp_size", "decode_worker", b"decode_worker", "expires_unix_ms", b"expires_unix_ms", "first_token", b"first_token", "groups", b"groups", "num_tokens", b"num_tokens", "prefill_engine_id", b"prefill_engine_id", "push_id", b"push_id", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushOffer: _TypeAlias = PushOffer  # noqa: Y015
