@@ -67,6 +67,9 @@ def make_llm(args: argparse.Namespace) -> Any:
             extra["decode_tp_size"] = args.decode_tp_size
         if getattr(args, "otlp_traces_endpoint", ""):
             extra["otlp_traces_endpoint"] = args.otlp_traces_endpoint
+        for key in ("push_layer_groups", "push_timeout_s"):  # push mode's, where given
+            if getattr(args, key, 0):
+                extra[key] = getattr(args, key)
         if args.connector == "nixl":  # vLLM's own, as the reference
             kv = KVTransferConfig(
                 kv_connector="NixlConnector",
@@ -341,6 +344,7 @@ def handle(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
             outs = generate_traced(llm, prompts, params, cmd["trace_headers"])
         else:
             outs = llm.generate(prompts, params, use_tqdm=False)
+        drain_push_work(llm)
         return {
             "seconds": time.monotonic() - start,
             "outputs": [
@@ -413,6 +417,21 @@ def handle(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
             "leases_expired": connector().worker.leases_expired,
         }
     raise ValueError(f"unknown command {op}")
+
+
+def drain_push_work(llm: Any, timeout_s: float = 120.0) -> None:
+    """Step the engine while its connector has push work (kept blocks
+    waiting for pushes), as vLLM's server loop does (``has_requests``);
+    ``LLM.generate`` stops stepping once its own requests finished."""
+    core = llm.llm_engine.engine_core
+    scheduler = getattr(getattr(core, "engine_core", None), "scheduler", None)
+    connector = getattr(scheduler, "connector", None)
+    deadline = time.monotonic() + timeout_s
+    while connector is not None and connector.has_pending_push_work():
+        if time.monotonic() > deadline:
+            raise TimeoutError("push work still pending")
+        llm.llm_engine.step()
+        time.sleep(0.002)
 
 
 def generate_traced(
@@ -512,6 +531,8 @@ def main() -> int:
     p.add_argument("--num-blocks", type=int, default=NUM_BLOCKS, help="num_gpu_blocks_override")
     p.add_argument("--no-prefix-caching", action="store_true", help="enable_prefix_caching=False")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--push-layer-groups", type=int, default=0, help="push mode's layer groups")
+    p.add_argument("--push-timeout-s", type=float, default=0.0, help="decode: push wait")
     p.add_argument("--decode-tp-size", type=int, default=0, help="prefill: decode engines' TP")
     p.add_argument(
         "--log-stats",

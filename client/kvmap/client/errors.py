@@ -74,3 +74,11 @@ def status_name(err: BaseException) -> str:
     if isinstance(err, KvmapError):
         return err.code.name
     return ErrorCode.UNKNOWN.name
+
+
+def describe(exc: BaseException) -> str:
+    """What a failed call's log line and failure report say: a kvmap
+    error's message, else the exception's type and text."""
+    if isinstance(exc, KvmapError):
+        return exc.message
+    return f"{type(exc).__name__}: {exc}"

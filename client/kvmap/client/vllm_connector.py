@@ -73,6 +73,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvmap.client.vllm_connector")
@@ -386,10 +387,22 @@ class KVMapConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unus
             # vLLM's trace context of the request (where it traces): the
             # load's span joins that trace.
             trace_headers=request.trace_headers,
+            num_computed_tokens=int(request.num_computed_tokens),
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return KVMapConnectorMetadata(self._sched().build_meta())
+        sched = self._sched()
+        # Push mode: the prefill requests whose whole prompt this step
+        # computes have their layer groups pushed as the layers are saved.
+        for new in scheduler_output.scheduled_new_reqs:
+            if not sched.layer_push_wanted(new.req_id):
+                continue
+            scheduled = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+            prompt = len(new.prompt_token_ids or ())
+            if prompt and new.num_computed_tokens + scheduled >= prompt:
+                blocks = self._kv_cache_config.select_transfer_block_ids(new.block_ids)
+                sched.prompt_scheduled(new.req_id, blocks, prompt)
+        return KVMapConnectorMetadata(sched.build_meta())
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -416,6 +429,13 @@ class KVMapConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unus
             num_computed_tokens=int(request.num_computed_tokens),
             trace_headers=request.trace_headers,
         )
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._sched().freed(connector_output.finished_sending or ())
+
+    def has_pending_push_work(self) -> bool:
+        # Push mode: kept blocks wait for their pushes; vLLM steps on.
+        return self.scheduler is not None and self.scheduler.pushing
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         # The request's own blocks of every transfer group are loaded.
@@ -490,7 +510,18 @@ class KVMapConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unus
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        return  # prefill blocks stay where they are until pulled
+        # Pull mode: prefill blocks stay where they are until pulled. Push
+        # mode: a finished layer group goes now; on a GPU once the layer's
+        # kernels are done (an event on the current stream).
+        worker = self._work()
+        if not worker.pushing_layers:
+            return
+        sync = None
+        if isinstance(kv_layer, torch.Tensor) and kv_layer.is_cuda:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch stubs lack it
+            event.record()
+            sync = event.synchronize
+        worker.layer_saved(layer_name, sync)
 
     def wait_for_save(self) -> None:
         return

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvmap.client.connector.blocks import BlockIds
-from kvmap.client.connector.params import RemoteSource
+from kvmap.client.connector.params import PushSource, RemoteSource
+from kvmap.client.connector.windows import GroupWindows
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,32 @@ class RecvTask:
     # (connector.traces.load_parent).
     traceparent: str = ""
     trace_link: str = ""
+
+
+@dataclass(frozen=True)
+class PushRecvTask:
+    """A push-mode decode request: the worker grants the prefill side a
+    write of these blocks and offers them (they will hold prompt tokens
+    [first_token, first_token + num_tokens))."""
+
+    request_id: str
+    source: PushSource
+    local_block_ids: BlockIds
+    first_token: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class PushSendTask:
+    """A push-mode prefill request whose KV the workers write into the
+    decode side's offered blocks: its blocks (windowed groups clipped) and
+    the prompt tokens they hold."""
+
+    request_id: str
+    push_id: str
+    block_ids: BlockIds
+    num_tokens: int
+    windows: GroupWindows = field(default_factory=GroupWindows)
 
 
 @dataclass
@@ -39,3 +66,10 @@ class ConnectorMeta:
     # prefix cache, or ended before they were scheduled): each worker
     # releases its use of the prefill side's grants.
     release: list[RecvTask] = field(default_factory=list)
+    # Push mode. Decode: requests whose blocks are offered. Prefill: the
+    # requests whose prompt completes in this step (their layer groups are
+    # pushed as the layers are saved), and the requests that finished (every
+    # layer group not pushed yet goes now; their blocks wait for the pushes).
+    push_recv: list[PushRecvTask] = field(default_factory=list)
+    push_ready: list[PushSendTask] = field(default_factory=list)
+    push_send: list[PushSendTask] = field(default_factory=list)

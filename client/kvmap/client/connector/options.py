@@ -10,6 +10,7 @@ from typing import Any
 
 from kvmap.client.session import Backoff
 from kvmap.core.grants import MAX_USES
+from kvmap.core.push_offers import MAX_LAYER_GROUPS
 
 
 def default_socket() -> str:
@@ -59,6 +60,7 @@ _POSITIVE_OPTIONS = (
     "reconnect_initial_s",
     "reconnect_max_s",
     "max_parallel_pulls",
+    "push_timeout_s",
 )
 
 
@@ -95,6 +97,14 @@ class ConnectorOptions:
     # OTLP/gRPC endpoint of the connector's spans; "" falls back to the
     # standard OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT (connector.traces).
     otlp_traces_endpoint: str = ""
+    # Push mode, decode side: how long a request's offered blocks wait for
+    # the prefill side's pushes (its queue, its prefill and the writes);
+    # then the write grant is revoked and the request recomputed.
+    push_timeout_s: float = 60.0
+    # Push mode, prefill side: the layer groups a request's KV is pushed in,
+    # each as soon as its layers are computed (1: the whole request when it
+    # finishes). Descriptors per request: blocks x groups.
+    push_layer_groups: int = 4
 
     @classmethod
     def from_extra_config(
@@ -121,6 +131,10 @@ class ConnectorOptions:
         for key in _POSITIVE_OPTIONS:
             if getattr(self, key) <= 0:
                 raise ValueError(f"kv_connector_extra_config.{key}: must be positive")
+        if not 1 <= self.push_layer_groups <= MAX_LAYER_GROUPS:
+            raise ValueError(
+                f"kv_connector_extra_config.push_layer_groups: must be in [1, {MAX_LAYER_GROUPS}]"
+            )
         if not self.socket:
             raise ValueError("kv_connector_extra_config.socket: must not be empty")
         if not 0 <= self.decode_tp_size <= MAX_USES:

@@ -13,6 +13,8 @@ from typing import Any
 
 from kvmap.client.connector.blocks import BlockIds
 from kvmap.client.connector.options import host_port
+from kvmap.core.errors import KvmapError
+from kvmap.core.push_offers import check_push_id
 from kvmap.tracing import traceparent_of
 
 # Version of the kv_transfer_params this connector writes and reads.
@@ -38,6 +40,14 @@ MAX_CAPABILITY_CHARS = 8192
 # kv_transfer_params key of the prefill grant span's W3C traceparent
 # (connector.traces): the decode side's spans join the grant's trace.
 TRACEPARENT_KEY = "kvmap_traceparent"
+
+# Push mode (connector.push_*): the router sends a request to the prefill
+# and the decode engine at once, both with ``transfer_mode`` "push" and one
+# push id; the decode request also names the prefill engine and its kvmapd.
+TRANSFER_MODE_KEY = "transfer_mode"
+PUSH_MODE = "push"
+PUSH_ID_KEY = "kvmap_push_id"
+PUSH_TARGET_KEY = "kvmap_push_target"
 
 # kv_transfer_params mark of a prefill request whose prompt the connector
 # cut short (private: the params a prefill request returns are built anew).
@@ -126,3 +136,39 @@ def rank_capability(capability: str, tp_size: int, tp_rank: int) -> str:
     if parts[tp_rank] == UNREAD_CAPABILITY:
         raise ValueError(f"{key}: prefill rank {tp_rank} granted no transfer")
     return parts[tp_rank]
+
+
+def is_push(params: Mapping[str, Any] | None) -> bool:
+    """Whether the request's KV moves by push (``transfer_mode`` "push")."""
+    return bool(params) and params.get(TRANSFER_MODE_KEY) == PUSH_MODE  # type: ignore[union-attr]
+
+
+def push_id_of(params: Mapping[str, Any]) -> str:
+    """The router's push id of a request; ``ValueError`` when it is not one."""
+    value = params.get(PUSH_ID_KEY)
+    try:
+        return check_push_id(value, f"kv_transfer_params.{PUSH_ID_KEY}")
+    except KvmapError as err:
+        raise ValueError(err.message) from None
+
+
+@dataclass(frozen=True)
+class PushSource:
+    """Who writes a push-mode decode request's prompt KV: parsed
+    ``kv_transfer_params`` (untrusted, as ``RemoteSource``)."""
+
+    push_id: str
+    # The prefill engine's kvmapd (its peer address) and engine id.
+    target: str
+    engine_id: str
+
+    @classmethod
+    def parse(cls, params: Mapping[str, Any]) -> PushSource:
+        target = params.get(PUSH_TARGET_KEY)
+        if not isinstance(target, str) or not target:
+            raise ValueError(f"kv_transfer_params.{PUSH_TARGET_KEY}: missing or not a str")
+        host_port(target, PUSH_TARGET_KEY)
+        engine = params.get("remote_engine_id")
+        if not isinstance(engine, str) or not 0 < len(engine) <= 256:
+            raise ValueError("kv_transfer_params.remote_engine_id: missing or not a str")
+        return cls(push_id=push_id_of(params), target=target, engine_id=engine)

@@ -229,3 +229,16 @@ def with_timeout(spec: transfers_pb2.TransferSpec, seconds: float) -> transfers_
     out.CopyFrom(spec)
     out.timeout_ms = max(1, int(seconds * 1000))
     return out
+
+
+def release_request(spec: transfers_pb2.TransferSpec) -> transfers_pb2.ReleaseRequest:
+    """Transfers.Release for a release ``spec`` (one with the deprecated flag)."""
+    return transfers_pb2.ReleaseRequest(
+        request_id=spec.request_id,
+        local_worker=spec.local_worker,
+        remote_target=spec.remote_target,
+        remote_worker=spec.remote_worker,
+        capability=spec.capability,
+        readers=spec.readers,
+        timeout_ms=spec.timeout_ms,
+    )

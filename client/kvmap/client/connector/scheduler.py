@@ -7,14 +7,14 @@ kvmapd to grant the pulls of a finished request's blocks and writes the
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from kvmap.client.client import KvmapClient
 from kvmap.client.connector.blocks import BlockIds
 from kvmap.client.connector.grants import MAX_GRANT_TTL_MS, revoke
 from kvmap.client.connector.logids import ids
-from kvmap.client.connector.metadata import ConnectorMeta, RecvTask
+from kvmap.client.connector.metadata import ConnectorMeta, PushRecvTask, PushSendTask, RecvTask
 from kvmap.client.connector.options import ConnectorOptions, host_port
 from kvmap.client.connector.params import (
     CAPABILITY_KEY,
@@ -24,7 +24,10 @@ from kvmap.client.connector.params import (
     TRACEPARENT_KEY,
     TRUNCATED_KEY,
     UNREAD_CAPABILITY,
+    PushSource,
     RemoteSource,
+    is_push,
+    push_id_of,
 )
 from kvmap.client.connector.tp_mapping import tp_readers, unread_allowed
 from kvmap.client.connector.traces import connector_tracer, grant_span, load_parent
@@ -90,6 +93,10 @@ class SchedulerCore:
         self.client = client
         self.tracer = connector_tracer(options)
         self._meta = ConnectorMeta()
+        # Push-mode prefill requests of this engine: their push ids, and
+        # the finished ones whose blocks wait for their pushes.
+        self._push_ids: dict[str, str] = {}
+        self._pushing: set[str] = set()
 
     def num_new_matched_tokens(
         self,
@@ -103,7 +110,12 @@ class SchedulerCore:
         if not params or not params.get("do_remote_prefill"):
             return 0, False
         try:
-            RemoteSource.parse(params)
+            if is_push(params):
+                PushSource.parse(params)
+                if not self.options.peer_address:
+                    raise ValueError("push mode needs peer_address (this pod's kvmapd)")
+            else:
+                RemoteSource.parse(params)
         except ValueError as err:
             log.warning("%s: not loading remote KV: %s", ids(request_id), err)
             return 0, False
@@ -156,17 +168,23 @@ class SchedulerCore:
         local_block_ids: Sequence[Sequence[int]],
         num_external_tokens: int,
         trace_headers: Mapping[str, str] | None = None,
+        *,
+        num_computed_tokens: int = 0,
     ) -> None:
         """Blocks were allocated for the request (``update_state_after_alloc``);
-        ``trace_headers``: vLLM's trace context of the request, if any."""
+        ``trace_headers``: vLLM's trace context of the request, if any;
+        ``num_computed_tokens``: the prompt tokens its local prefix cache holds."""
         if not params:
             return
         if params.get("do_remote_decode"):
-            self._meta.in_batch.add(request_id)
+            self._after_alloc_prefill(request_id, params)
             return
         if not params.get("do_remote_prefill"):
             return
-        if num_external_tokens > 0:
+        if is_push(params):
+            self._offer_blocks(request_id, params, local_block_ids, num_external_tokens,
+                               num_computed_tokens)  # fmt: skip
+        elif num_external_tokens > 0:
             try:
                 source = RemoteSource.parse(params)
             except ValueError as err:  # num_new_matched_tokens said 0 already
@@ -179,6 +197,93 @@ class SchedulerCore:
             self._release(request_id, params, trace_headers)
         # One transfer per request, even when vLLM calls this again.
         params["do_remote_prefill"] = False
+
+    def _after_alloc_prefill(self, request_id: str, params: Mapping[str, Any]) -> None:
+        if not is_push(params):
+            self._meta.in_batch.add(request_id)
+            return
+        try:
+            self._push_ids[request_id] = push_id_of(params)
+        except ValueError as err:
+            log.warning("%s: not pushing its KV: %s", ids(request_id), err)
+
+    def _offer_blocks(
+        self,
+        request_id: str,
+        params: Mapping[str, Any],
+        local_block_ids: Sequence[Sequence[int]],
+        num_external_tokens: int,
+        first_token: int,
+    ) -> None:
+        """A push-mode decode request: its workers offer its blocks."""
+        if num_external_tokens <= 0:
+            return  # its prefix cache holds the whole prompt: the prefill side's lease frees
+        try:
+            source = PushSource.parse(params)
+        except ValueError as err:  # num_new_matched_tokens said 0 already
+            log.warning("%s: not loading remote KV: %s", ids(request_id), err)
+            return
+        local = self.windows.clip(local_block_ids)
+        self._meta.push_recv.append(
+            PushRecvTask(request_id, source, local, first_token, num_external_tokens)
+        )
+
+    def layer_push_wanted(self, request_id: str) -> bool:
+        """Whether ``prompt_scheduled`` should hear of this request."""
+        return request_id in self._push_ids
+
+    def prompt_scheduled(
+        self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int
+    ) -> None:
+        """A push-mode prefill request's prompt completes in the step being
+        built (its whole prompt was scheduled at once): its workers push its
+        layer groups as they are computed."""
+        push_id = self._push_ids.get(request_id)
+        if push_id is not None:
+            self._meta.push_ready.append(
+                self._push_task(request_id, push_id, block_ids, num_tokens)
+            )
+
+    def _push_task(
+        self, request_id: str, push_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int
+    ) -> PushSendTask:
+        blocks = tuple(tuple(g) for g in self.windows.clip(block_ids))
+        return PushSendTask(request_id, push_id, blocks, num_tokens, self.windows)
+
+    def _push_finished(
+        self,
+        request_id: str,
+        *,
+        finished_normally: bool,
+        block_ids: Sequence[Sequence[int]],
+        num_computed_tokens: int,
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """A push-mode prefill request finished: its blocks wait for the
+        pushes (no grant: the decode side granted the writes)."""
+        push_id = self._push_ids.pop(request_id, "")
+        task = self._push_task(request_id, push_id, block_ids, num_computed_tokens)
+        if not push_id or not finished_normally or not any(task.block_ids):
+            self._meta.not_processed.add(request_id)
+            return False, None
+        self._meta.push_send.append(task)
+        self._pushing.add(request_id)
+        return True, {
+            "do_remote_prefill": False,
+            "do_remote_decode": False,
+            "transfer_mode": "push",
+            "kvmap_params_version": PARAMS_VERSION,
+        }
+
+    @property
+    def pushing(self) -> bool:
+        """Whether kept blocks wait for pushes: vLLM must keep stepping (its
+        workers push, and report the frees, only when it steps), even with
+        no request left to run (``has_pending_push_work``)."""
+        return bool(self._pushing)
+
+    def freed(self, request_ids: Iterable[str]) -> None:
+        """Requests whose kept blocks vLLM freed (finished_sending)."""
+        self._pushing.difference_update(request_ids)
 
     def _release(
         self,
@@ -238,6 +343,13 @@ class SchedulerCore:
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
+        if is_push(params):
+            return self._push_finished(
+                request_id,
+                finished_normally=finished_normally,
+                block_ids=block_ids,
+                num_computed_tokens=num_computed_tokens,
+            )
         if not finished_normally or not self.options.peer_address:
             if finished_normally:
                 log.error("%s: no peer_address configured; not offering KV", ids(request_id))
@@ -252,8 +364,16 @@ class SchedulerCore:
             self._meta.send[request_id] = self.options.lease_seconds
         else:
             self._meta.not_processed.add(request_id)
+        offered = self._offered_params(request_id, groups, num_computed_tokens)
+        offered.update(self._optional_params(capability, open_grants, traceparent))
+        return keep, offered
+
+    def _offered_params(
+        self, request_id: str, groups: list[list[int]], num_computed_tokens: int
+    ) -> dict[str, Any]:
+        """The kv_transfer_params every offered (pull-mode) request returns."""
         host, port = host_port(self.options.peer_address, "peer_address")
-        offered: dict[str, Any] = {
+        return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.engine_id,
@@ -268,8 +388,6 @@ class SchedulerCore:
             "remote_num_tokens": num_computed_tokens,
             "kvmap_params_version": PARAMS_VERSION,
         }
-        offered.update(self._optional_params(capability, open_grants, traceparent))
-        return keep, offered
 
     def _optional_params(
         self, capability: str, open_grants: bool, traceparent: str

@@ -25,11 +25,14 @@ from kvmap.client.connector.logids import ids
 from kvmap.client.connector.metadata import ConnectorMeta, RecvTask
 from kvmap.client.connector.options import ConnectorOptions
 from kvmap.client.connector.params import RemoteSource
-from kvmap.client.connector.pulls import PullSpecs, with_timeout
+from kvmap.client.connector.pulls import PullSpecs, release_request, with_timeout
+from kvmap.client.connector.push_recv import PushReceiver
+from kvmap.client.connector.push_send import PushSender, Sync
+from kvmap.client.connector.pushes import PrefillRank
 from kvmap.client.connector.stats import TransferStatsBook
 from kvmap.client.connector.tp_mapping import tp_readers
 from kvmap.client.connector.traces import connector_tracer, freed, load_span
-from kvmap.client.errors import status_name
+from kvmap.client.errors import describe, status_name
 from kvmap.client.session import WorkerSession
 from kvmap.core.errors import SHUTTING_DOWN, KvmapError, NotFound, Unavailable
 from kvmap.core.retry import RetryPolicy
@@ -157,12 +160,43 @@ class WorkerCore:
         # Kept requests of a rank no decode rank reads, freed at the next poll.
         self._unread_sends: set[str] = set()
         self._load_errors: set[int] = set()
+        self._init_push(clock)
+
+    def _init_push(self, clock: Callable[[], float]) -> None:
+        """Push mode's two sides (connector.push_recv, connector.push_send),
+        on a pool of their own: a step's layer-group pushes must not wait
+        behind pulls."""
+        self._push_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.options.max_parallel_pulls, thread_name_prefix="kvmap-push"
+        )
+        self.push_recv = PushReceiver(
+            self.client,
+            self.worker,
+            self.options,
+            tp_size=self.tp_size,
+            block_size=self.block_size,
+            pool=self._push_pool,
+            clock=clock,
+        )
+        rank = PrefillRank(
+            self.worker,
+            self.tp_size,
+            self.block_size,
+            self.kv_heads,
+            self.replicated,
+            features=lambda: self.daemon_features,
+        )
+        self.push_send = PushSender(
+            self.client, rank, self.options, pool=self._push_pool, clock=clock
+        )
 
     # Registration ---------------------------------------------------------
 
     def register(
         self, request: registry_pb2.RegisterWorkerRequest, fds: Sequence[int]
     ) -> types_pb2.RegionMap:
+        # The layers in the order the model computes them: its layer groups.
+        self.push_send.set_layers([(v.layer_name, v.transfer_group) for v in request.views])
         self.session = WorkerSession(
             self.client, request, fds, on_event=self.on_event, backoff=self.options.backoff
         )
@@ -170,11 +204,16 @@ class WorkerCore:
 
     def on_event(self, event: registry_pb2.AttachResponse) -> None:
         """Attach events (on the session's thread)."""
-        if event.WhichOneof("event") != "transfer_finished":
+        kind = event.WhichOneof("event")
+        if kind == "push_offered":
+            self.push_send.on_event(event.push_offered)
+        if kind != "transfer_finished":
             return
         done = event.transfer_finished
         if done.direction == registry_pb2.TRANSFER_DIRECTION_PULLED_FROM:
             self._events.put((done.request_id, done.exhausted if done.max_uses else None))
+        elif done.direction == registry_pb2.TRANSFER_DIRECTION_PUSHED_TO:
+            self.push_recv.on_event(done)
 
     # Steps ----------------------------------------------------------------
 
@@ -201,6 +240,19 @@ class WorkerCore:
             # A pull may already have finished: then it is no longer listed.
             if request_id in self._to_process:
                 self._send_deadline[request_id] = now + lease_s
+        for recv in meta.push_recv:
+            self.push_recv.start(recv)
+        self.push_send.start(meta.push_ready, meta.push_send, meta.not_processed)
+
+    def layer_saved(self, layer_name: str, sync: Sync | None = None) -> None:
+        """vLLM saved a layer's KV (``save_kv_layer``): push mode's layer groups."""
+        self.push_send.layer_saved(layer_name, sync)
+
+    @property
+    def pushing_layers(self) -> bool:
+        """Whether this step has requests whose layer groups are pushed as
+        their layers are saved (a GPU worker records an event per layer then)."""
+        return self.push_send.pushing_layers
 
     @property
     def daemon_features(self) -> frozenset[int]:
@@ -238,7 +290,7 @@ class WorkerCore:
         timeout_s = spec.timeout_ms / 1000 + 2.0
         try:
             if registry_pb2.DAEMON_FEATURE_RELEASE_RPC in self.daemon_features:
-                self.client.release(_release_request(spec), timeout_s=timeout_s)
+                self.client.release(release_request(spec), timeout_s=timeout_s)
             else:
                 # A kvmapd of the previous release: the deprecated flag.
                 self.client.pull(spec, timeout_s=timeout_s)
@@ -367,7 +419,9 @@ class WorkerCore:
             if error:
                 failed.add(request_id)
             self._finish_load(load, error, nbytes, now)
-        return TransferResults(sending, recving, failed)
+        sending |= self.push_send.poll()
+        pushed, push_failed = self.push_recv.poll()
+        return TransferResults(sending, recving | pushed, failed | push_failed)
 
     def _pulled_sends(self) -> set[str]:
         """Prefill requests whose blocks a peer finished pulling (daemon events)."""
@@ -429,8 +483,8 @@ class WorkerCore:
             exc = load.future.exception()
             if exc is not None:
                 self.stats.record_failed_transfer(status_name(exc))
-                load.span.fail(status_name(exc), _describe(exc))
-                return _describe(exc), 0
+                load.span.fail(status_name(exc), describe(exc))
+                return describe(exc), 0
             result = load.future.result()
             self.stats.record_transfer(result)
             load.span.set(bytes=result.bytes, transfer_id=result.transfer_id)
@@ -477,11 +531,11 @@ class WorkerCore:
 
     @property
     def pending_loads(self) -> int:
-        return len(self._loading)
+        return len(self._loading) + len(self.push_recv)
 
     @property
     def pending_sends(self) -> int:
-        return len(self._to_process)
+        return len(self._to_process) + len(self.push_send)
 
     def shutdown(self) -> None:
         """Once: vLLM may call it again (the engine's finalizer after an
@@ -490,6 +544,7 @@ class WorkerCore:
             return
         self._shut_down = True
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._push_pool.shutdown(wait=False, cancel_futures=True)
         if self.session is not None:
             self.session.stop(deregister=True, timeout_s=self.options.call_timeout_s)
         self.client.close()
@@ -527,23 +582,4 @@ def _load_ids(load: _Load, transfer_id: str = "") -> str:
         peer=task.source.target,
         worker=load.spec.remote_worker if load.spec is not None else None,
         trace_id=load.span.trace_id(),
-    )
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, KvmapError):
-        return exc.message
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _release_request(spec: transfers_pb2.TransferSpec) -> transfers_pb2.ReleaseRequest:
-    """Transfers.Release for a release ``spec`` (one with the deprecated flag)."""
-    return transfers_pb2.ReleaseRequest(
-        request_id=spec.request_id,
-        local_worker=spec.local_worker,
-        remote_target=spec.remote_target,
-        remote_worker=spec.remote_worker,
-        capability=spec.capability,
-        readers=spec.readers,
-        timeout_ms=spec.timeout_ms,
     )
