@@ -4,13 +4,17 @@ daemons and real NIXL agents on this machine.
 
     kvmapd bench [--profile NAME ...] [--planner NAME ...] [--json] [--plot FILE.png]
                  [--concurrency 1,8,32] [--tp8-profile NAME|none]
+    kvmapd bench --push [--push-blocks 64,256,1024] [--push-groups 4,8,16]
+                 [--layer-ms 0.5] [--push-profile NAME] [--repeats N] [--json]
 
 Modules: ``profiles`` (the geometries, with their sources), ``blockpool``
 (request block ids and the fragmentation model), ``worker`` (the stand-in
 vLLM worker process), ``contact`` (first-contact steps, timed one by one),
 ``runner`` (the measurement), ``raw_nixl`` (two bare NIXL agents posting
 the same lists), ``pod`` (a TP pod on one daemon), ``results`` (the figures, typed, and their
-``--json`` form), ``report`` (tables) and ``plot`` (matplotlib).
+``--json`` form), ``report`` (tables) and ``plot`` (matplotlib); ``push`` (``--push``:
+pull after finish against push at finish and layer-group pushes, with a
+layer-paced stand-in prefill in ``push_worker``).
 See docs/benchmarks.md.
 """
 
@@ -20,9 +24,10 @@ import argparse
 import json
 import signal
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType
+from typing import Any
 
 from kvmap.core.config import DEFAULT_NIXL_THREADS, MAX_NIXL_THREADS
 from kvmap.tools.bench.profiles import DEFAULT_PROFILES, PROFILES
@@ -81,6 +86,7 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--memcpy-mib", type=int, default=256, help="memcpy buffer (default 256)")
     _add_new_series_args(p)
     _add_daemon_args(p)
+    _add_push_args(p)
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return run(p.parse_args(argv))
 
@@ -153,6 +159,63 @@ def _add_daemon_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_push_args(p: argparse.ArgumentParser) -> None:
+    """``--push``: the push profile (bench.push) instead of the pull series."""
+    p.add_argument(
+        "--push",
+        action="store_true",
+        help="measure pull after finish, push at finish and layer-group pushes behind a "
+        "layer-paced prefill (bench.push) instead of the pull series; takes --repeats, "
+        "--planner (the last one; default coalesce), --json and the daemon flags",
+    )
+    p.add_argument(
+        "--push-profile", default="glm53", choices=sorted(PROFILES), help="(default glm53)"
+    )
+    p.add_argument(
+        "--push-blocks",
+        type=_positive(int),
+        default=(64, 256, 1024),
+        metavar="N,N,...",
+        help="blocks of the pushed request (default 64,256,1024)",
+    )
+    p.add_argument(
+        "--push-groups",
+        type=_positive(int),
+        default=(4, 8, 16),
+        metavar="G,G,...",
+        help="layer groups of the layer-group pushes (default 4,8,16)",
+    )
+    p.add_argument(
+        "--layer-ms",
+        type=_positive(float),
+        default=(0.5,),
+        metavar="MS,MS,...",
+        help="compute time of one layer of the stand-in prefill (default 0.5)",
+    )
+    p.add_argument(
+        "--push-mib",
+        type=int,
+        default=128,
+        help="most MiB the largest pushed request moves; pages are divided by a power of two "
+        "until it fits (default 128)",
+    )
+
+
+def _positive(kind: type[int] | type[float]) -> Callable[[str], tuple[Any, ...]]:
+    """A parser of a comma-separated list of positive numbers, sorted."""
+
+    def parse(text: str) -> tuple[Any, ...]:
+        try:
+            values = tuple(sorted({kind(n) for n in text.split(",") if n.strip()}))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
+        if not values or values[0] <= 0:
+            raise argparse.ArgumentTypeError("the numbers must be positive")
+        return values
+
+    return parse
+
+
 def _levels(text: str) -> tuple[int, ...]:
     try:
         levels = tuple(sorted({int(n) for n in text.split(",") if n.strip()}))
@@ -179,6 +242,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"  .. {line}", file=sys.stderr, flush=True)
 
+    if args.push:
+        return _run_push(args, progress)
     opts = runner.Options(
         profiles=args.profile or list(DEFAULT_PROFILES),
         planners=args.planner or runner.default_planners(),
@@ -219,3 +284,21 @@ def run(args: argparse.Namespace) -> int:
         if args.plot:
             print(f"plot: {args.plot}")
     return 0 if result.verified else 1
+
+
+def _run_push(args: argparse.Namespace, progress: Callable[[str], None]) -> int:
+    """``kvmapd bench --push``: bench.push, its processes stopped however it ends."""
+    from kvmap.tools.bench import push  # noqa: PLC0415  (the launcher, numpy)
+
+    if args.plot:
+        print("kvmapd bench: --plot draws the pull series, not --push", file=sys.stderr)
+        return 2
+    try:
+        with _sigterm_raises():
+            return push.run_cli(args, progress)
+    except (ValueError, RuntimeError, TimeoutError, AssertionError) as err:
+        print(f"kvmapd bench: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("kvmapd bench: interrupted; every process it started was stopped", file=sys.stderr)
+        return 130
