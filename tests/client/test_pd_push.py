@@ -122,7 +122,7 @@ def decode_offers(d: Side, rid: str, params: dict[str, Any], blocks: list[int], 
         tokens - computed,
         True,
     )
-    d.sched.after_alloc(rid, params, [blocks], tokens - computed, num_computed_tokens=computed)
+    d.sched.after_alloc(rid, params, [blocks], tokens - computed)
     d.worker.start(d.sched.build_meta())
 
 

@@ -63,7 +63,7 @@ def test_push_between_tp_sizes(net: InprocNetwork, p_tp: int, d_tp: int) -> None
     target = p.workers[0].options.peer_address
     pre, dec = _params(target)
     assert d.sched.num_new_matched_tokens("req-d", dec, tp.TOKENS, 0) == (tp.TOKENS, True)
-    d.sched.after_alloc("req-d", dec, [tp.DBLOCKS], tp.TOKENS, num_computed_tokens=0)
+    d.sched.after_alloc("req-d", dec, [tp.DBLOCKS], tp.TOKENS)
     meta = d.sched.build_meta()
     for w in d.workers:
         w.start(meta)
@@ -110,7 +110,7 @@ def test_push_between_block_sizes(
     p = shapes.make_side(net, shapes.P_ADDR, "prefill", block=p_block)
     d = shapes.make_side(net, shapes.D_ADDR, "decode", block=d_block)
     pre, dec = _params(p.worker.options.peer_address)
-    d.sched.after_alloc("req-d", dec, [dblocks], 40, num_computed_tokens=0)
+    d.sched.after_alloc("req-d", dec, [dblocks], 40)
     d.worker.start(d.sched.build_meta())
     p.sched.after_alloc("req-p", pre, [pblocks], 0)
     p.sched.request_finished(

@@ -387,7 +387,6 @@ class KVMapConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unus
             # vLLM's trace context of the request (where it traces): the
             # load's span joins that trace.
             trace_headers=request.trace_headers,
-            num_computed_tokens=int(request.num_computed_tokens),
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:

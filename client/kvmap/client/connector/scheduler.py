@@ -97,6 +97,9 @@ class SchedulerCore:
         # the finished ones whose blocks wait for their pushes.
         self._push_ids: dict[str, str] = {}
         self._pushing: set[str] = set()
+        # Push-mode decode requests: the prompt tokens their local prefix
+        # cache holds, as num_new_matched_tokens heard it.
+        self._push_first_token: dict[str, int] = {}
 
     def num_new_matched_tokens(
         self,
@@ -120,6 +123,10 @@ class SchedulerCore:
             log.warning("%s: not loading remote KV: %s", ids(request_id), err)
             return 0, False
         count = self.loaded_tokens(num_prompt_tokens) - num_computed_tokens
+        if count > 0 and is_push(params):
+            # The offer names the first token to write: vLLM sets the
+            # request's own count only after allocating (after_alloc).
+            self._push_first_token[request_id] = num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     @property
@@ -168,12 +175,9 @@ class SchedulerCore:
         local_block_ids: Sequence[Sequence[int]],
         num_external_tokens: int,
         trace_headers: Mapping[str, str] | None = None,
-        *,
-        num_computed_tokens: int = 0,
     ) -> None:
         """Blocks were allocated for the request (``update_state_after_alloc``);
-        ``trace_headers``: vLLM's trace context of the request, if any;
-        ``num_computed_tokens``: the prompt tokens its local prefix cache holds."""
+        ``trace_headers``: vLLM's trace context of the request, if any."""
         if not params:
             return
         if params.get("do_remote_decode"):
@@ -182,8 +186,9 @@ class SchedulerCore:
         if not params.get("do_remote_prefill"):
             return
         if is_push(params):
+            first_token = self._push_first_token.pop(request_id, 0)
             self._offer_blocks(request_id, params, local_block_ids, num_external_tokens,
-                               num_computed_tokens)  # fmt: skip
+                               first_token)  # fmt: skip
         elif num_external_tokens > 0:
             try:
                 source = RemoteSource.parse(params)
@@ -333,6 +338,7 @@ class SchedulerCore:
     ) -> tuple[bool, dict[str, Any] | None]:
         """(keep the blocks for a pull?, kv_transfer_params for the client);
         ``trace_headers``: vLLM's trace context of the request, if any."""
+        self._push_first_token.pop(request_id, None)  # ended before it was allocated
         if not params:
             return False, None
         if params.get("do_remote_prefill"):
