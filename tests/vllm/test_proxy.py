@@ -143,7 +143,8 @@ def test_push_sends_prefill_and_decode_at_once(
 ) -> None:
     """Push mode: decode's request arrives while prefill has not answered (a sequential
     proxy would time the prefill out); both carry one X-Request-Id and one push id
-    (token_urlsafe(18)); decode's kv_transfer_params hold --prefill-params merged in."""
+    (token_urlsafe(18)); decode's kv_transfer_params hold --prefill-params merged in and
+    name the request (vLLM's NixlPushConnector needs it)."""
     decode = ups["decode"]
 
     async def answer(s: ps.StandIn, request: web.Request, body: Any) -> web.StreamResponse:
@@ -174,6 +175,7 @@ def test_push_sends_prefill_and_decode_at_once(
             "do_remote_prefill": True,
             "transfer_mode": "push",
             "kvmap_push_id": push_id,
+            "remote_request_id": d_seen.headers["x-request-id"],
             **PUSH_PARAMS,
         },
     }

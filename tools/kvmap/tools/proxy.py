@@ -65,7 +65,7 @@ PREFILL_GRACE_S = 30.0
 MAX_UPSTREAM_CONNECTIONS = 1024
 # What the proxy itself puts in push-mode kv_transfer_params; --prefill-params may not override.
 RESERVED_KEYS = frozenset(
-    {"do_remote_decode", "do_remote_prefill", "transfer_mode", "kvmap_push_id"}
+    {"do_remote_decode", "do_remote_prefill", "transfer_mode", "kvmap_push_id", "remote_request_id"}
 )
 RELAYED_HEADERS = ("Content-Type", "Content-Encoding", "Cache-Control")
 MODES = ("pull", "push")
@@ -192,12 +192,17 @@ def decode_body(body: dict[str, Any], kv: dict[str, Any] | None) -> dict[str, An
     return out
 
 
-def push_params(push_id: str, prefill: Prefill) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Push mode's kv_transfer_params: the prefill's and the decode's."""
+def push_params(
+    push_id: str, prefill: Prefill, request_id: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Push mode's kv_transfer_params: the prefill's and the decode's. The
+    decode's also name the request (``remote_request_id``, the X-Request-Id
+    both upstreams get), which vLLM's NixlPushConnector requires; kvmap's
+    connector links the two by the push id alone."""
     common = {"transfer_mode": "push", "kvmap_push_id": push_id}
     return (
         {"do_remote_decode": True, **common},
-        {**prefill.params, "do_remote_prefill": True, **common},
+        {**prefill.params, "do_remote_prefill": True, "remote_request_id": request_id, **common},
     )
 
 
@@ -289,7 +294,7 @@ class Proxy:
     ) -> web.StreamResponse:
         prefill, decode = next(self._prefills), next(self._decodes)
         trace.push_id = secrets.token_urlsafe(18)
-        p_kv, d_kv = push_params(trace.push_id, prefill)
+        p_kv, d_kv = push_params(trace.push_id, prefill, trace.request_id)
         task = asyncio.create_task(
             self._push_prefill(request, prefill.url, prefill_body(body, chat, p_kv), trace)
         )

