@@ -36,7 +36,8 @@ DEFAULT_MAX_REGISTERED_BYTES = 2 * 1024**4
 # manifests, the pod's /dev/shm emptyDir that both containers mount).
 DEFAULT_SHM_PATH_PREFIXES = ("/dev/shm",)
 # UCX threads per agent (``nixl_threads``): two measured best on two cores
-# (docs/benchmarks.md, "NIXL's UCX threads"); vLLM's NixlConnector runs 4.
+# (a pod's pulls on 2 cores at 1.8-2.5x of 1 core's rate with two, 1.5-1.6x
+# with none, four no better); vLLM's NixlConnector runs 4.
 DEFAULT_NIXL_THREADS = 2
 MAX_NIXL_THREADS = 64
 

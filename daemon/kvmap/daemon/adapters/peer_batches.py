@@ -3,7 +3,8 @@ in flight wait, and go together as one ``Peer.BeginTransfers`` call when it
 returns. A lone call goes at once, as a plain BeginTransfer, so a single
 pull waits for nothing; at concurrency N the two daemons make a few calls
 instead of N, and each call costs both of them gRPC and event-loop work
-(docs/benchmarks.md, "The hop, fourth round"). An owner that does not serve
+(batching took the owner's event loop from 1.25-1.37 to 0.86-1.05 ms a
+pull at 32 pulls in flight). An owner that does not serve
 BeginTransfers (a release before it) gets every call alone from then on,
 until the next handshake with it.
 

@@ -2,8 +2,8 @@
 ``Peer.BeginTransferStream`` per owner, where a BeginTransfer RPC costs a
 call's set-up on both daemons: on loopback here a grpc.aio unary round trip
 alone takes ~1.5 ms, a message on an open stream ~0.8 ms, and the owner's
-per-call check of the caller runs once per stream (docs/benchmarks.md, "The
-hop, sixth round").
+per-call check of the caller runs once per stream (the owner's round trip
+went from 2.0-2.8 ms to 1.4-2.6 ms a pull at one pull in flight).
 
 The owner answers each request message with one response, in order, so the
 answers go to the waiting callers first in, first out. A caller that gave

@@ -15,7 +15,7 @@ memory on this machine, which a power loss or a kernel crash takes with it,
 and a daemon's crash or restart, the failures the store is there for, loses
 none of it either way. A synced grant cost the owner's event loop ~0.6 ms
 of CPU and ~1.3 ms of waiting for the disk per request here, a synced use
-~0.3 ms per pull (docs/benchmarks.md, "The hop, eleventh round").
+~0.3 ms per pull (SQLite's WAL on the bench machine's disk).
 Without a state dir the store is an in-memory database, so the daemon has
 one code path.
 

@@ -6,7 +6,7 @@ protobuf frames (``protos/kvmap/v1/local_calls.proto``), for the workers
 Why it exists: on this socket a pull's call and answer cost what a Unix
 socket costs (~0.06 ms and ~0.02 ms of the caller's CPU), where a gRPC call
 on the same machine costs 1-1.7 ms at the median and 4 ms at p95, with 0.6 ms
-of the caller's CPU (docs/benchmarks.md, "The hop, fifth round"). The
+of the caller's CPU (measured on the bench's 2-vCPU machine). The
 transfer itself is the gRPC servicer's (``TransfersService.reports``), so a
 call is checked, run, tracked, logged, counted and refused exactly as the
 same gRPC call is (``rpc.refused``, under the method's gRPC metric series).

@@ -250,10 +250,10 @@ def freeze_startup_heap() -> int:
     NIXL, restored state) out of the collector's generations, for good.
     A full collection otherwise walks all of them, and under load one
     stalls the event loop for tens of milliseconds, on the pulls' path
-    (docs/benchmarks.md). Returns how many objects are frozen. No
-    collection first: here it finds about ten unreachable objects and
-    costs 25-35 ms, all of it before the ready file (measured: "The hop,
-    tenth round"); those few stay frozen."""
+    (one bench run's decode daemon ran three of ~50 ms each). Returns how
+    many objects are frozen. No collection first: here it finds about ten
+    unreachable objects and costs 25-35 ms, all of it before the ready
+    file (measured over three starts); those few stay frozen."""
     gc.freeze()
     return gc.get_freeze_count()
 

@@ -26,8 +26,8 @@ BUSY_INTERVAL_S = 0.0002
 # transfers is posted: the peer's read needs this side's UCX only now and
 # then (its notification at the end, the protocol messages UCX sends
 # between the two agents), and polling it at the busy pace cost the owner
-# daemon twice the CPU per pull for no pull that ended sooner
-# (docs/benchmarks.md, "The hop, ninth round").
+# daemon twice the CPU per pull for no pull that ended sooner (its threads
+# 0.96-1.00 ms a pull at 32 in flight, against 0.44-0.49 ms at this pace).
 LEASE_INTERVAL_S = 0.001
 IDLE_INTERVAL_S = 0.01
 # A transfer NIXL has not completed this long after its post is logged

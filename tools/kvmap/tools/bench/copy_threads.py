@@ -2,8 +2,8 @@
 (no daemon) reading one buffer from another process, cut into K equal parts,
 each part posted and progressed to completion by its own thread through its
 own NIXL agent (its own UCX context and worker), next to single-thread
-memcpy in the same run. docs/benchmarks.md ("Bandwidth against the
-machine") records a run.
+memcpy in the same run. docs/benchmarks.md ("Bandwidth of one pull")
+records a run.
 
     python -m kvmap.tools.bench.copy_threads [--mib 256] [--threads 1,2] [--repeats 5]
                                              [--json FILE]

@@ -290,8 +290,8 @@ CPU_PLACES = (
 
 # Where a concurrency round's context switches are counted: each daemon
 # (every thread), and both bench workers. On a VM each wake of a blocked
-# thread costs tens of microseconds of CPU (docs/benchmarks.md, "The hop,
-# twelfth round"): the figure says how many a pull takes.
+# thread costs tens of microseconds of CPU (~40 us on the 2-vCPU VM of
+# docs/benchmarks.md, "Caveats"): the figure says how many a pull takes.
 SWITCH_PLACES = ("prefill_daemon", "decode_daemon", "decode_worker", "prefill_worker")
 
 
