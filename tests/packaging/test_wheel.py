@@ -117,7 +117,8 @@ def test_wheel_ships_package_data_and_no_tests(wheel: Path) -> None:
     """The wheel holds every bundled example, each package's py.typed, the
     generated stubs and both console scripts, no stand-in daemon in the
     client, nothing outside kvmap/ (no tests), and declares its licence as
-    an SPDX expression."""
+    an SPDX expression and ships its text (LICENSE, taken by setuptools'
+    default license-files patterns)."""
     with zipfile.ZipFile(wheel) as whl:
         names = set(whl.namelist())
         metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
@@ -138,6 +139,10 @@ def test_wheel_ships_package_data_and_no_tests(wheel: Path) -> None:
     assert outside == []  # no tests/, no top-level modules
     assert not any("/tests/" in n for n in names)
     assert "License-Expression: Apache-2.0" in meta
+    assert "License-File: LICENSE" in meta
+    licence = next(n for n in names if n.endswith(".dist-info/licenses/LICENSE"))
+    with zipfile.ZipFile(wheel) as whl:
+        assert whl.read(licence) == (REPO / "LICENSE").read_bytes()
 
 
 def _requirements(wheel: Path) -> dict[str, set[str]]:
