@@ -61,16 +61,16 @@ def _prose(path: str) -> str:
 
 
 def test_the_limits_are_the_documented_ones() -> None:
-    """The limit constants have the values the README's list of limits states (views,
-    allocations, blocks per view, blocks per transfer, message size, outstanding transfers per
-    peer), and those docs/architecture.md states for validation and transfers."""
-    listed = re.search(r"Limits: ([^.]*)\.", _prose("README.md"))
-    assert listed is not None, "README.md states no limits"
-    readme: dict[str, int] = {}
+    """The limit constants have the values the list of limits in docs/operate.md states
+    (views, allocations, blocks per view, blocks per transfer, message size, outstanding
+    transfers per peer), and those docs/architecture.md states for validation and transfers."""
+    listed = re.search(r"Limits: ([^.]*)\.", _prose("docs/operate.md"))
+    assert listed is not None, "docs/operate.md states no limits"
+    operate: dict[str, int] = {}
     for item in listed.group(1).split(", "):
         found = re.fullmatch(r"([\d,^]+(?: MiB)?) (.+)", item)
         if found is not None:  # a limit not stated as "<number> <what>" is not one of these
-            readme[found.group(2)] = _documented_number(found.group(1))
+            operate[found.group(2)] = _documented_number(found.group(1))
     constants = {
         "views": MAX_VIEWS,
         "allocations": MAX_ALLOCATIONS,
@@ -79,7 +79,7 @@ def test_the_limits_are_the_documented_ones() -> None:
         "messages": MAX_MESSAGE_BYTES,
         "outstanding transfers per authenticated peer (not per agent name)": MAX_LEASES_PER_PEER,
     }
-    assert {name: readme.get(name) for name in constants} == constants
+    assert {name: operate.get(name) for name in constants} == constants
     architecture = _prose("docs/architecture.md")
     stated = [
         (r"more than ([\d,]+) views or ([\d,]+) allocations", [MAX_VIEWS, MAX_ALLOCATIONS]),
