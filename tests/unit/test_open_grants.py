@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvmap.client.connector.tp_mapping import unread_allowed
+from kvmap.client.connector.tp_mapping import TpSplit
 from kvmap.core import grants as core
 from kvmap.core.errors import FailedPrecondition, InvalidArgument
 from kvmap.core.geometry import WorkerKey
@@ -219,14 +219,14 @@ def test_a_grant_request_says_a_known_unread_release(value: int, open_uses: bool
 
 
 def test_the_connector_allows_an_unread_release_exactly_where_a_decode_may_read_nothing() -> None:
-    """The prefill connector's word per rank (``tp_mapping.unread_allowed``): for every prefill
+    """The prefill connector's word per rank (``TpSplit.unread_allowed``): for every prefill
     and decode TP size and head count that split evenly, a rank no decode rank reads is
     ALLOWED (a legitimate release is never refused), and every ALLOWED rank is one the
     daemon's layout rule lets go unread too (the two agree). A model mixing MLA with head-split
     layers (no head count, not replicated) allows none."""
     for src in range(1, 17):
         for heads in (0, 1, 2, 4, 8, 3, 6):
-            allowed = unread_allowed(heads, src, replicated=not heads)
+            allowed = TpSplit(heads, replicated=not heads).unread_allowed(src)
             for rank, ok in enumerate(allowed):
                 layout = core.ReaderLayout(tp_size=src, tp_rank=rank, kv_heads=heads)
                 assert not ok or layout.may_go_unread, (src, heads, rank)
@@ -234,4 +234,4 @@ def test_the_connector_allows_an_unread_release_exactly_where_a_decode_may_read_
                 counts = _readers_or_none(heads, src, dst)
                 for rank in (r for r, n in enumerate(counts or ()) if n == 0):
                     assert allowed[rank], (src, dst, heads, rank)
-    assert unread_allowed(0, 4, replicated=False) == (False,) * 4
+    assert TpSplit(0, replicated=False).unread_allowed(4) == (False,) * 4

@@ -21,6 +21,7 @@ from kvmap.client.connector.pushes import (
     uses_per_writer,
     writers_of,
 )
+from kvmap.client.connector.tp_mapping import TpSplit
 from kvmap.core.push_offers import Offer, OfferedGroup
 from kvmap.core.reshard import source_ranks
 from kvmap.v1 import registry_pb2, types_pb2
@@ -34,7 +35,7 @@ OPTIONS = ConnectorOptions(socket="/unused", transfer_timeout_s=5.0)
 
 def rank(tp: int, r: int = 0, block: int = 16, heads: int = 4) -> PrefillRank:
     worker = types_pb2.WorkerId(engine_id="prefill", tp_rank=r)
-    return PrefillRank(worker, tp, block, heads, False, features=lambda: FEATURES)
+    return PrefillRank(worker, tp, block, TpSplit(heads), features=lambda: FEATURES)
 
 
 def offer(d_rank: int, d_tp: int, blocks: tuple[int, ...], *, block: int = 16, first: int = 0,

@@ -12,9 +12,8 @@ from kvmap.client.connector.blocks import map_token_ranges, pair_blocks
 from kvmap.client.connector.metadata import RecvTask
 from kvmap.client.connector.options import ConnectorOptions
 from kvmap.client.connector.params import RemoteSource, rank_capability
-from kvmap.core.errors import KvmapError
+from kvmap.client.connector.tp_mapping import TpSplit
 from kvmap.core.grants import MAX_USES
-from kvmap.core.reshard import rank_heads, source_ranks, source_readers
 from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
 
 
@@ -30,46 +29,30 @@ class PullSpecs:
         *,
         tp_size: int,
         block_size: int,
-        kv_heads: int,
-        replicated: bool,
+        split: TpSplit,
         features: Callable[[], frozenset[int]],
     ) -> None:
         self.worker = worker
         self.options = options
         self.tp_size = tp_size
         self.block_size = block_size
-        self.kv_heads = kv_heads
-        self.replicated = replicated
+        self.split = split
         self.features = features
 
     def specs_for(self, task: RecvTask) -> list[transfers_pb2.TransferSpec]:
-        """The pulls of one load: one from each prefill rank holding some of
-        this rank's heads (``reshard.source_ranks``); one, from the same
-        rank, between equal TP sizes. Raises ``ValueError`` for params that
-        must not become a pull."""
+        """The pulls of one load: one from each prefill rank this rank reads
+        (``TpSplit.sources``): the same rank between equal TP sizes, one
+        rank of a replicated cache, each rank holding some of this rank's
+        heads. Raises ``ValueError`` for params that must not become a pull."""
         src = task.source
         self._check_readers_tp(src)
-        if src.tp_size == self.tp_size:
-            return [self._spec(task, self.worker.tp_rank, token_mode=False)]
-        if self.replicated:
-            # Every prefill rank holds the whole cache: read it from one
-            # (``reshard.source_ranks`` spreads decode ranks over them), by
-            # blocks (by tokens where the block sizes differ).
-            ((rank, _),) = source_ranks(
-                0, src.tp_size, self.tp_size, self.worker.tp_rank, replicated=True
-            )
+        if src.tp_size == self.tp_size or self.split.replicated:
+            # The same rank, or, every prefill rank holding the whole cache,
+            # one of them: by blocks (by tokens where the block sizes differ).
+            (rank,) = self._source_ranks(src)
             return [self._spec(task, rank, token_mode=False)]
         if not self.block_size:
             raise ValueError("tensor-parallel sizes differ: this engine's block size is needed")
-        if self.kv_heads <= 0:
-            raise ValueError(
-                "tensor-parallel sizes differ: the model's KV head count is needed "
-                "(a model mixing MLA with head-split layers needs equal TP sizes)"
-            )
-        try:
-            rank_heads(self.kv_heads, src.tp_size, 0)  # the heads split over it
-        except KvmapError as err:
-            raise ValueError(str(err)) from None
         # Token mode: kvmapd moves the heads both ranks hold (their published
         # head layouts), each source rank's once.
         return [self._spec(task, rank, token_mode=True) for rank in self._source_ranks(src)]
@@ -90,21 +73,11 @@ class PullSpecs:
 
     def readers_of(self, src: RemoteSource) -> tuple[int, ...]:
         """Per prefill rank, how many ranks of this (decode) engine read it
-        (``reshard.source_readers``): what each pull declares, and 0 for a
-        rank no one reads. Raises ``ValueError`` for sizes the heads do not
-        split over."""
+        (``TpSplit.readers``): what each pull declares, and 0 for a rank no
+        one reads. Raises ``ValueError`` for sizes the heads do not split
+        over."""
         self._check_readers_tp(src)
-        if src.tp_size != self.tp_size and not (self.kv_heads > 0 or self.replicated):
-            raise ValueError(
-                "tensor-parallel sizes differ: the model's KV head count is needed "
-                "(a model mixing MLA with head-split layers needs equal TP sizes)"
-            )
-        try:
-            return source_readers(
-                self.kv_heads, src.tp_size, self.tp_size, replicated=self.replicated
-            )
-        except KvmapError as err:
-            raise ValueError(str(err)) from None
+        return self.split.readers(src.tp_size, self.tp_size)
 
     def _spec(
         self, task: RecvTask, src_rank: int, *, token_mode: bool
@@ -160,21 +133,7 @@ class PullSpecs:
 
     def _source_ranks(self, src: RemoteSource) -> list[int]:
         """The prefill ranks this rank pulls from."""
-        if src.tp_size == self.tp_size:
-            return [self.worker.tp_rank]
-        try:
-            return [
-                rank
-                for rank, _ in source_ranks(
-                    self.kv_heads,
-                    src.tp_size,
-                    self.tp_size,
-                    self.worker.tp_rank,
-                    replicated=self.replicated,
-                )
-            ]
-        except KvmapError as err:
-            raise ValueError(str(err)) from None
+        return self.split.sources(src.tp_size, self.tp_size, self.worker.tp_rank)
 
     def _spec_to(
         self, src: RemoteSource, src_rank: int, readers: int

@@ -19,9 +19,8 @@ from kvmap.client.connector.metadata import PushSendTask, RecvTask
 from kvmap.client.connector.options import ConnectorOptions
 from kvmap.client.connector.params import RemoteSource
 from kvmap.client.connector.pulls import PullSpecs
-from kvmap.core.errors import KvmapError
+from kvmap.client.connector.tp_mapping import TpSplit
 from kvmap.core.push_offers import Offer
-from kvmap.core.reshard import source_ranks
 from kvmap.v1 import transfers_pb2, types_pb2
 
 # Layer names of one layer group, per transfer group.
@@ -52,41 +51,20 @@ class PrefillRank:
     worker: types_pb2.WorkerId
     tp_size: int
     block_size: int
-    kv_heads: int
-    replicated: bool
+    split: TpSplit
     features: Callable[[], frozenset[int]]
 
 
 def decode_ranks_written(rank: PrefillRank, decode_tp: int) -> set[int]:
     """The decode ranks (of a decode engine of ``decode_tp`` ranks) that
     read this prefill rank in a pull, so the ones it writes in a push."""
-    me = rank.worker.tp_rank
-    if decode_tp == rank.tp_size:
-        return {me}
-    try:
-        return {
-            d
-            for d in range(decode_tp)
-            for p, _ in source_ranks(
-                rank.kv_heads, rank.tp_size, decode_tp, d, replicated=rank.replicated
-            )
-            if p == me
-        }
-    except KvmapError as err:
-        raise ValueError(str(err)) from None
+    return rank.split.destinations(rank.tp_size, decode_tp, rank.worker.tp_rank)
 
 
 def writers_of(rank: PrefillRank, offer: Offer) -> int:
     """How many prefill ranks write the offer's decode rank."""
-    d, decode_tp = offer.decode_worker.tp_rank, offer.decode_tp_size
-    if decode_tp == rank.tp_size:
-        return 1
-    try:
-        return len(
-            source_ranks(rank.kv_heads, rank.tp_size, decode_tp, d, replicated=rank.replicated)
-        )
-    except KvmapError as err:
-        raise ValueError(str(err)) from None
+    decode = offer.decode_worker.tp_rank
+    return len(rank.split.sources(rank.tp_size, offer.decode_tp_size, decode))
 
 
 def uses_per_writer(groups: Sequence[LayerGroup], transfer_groups: set[int]) -> int:
@@ -112,8 +90,7 @@ def push_spec(
         options,
         tp_size=offer.decode_tp_size,
         block_size=offer.decode_block_size,
-        kv_heads=rank.kv_heads,
-        replicated=rank.replicated,
+        split=rank.split,
         features=rank.features,
     )
     decode_blocks: BlockIds = tuple(g.block_ids for g in offer.groups)

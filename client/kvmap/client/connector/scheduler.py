@@ -29,7 +29,7 @@ from kvmap.client.connector.params import (
     is_push,
     push_id_of,
 )
-from kvmap.client.connector.tp_mapping import tp_readers, unread_allowed
+from kvmap.client.connector.tp_mapping import TpSplit, tp_readers
 from kvmap.client.connector.traces import connector_tracer, grant_span, load_parent
 from kvmap.client.connector.windows import GroupWindows
 from kvmap.core.errors import KvmapError
@@ -76,7 +76,7 @@ class SchedulerCore:
         # no readers); every other grant says REFUSED, so a capability
         # holder cannot burn it. A fixed-count grant cannot be released
         # unread at all.
-        unread = unread_allowed(kv_heads, tp_size, replicated=replicated)
+        unread = TpSplit(kv_heads, replicated).unread_allowed(tp_size)
         self.unread_release = [
             registry_pb2.UNREAD_RELEASE_ALLOWED
             if self.open_grants and allowed

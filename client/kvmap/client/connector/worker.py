@@ -30,7 +30,7 @@ from kvmap.client.connector.push_recv import PushReceiver
 from kvmap.client.connector.push_send import PushSender, Sync
 from kvmap.client.connector.pushes import PrefillRank
 from kvmap.client.connector.stats import TransferStatsBook
-from kvmap.client.connector.tp_mapping import tp_readers
+from kvmap.client.connector.tp_mapping import TpSplit, tp_readers
 from kvmap.client.connector.traces import connector_tracer, freed, load_span
 from kvmap.client.errors import describe, status_name
 from kvmap.client.session import WorkerSession
@@ -119,15 +119,13 @@ class WorkerCore:
         self.options = options
         self.tp_size = tp_size
         self.block_size = block_size
-        self.kv_heads = kv_heads
-        self.replicated = replicated
+        self.split = TpSplit(kv_heads, replicated)
         self.pulls = PullSpecs(
             worker,
             options,
             tp_size=tp_size,
             block_size=block_size,
-            kv_heads=kv_heads,
-            replicated=replicated,
+            split=self.split,
             features=lambda: self.daemon_features,
         )
         # Finished pulls that free a prefill request's blocks on this rank.
@@ -182,8 +180,7 @@ class WorkerCore:
             self.worker,
             self.tp_size,
             self.block_size,
-            self.kv_heads,
-            self.replicated,
+            self.split,
             features=lambda: self.daemon_features,
         )
         self.push_send = PushSender(
