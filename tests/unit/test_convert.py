@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 
@@ -18,9 +19,15 @@ from kvmap.core.errors import InvalidArgument
 from kvmap.core.geometry import (
     AllocationSpec,
     CacheKind,
+    CudaIpcHandle,
     DeviceKind,
     DeviceRef,
+    HeadLayout,
+    NoHandle,
     PlacedAllocation,
+    ShmFdHandle,
+    ShmPathHandle,
+    TokenLayout,
     ViewSpec,
     WorkerGeometry,
     WorkerKey,
@@ -82,6 +89,66 @@ def test_geometry_from_proto_copies_every_field() -> None:
     assert (g.kv_cache_layout, g.block_size_tokens, g.tp_size) == ("BLHNC", 64, 2)
     assert g.allocations == (AllocationSpec("kv", 800, DeviceRef(DeviceKind.CUDA, 3, "GPU-1")),)
     assert g.views[1] == ViewSpec("l1", "kv", 0, CacheKind.MLA, "uint8", 100, 100, 200, 4)
+
+
+def test_each_handle_is_kept_and_takes_no_part_in_equality() -> None:
+    """Each allocation handle of a request (shm_fd, shm_path, cuda_ipc, none, or none set) is
+    read into the allocation's domain handle with every field; two registrations of one layout
+    over other handles (a memfd's token is new each time) are still equal geometries."""
+    cases = {
+        "shm_fd": types_pb2.Allocation(
+            shm_fd=types_pb2.ShmFdHandle(token="t", index=2, offset_bytes=8)
+        ),
+        "shm_path": types_pb2.Allocation(
+            shm_path=types_pb2.ShmPathHandle(path="/dev/shm/k", offset_bytes=4)
+        ),
+        "cuda_ipc": types_pb2.Allocation(
+            cuda_ipc=types_pb2.CudaIpcHandle(handle=b"h", offset_bytes=16, block_size_bytes=4096)
+        ),
+        "none": types_pb2.Allocation(none=types_pb2.NoHandle()),
+        "unset": types_pb2.Allocation(),
+    }
+    want = {
+        "shm_fd": ShmFdHandle("t", 2, 8),
+        "shm_path": ShmPathHandle("/dev/shm/k", 4),
+        "cuda_ipc": CudaIpcHandle(b"h", 16, 4096),
+        "none": NoHandle(),
+        "unset": None,
+    }
+    for name, allocation in cases.items():
+        allocation.id, allocation.size_bytes = "kv", 800
+        req = _request()
+        req.allocations[0].CopyFrom(allocation)
+        (got,) = convert.geometry_from_proto(req).allocations
+        assert got.handle == want[name], name
+    other = _request()
+    other.allocations[0].cuda_ipc.handle = b"another block"
+    assert convert.geometry_from_proto(other) == convert.geometry_from_proto(_request())
+
+
+@settings(max_examples=examples(100), deadline=None)
+@given(geometries(), st.data())
+def test_a_registration_written_for_the_store_reads_back_exactly(
+    g: WorkerGeometry, data: st.DataObject
+) -> None:
+    """For random geometries, each allocation with a handle its device allows, a head layout or
+    none and any TP size: ``geometry_to_proto``, serialised and read back, is the same geometry
+    with the same handles, and a valid one stays valid (how the state store keeps a worker)."""
+    handles = {
+        DeviceKind.CPU: st.sampled_from([ShmFdHandle("tok", 1, 64), ShmPathHandle("/dev/shm/x")]),
+        DeviceKind.CUDA: st.just(CudaIpcHandle(b"\x01" * 64, 128, 1 << 20)),
+    }
+    allocations = tuple(replace(a, handle=data.draw(handles[a.device.kind])) for a in g.allocations)
+    heads = data.draw(st.sampled_from([None, HeadLayout(8, 64, 128, TokenLayout.HEADS_OUTER)]))
+    g = replace(
+        g, allocations=allocations, tp_size=data.draw(st.sampled_from([1, 2, 8])), heads=heads
+    )
+    wire = registry_pb2.RegisterWorkerRequest.FromString(
+        convert.geometry_to_proto(g).SerializeToString()
+    )
+    back = convert.geometry_from_proto(wire)
+    assert back == g
+    assert [a.handle for a in back.allocations] == [a.handle for a in g.allocations]
 
 
 def test_tp_size_zero_means_one() -> None:

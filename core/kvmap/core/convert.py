@@ -24,17 +24,22 @@ from collections.abc import Mapping
 
 from kvmap.core.errors import InvalidArgument
 from kvmap.core.geometry import (
+    AllocationHandle,
     AllocationSpec,
     CacheKind,
+    CudaIpcHandle,
     DeviceKind,
     DeviceRef,
     LayerPlacement,
     ModelIdentity,
+    NoHandle,
     PlacedAllocation,
     Plan,
     PlannerInfo,
     Region,
     RegionMapModel,
+    ShmFdHandle,
+    ShmPathHandle,
     ViewSpec,
     WorkerGeometry,
     WorkerKey,
@@ -165,7 +170,88 @@ def _allocation_from_proto(at: str, a: types_pb2.Allocation) -> AllocationSpec:
             f"{at}.device.type", f"device type {kind.name} contradicts the {handle} handle"
         )
     device = DeviceRef(kind=kind, index=a.device.index, uuid=a.device.uuid)
-    return AllocationSpec(id=a.id, size_bytes=a.size_bytes, device=device)
+    return AllocationSpec(
+        id=a.id, size_bytes=a.size_bytes, device=device, handle=_handle_from_proto(a)
+    )
+
+
+def _handle_from_proto(a: types_pb2.Allocation) -> AllocationHandle | None:
+    which = a.WhichOneof("handle")
+    if which == "shm_fd":
+        return ShmFdHandle(a.shm_fd.token, a.shm_fd.index, a.shm_fd.offset_bytes)
+    if which == "shm_path":
+        return ShmPathHandle(a.shm_path.path, a.shm_path.offset_bytes)
+    if which == "cuda_ipc":
+        ipc = a.cuda_ipc
+        return CudaIpcHandle(ipc.handle, ipc.offset_bytes, ipc.block_size_bytes)
+    if which == "none":
+        return NoHandle()
+    return None
+
+
+def geometry_to_proto(geometry: WorkerGeometry) -> registry_pb2.RegisterWorkerRequest:
+    """The registration that ``geometry_from_proto`` reads back as
+    ``geometry`` (its handles included): how the state store keeps a
+    worker. Device types and ``tp_size`` are written out, never left for
+    the reader to infer."""
+    return registry_pb2.RegisterWorkerRequest(
+        worker=worker_id_to_proto(geometry.worker),
+        kv_cache_layout=geometry.kv_cache_layout,
+        block_size_tokens=geometry.block_size_tokens,
+        allocations=[_allocation_to_proto(a) for a in geometry.allocations],
+        views=[_view_to_proto(v) for v in geometry.views],
+        tp_size=geometry.tp_size,
+        model=model_identity_to_proto(geometry.model),
+        head_layout=(
+            head_layout_to_proto(geometry.heads, geometry.tp_size) if geometry.heads else None
+        ),
+    )
+
+
+def _allocation_to_proto(a: AllocationSpec) -> types_pb2.Allocation:
+    msg = types_pb2.Allocation(
+        id=a.id,
+        size_bytes=a.size_bytes,
+        device=types_pb2.Device(
+            type=types_pb2.DeviceType.ValueType(a.device.kind),
+            index=a.device.index,
+            uuid=a.device.uuid,
+        ),
+    )
+    h = a.handle
+    # Present even when every field is zero: the oneof says which handle.
+    if isinstance(h, ShmFdHandle):
+        msg.shm_fd.SetInParent()
+        msg.shm_fd.MergeFrom(
+            types_pb2.ShmFdHandle(token=h.token, index=h.index, offset_bytes=h.offset_bytes)
+        )
+    elif isinstance(h, ShmPathHandle):
+        msg.shm_path.SetInParent()
+        msg.shm_path.MergeFrom(types_pb2.ShmPathHandle(path=h.path, offset_bytes=h.offset_bytes))
+    elif isinstance(h, CudaIpcHandle):
+        msg.cuda_ipc.SetInParent()
+        msg.cuda_ipc.MergeFrom(
+            types_pb2.CudaIpcHandle(
+                handle=h.handle, offset_bytes=h.offset_bytes, block_size_bytes=h.block_size_bytes
+            )
+        )
+    elif isinstance(h, NoHandle):
+        msg.none.SetInParent()
+    return msg
+
+
+def _view_to_proto(v: ViewSpec) -> types_pb2.View:
+    return types_pb2.View(
+        layer_name=v.layer_name,
+        allocation_id=v.allocation_id,
+        transfer_group=v.transfer_group,
+        cache_kind=types_pb2.CacheKind.ValueType(v.cache_kind),
+        dtype=v.dtype,
+        offset_bytes=v.offset_bytes,
+        block_len_bytes=v.block_len_bytes,
+        block_stride_bytes=v.block_stride_bytes,
+        num_blocks=v.num_blocks,
+    )
 
 
 def _device_kind(field: str, number: int) -> DeviceKind:
@@ -254,6 +340,11 @@ def region_map_to_proto(model: RegionMapModel) -> types_pb2.RegionMap:
         model=model_identity_to_proto(model.model),
         head_layout=head_layout_to_proto(model.heads, model.tp_size) if model.heads else None,
     )
+
+
+def region_map_bytes(model: RegionMapModel) -> int:
+    """The size of ``model``'s wire form (``MAX_REGION_MAP_BYTES`` bounds it)."""
+    return region_map_to_proto(model).ByteSize()
 
 
 def _region_to_proto(r: Region) -> types_pb2.Region:

@@ -8,7 +8,7 @@ and from the wire format lives in ``convert``.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class CacheKind(enum.IntEnum):
@@ -85,12 +85,55 @@ class DeviceRef:
 
 
 @dataclass(frozen=True)
+class ShmFdHandle:
+    """Shared memory handed over on the fd hand-off socket: batch ``token``'s
+    fd number ``index``; the allocation starts ``offset_bytes`` into it."""
+
+    token: str
+    index: int = 0
+    offset_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class ShmPathHandle:
+    """Shared memory the daemon opens by path (/dev/shm/..., a file)."""
+
+    path: str
+    offset_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class CudaIpcHandle:
+    """The CUDA IPC handle of the cudaMalloc block backing the allocation,
+    the allocation's offset in that block and the block's size."""
+
+    handle: bytes
+    offset_bytes: int = 0
+    block_size_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class NoHandle:
+    """Planning only: no memory is attached (kvmapd plan, PlanPreview)."""
+
+
+# How the daemon reaches an allocation's memory (the wire oneof ``handle``).
+AllocationHandle = ShmFdHandle | ShmPathHandle | CudaIpcHandle | NoHandle
+
+
+@dataclass(frozen=True)
 class AllocationSpec:
-    """One backing allocation (a storage) the worker's views live in."""
+    """One backing allocation (a storage) the worker's views live in.
+
+    ``handle`` is how the daemon reaches its memory (None: the worker named
+    none). It is not part of the allocation's identity: two registrations of
+    the same layout compare equal whatever their handles (a memfd's token
+    is new with every hand-over), and planners never read it."""
 
     id: str
     size_bytes: int
     device: DeviceRef = DeviceRef()
+    handle: AllocationHandle | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

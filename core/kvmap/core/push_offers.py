@@ -138,3 +138,25 @@ def offer_from_proto(msg: types_pb2.PushOffer) -> Offer:
         expires_unix_ms=msg.expires_unix_ms,
         request_id=_text(msg.request_id, "request_id", MAX_REQUEST_ID),
     )
+
+
+def offer_to_proto(offer: Offer) -> types_pb2.PushOffer:
+    """The wire form of a checked offer: what a daemon relays (to the
+    prefill side's daemon, to its workers) is what it checked."""
+    return types_pb2.PushOffer(
+        push_id=offer.push_id,
+        prefill_engine_id=offer.prefill_engine_id,
+        decode_worker=offer.decode_worker,
+        decode_target=offer.decode_target,
+        decode_tp_size=offer.decode_tp_size,
+        decode_block_size=offer.decode_block_size,
+        first_token=offer.first_token,
+        num_tokens=offer.num_tokens,
+        groups=[
+            types_pb2.BlockGrant(transfer_group=g.transfer_group, block_ids=g.block_ids)
+            for g in offer.groups
+        ],
+        capability=offer.capability,
+        expires_unix_ms=offer.expires_unix_ms,
+        request_id=offer.request_id,
+    )
