@@ -1,7 +1,11 @@
 """Daemons in one process for the engine's tests: real ``DaemonApp``s (real
 worker table, registrar, transfer engine, leases, progress loop, state store
 in memory, fd hand-off socket) over the fake NIXL network, with the gRPC hop
-between daemons replaced by ``FakePeers`` and worker memory in real memfds."""
+between daemons replaced by ``FakePeers`` and worker memory in real memfds.
+Their adapters are built by the daemon's composition root
+(``bootstrap.build_adapters``), with those fakes in place of NIXL and peers;
+what goes in and out of the engine crosses the api's wire modules
+(``api.wire_in``, ``api.wire_out``), as RPCs do."""
 
 from __future__ import annotations
 
@@ -21,8 +25,9 @@ from kvmap.client.fd_handoff import sealed_memfd, send_fds
 from kvmap.core import convert
 from kvmap.core.config import DaemonConfig
 from kvmap.core.errors import HandshakeAgain, StaleGeneration, Unavailable
-from kvmap.core.geometry import WorkerKey
+from kvmap.core.geometry import WorkerGeometry, WorkerKey
 from kvmap.core.grants import Access, Grant
+from kvmap.core.push_offers import Offer
 from kvmap.core.transfer_requests import Announcement, ReleaseNotice
 from kvmap.core.transfer_wire import (
     announcement_from_proto,
@@ -35,9 +40,10 @@ from kvmap.core.transfer_wire import (
 from kvmap.daemon.adapters.cuda_driver import CudaUnavailable
 from kvmap.daemon.adapters.cuda_ipc import CudaDriver, CudaIpcImporter
 from kvmap.daemon.adapters.memory import ShmImporter
-from kvmap.daemon.adapters.metrics import Metrics
 from kvmap.daemon.adapters.peer_client import PeerHandshake
-from kvmap.daemon.engine.app import Adapters, DaemonApp
+from kvmap.daemon.api import wire_in, wire_out
+from kvmap.daemon.bootstrap import build_adapters
+from kvmap.daemon.engine.app import DaemonApp
 from kvmap.daemon.engine.leases import Lease
 from kvmap.daemon.engine.transfers import Pacing
 from kvmap.daemon.engine.workers import EventQueue, WorkerRecord
@@ -148,7 +154,7 @@ class FakePeers:
         self.begun.append(req)
         release_grant(app, req)
 
-    async def offer_push(self, target: str, offer: types_pb2.PushOffer, timeout_s: float) -> int:
+    async def offer_push(self, target: str, offer: Offer, timeout_s: float) -> int:
         return self._app(target).push_offers.relay(offer, peer=HARNESS_PEER)
 
     async def end(self, target: str, token: str) -> None:
@@ -265,6 +271,10 @@ class Worker:
             )
         return req
 
+    def registration(self, token: str) -> WorkerGeometry:
+        """``request(token)`` as RegisterWorker reads it off the wire."""
+        return wire_in.registration(self.request(token))
+
     def close(self) -> None:
         os.close(self.fd)
 
@@ -291,7 +301,7 @@ class Node:
     async def register(self, worker: Worker) -> WorkerRecord:
         """Hand the worker's memfd over and register it, as RegisterWorker does."""
         token = await self.hand_over(worker)
-        return await self.app.lifecycle.register(worker.request(token), self.app.planner)
+        return await self.app.lifecycle.register(worker.registration(token), self.app.planner)
 
     def grant(
         self,
@@ -401,17 +411,19 @@ class Cluster:
         tmp = tempfile.mkdtemp(prefix="kvm-")
         self.dirs.append(tmp)
         peers = FakePeers(self.directory)
-        adapters = Adapters(
+        # A failed test must not wait the default 30 s for a pinned record.
+        config.setdefault("transfer_timeout_s", 5.0)
+        cfg = DaemonConfig(socket=f"{tmp}/kvmapd.sock", **config)  # type: ignore[arg-type]
+        adapters = build_adapters(
+            cfg,
+            instance or name,
             create_agent=self.network.agent,
             peers=peers,
             shm=ShmImporter(),
             cuda=CudaIpcImporter(no_cuda),
             pacing=pacing or Pacing(),
         )
-        # A failed test must not wait the default 30 s for a pinned record.
-        config.setdefault("transfer_timeout_s", 5.0)
-        cfg = DaemonConfig(socket=f"{tmp}/kvmapd.sock", **config)  # type: ignore[arg-type]
-        app = DaemonApp(cfg, Metrics(), instance or name, adapters)
+        app = DaemonApp(cfg, instance or name, adapters)
         await app.start()
         target = f"{name}:1"
         self.directory[target] = app
@@ -480,9 +492,11 @@ async def cluster() -> AsyncIterator[Cluster]:
 
 
 async def next_event(queue: EventQueue) -> registry_pb2.AttachResponse:
-    """The next event an Attach stream of the worker would send."""
+    """The next event an Attach stream of the worker would send (as it
+    sends it: ``api.wire_out``)."""
     _, event = await asyncio.wait_for(queue.get(), 5.0)
-    return event
+    assert event is not None, "the stream was ended"
+    return wire_out.attach_event(event)
 
 
 def run(coro: Coroutine[Any, Any, None]) -> None:

@@ -12,7 +12,8 @@ from typing import Literal
 import pytest
 from harness import Node, cluster, next_event, run, run_spec, spec, two
 
-from kvmap.v1 import registry_pb2, transfers_pb2
+from kvmap.core.worker_events import TransferDirection, TransferFinished
+from kvmap.v1 import transfers_pb2
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -52,10 +53,8 @@ def test_notification_ends_the_lease_and_is_persisted_for_the_worker() -> None:
             await pull
             assert len(b.app.leases) == 0 and record.pins == 0 and record.unpinned.is_set()
             ((_, event),) = b.app.store.pending_events(wb.key)
-            assert event.transfer_finished.request_id == "req-1"
-            assert event.transfer_finished.direction == (
-                registry_pb2.TRANSFER_DIRECTION_PULLED_FROM
-            )
+            assert isinstance(event, TransferFinished) and event.request_id == "req-1"
+            assert event.direction is TransferDirection.PULLED_FROM
             assert b.app.counters.served_done == 1 and b.app.counters.served_blocks == 1
 
     run(main())

@@ -17,6 +17,7 @@ from kvmap.core.errors import (
     ResourceExhausted,
 )
 from kvmap.daemon.adapters.nixl_port import DlistHandle
+from kvmap.daemon.api import wire_in
 from kvmap.v1 import types_pb2
 
 pytestmark = pytest.mark.timeout(60)
@@ -66,7 +67,7 @@ def test_failed_registration_leaves_nothing_behind() -> None:
                 shm_fd=types_pb2.ShmFdHandle(token="no-such-token", index=0),
             )
             with pytest.raises(NotFound, match=r"allocations\[1\]\.shm_fd"):
-                await a.app.registrar.register(req, a.app.planner)
+                await a.app.registrar.register(wire_in.registration(req), a.app.planner)
             assert _mapped(a) == 0 and a.agent.registrations == ()
             assert a.agent.live_dlists == () and len(a.app.table) == 0
             assert a.app.store.workers() == []
@@ -106,7 +107,7 @@ def test_cuda_allocation_without_a_handle_is_refused() -> None:
             req.allocations[0].device.type = types_pb2.DEVICE_TYPE_CUDA
             req.allocations[0].ClearField("shm_fd")
             with pytest.raises(InvalidArgument) as e:
-                await a.app.registrar.register(req, a.app.planner)
+                await a.app.registrar.register(wire_in.registration(req), a.app.planner)
             assert e.value.field == "allocations[0].handle" and _mapped(a) == 0
 
     run(main())

@@ -14,8 +14,9 @@ import pytest
 from harness import Cluster, Node, Worker, cluster, run, spec
 
 from kvmap.core.errors import FailedPrecondition, PermissionDenied, Unavailable
+from kvmap.core.worker_events import TransferDirection, TransferFinished
 from kvmap.daemon.engine import registration
-from kvmap.v1 import registry_pb2, transfers_pb2
+from kvmap.v1 import transfers_pb2
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,9 +42,9 @@ def finished_ids(node: Node, worker: Worker) -> list[str]:
     """The request ids of the transfer_finished events waiting for the
     worker's Attach in the daemon's store."""
     return [
-        e.transfer_finished.request_id
+        e.request_id
         for _, e in node.app.store.pending_events(worker.key)
-        if e.transfer_finished.direction == registry_pb2.TRANSFER_DIRECTION_PULLED_FROM
+        if isinstance(e, TransferFinished) and e.direction is TransferDirection.PULLED_FROM
     ]
 
 

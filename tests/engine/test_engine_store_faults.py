@@ -9,8 +9,9 @@ import pytest
 from harness import Node, Worker, cluster, run, spec
 from structlog.testing import capture_logs
 
+from kvmap.core.geometry import WorkerGeometry
 from kvmap.daemon.adapters.state_store import StateStore, StoreFull, StoreUnavailable
-from kvmap.v1 import registry_pb2
+from kvmap.daemon.api import wire_in
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -20,13 +21,13 @@ def _fill(store: StateStore) -> None:
     store._db.execute(f"PRAGMA max_page_count={pages}")
 
 
-async def _big(node: Node, worker: Worker) -> registry_pb2.RegisterWorkerRequest:
+async def _big(node: Node, worker: Worker) -> WorkerGeometry:
     """The worker's registration with 40 KB of layer names: more than the free room of any page
     the store has."""
     req = worker.request(await node.hand_over(worker))
     for view in req.views:
         view.layer_name += "-" + "x" * 20_000
-    return req
+    return wire_in.registration(req)
 
 
 def _read_only(store: StateStore) -> None:

@@ -44,7 +44,7 @@ from kvmap.core.config import DaemonConfig
 from kvmap.core.errors import Unavailable
 from kvmap.core.geometry import WorkerKey
 from kvmap.daemon.api.server import Daemon
-from kvmap.daemon.engine.app import Adapters
+from kvmap.daemon.bootstrap import build_daemon
 from kvmap.tools.peers import new_peer_secret
 from kvmap.v1 import admin_pb2, region_maps_pb2, registry_pb2, transfers_pb2, types_pb2
 
@@ -184,10 +184,8 @@ class InprocDaemon:
         )
 
     async def _serve(self) -> Daemon:
-        adapters = dataclasses.replace(
-            Adapters.for_config(self._config), create_agent=self._nixl.agent
-        )
-        daemon = Daemon(self._config, adapters=adapters)
+        # As kvmapd serve builds it (bootstrap), with the fake NIXL's agents.
+        daemon = build_daemon(self._config, create_agent=self._nixl.agent)
         await daemon.start()
         return daemon
 

@@ -19,6 +19,7 @@ from kvmap.core.errors import (
     InvalidArgument,
     ResourceExhausted,
 )
+from kvmap.core.geometry import AllocationSpec, CudaIpcHandle, DeviceKind, DeviceRef
 from kvmap.daemon.adapters import cuda_ipc
 from kvmap.daemon.adapters.cuda_driver import CudaCallError, CudaUnavailable, LibCuda
 from kvmap.daemon.adapters.cuda_ipc import (
@@ -29,7 +30,6 @@ from kvmap.daemon.adapters.cuda_ipc import (
     parse_uuid,
 )
 from kvmap.daemon.adapters.nixl_port import MemoryType
-from kvmap.v1 import types_pb2
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -439,25 +439,20 @@ def test_shutdown_closes_everything_and_releases_contexts(
     assert importer.live_mappings() == 0
 
 
-def test_import_allocation_reads_the_proto_fields(
+def test_import_allocation_reads_the_handle_fields(
     importer: CudaIpcImporter, driver: FakeDriver
 ) -> None:
-    """import_allocation takes handle, offset, block size and UUID from an Allocation message,
-    ignoring the worker's device ordinal, and reports errors under the given field prefix."""
-    alloc = types_pb2.Allocation(
-        id="kv0",
-        size_bytes=4096,
-        device=types_pb2.Device(
-            type=types_pb2.DEVICE_TYPE_CUDA, index=5, uuid=format_uuid(UUIDS[0])
-        ),
-        cuda_ipc=types_pb2.CudaIpcHandle(handle=H1, offset_bytes=1024, block_size_bytes=BLOCK),
-    )
-    with import_allocation(alloc, field="allocations[3]", importer=importer) as m:
+    """import_allocation takes handle, offset, block size and UUID from an allocation and its
+    cuda_ipc handle, ignoring the worker's device ordinal, and reports errors under the given
+    field prefix."""
+    alloc = AllocationSpec("kv0", 4096, DeviceRef(DeviceKind.CUDA, 5, format_uuid(UUIDS[0])))
+    ipc = CudaIpcHandle(handle=H1, offset_bytes=1024, block_size_bytes=BLOCK)
+    with import_allocation(alloc, ipc, field="allocations[3]", importer=importer) as m:
         # The worker's ordinal (5) is ignored; the daemon's (0) is what NIXL gets.
         assert m.dev_id == 0 and m.address == m.block_address + 1024 and m.size == 4096
-    alloc.cuda_ipc.block_size_bytes = 0
+    unsized = CudaIpcHandle(handle=H1, offset_bytes=1024, block_size_bytes=0)
     with pytest.raises(InvalidArgument) as e:
-        import_allocation(alloc, field="allocations[3]", importer=importer)
+        import_allocation(alloc, unsized, field="allocations[3]", importer=importer)
     assert e.value.field == "allocations[3].cuda_ipc.block_size_bytes"
 
 

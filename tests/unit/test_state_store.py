@@ -17,8 +17,18 @@ import pytest
 from structlog.testing import capture_logs
 
 from kvmap.core.errors import ErrorCode, status_of
-from kvmap.core.geometry import WorkerKey
+from kvmap.core.geometry import (
+    AllocationSpec,
+    CudaIpcHandle,
+    DeviceKind,
+    DeviceRef,
+    ShmFdHandle,
+    ShmPathHandle,
+    WorkerGeometry,
+    WorkerKey,
+)
 from kvmap.core.grants import Grant
+from kvmap.core.worker_events import TransferDirection, TransferFinished
 from kvmap.daemon.adapters.state_store import (
     DB_NAME,
     StateStore,
@@ -33,14 +43,18 @@ W1 = WorkerKey("one", 0, 0, 0)
 W2 = WorkerKey("two", 0, 0, 0)
 
 
-def _request(engine: str, padding: int = 0) -> registry_pb2.RegisterWorkerRequest:
+# A worker's event, as the owner's side stores one.
+EVENT = TransferFinished("r", TransferDirection.PULLED_FROM, "peer")
+
+
+def _geometry(engine: str, padding: int = 0) -> WorkerGeometry:
     # The layout string only makes the stored blob as big as a test needs.
-    return registry_pb2.RegisterWorkerRequest(kv_cache_layout="x" * padding or "BLHNC")
+    return WorkerGeometry(WorkerKey(engine), "x" * padding or "BLHNC", 16, allocations=(), views=())
 
 
 def _saved(path: Path) -> StateStore:
     store = StateStore(str(path))
-    store.save_worker(_request("one"), W1, {}, "coalesce", 1)
+    store.save_worker(_geometry("one"), {}, "coalesce", 1)
     return store
 
 
@@ -67,7 +81,7 @@ def test_a_full_store_is_resource_exhausted_and_keeps_what_it_had(tmp_path: Path
     before = _contents(store)
     _fill(store)
     with pytest.raises(StoreFull) as caught:
-        store.save_worker(_request("two", padding=200_000), W2, {}, "coalesce", 1)
+        store.save_worker(_geometry("two", padding=200_000), {}, "coalesce", 1)
     code, message = status_of(caught.value)
     assert code is ErrorCode.RESOURCE_EXHAUSTED
     assert message == f"state store {tmp_path / DB_NAME} is full: database or disk is full"
@@ -85,10 +99,10 @@ def test_a_read_only_store_is_unavailable_and_keeps_what_it_had(tmp_path: Path) 
     before = _contents(store)
     store._db.execute("PRAGMA query_only=1")
     writes = [
-        lambda: store.save_worker(_request("two"), W2, {}, "coalesce", 1),
+        lambda: store.save_worker(_geometry("two"), {}, "coalesce", 1),
         lambda: store.save_generation(W1, 9),
         lambda: store.delete_worker(W1),
-        lambda: store.add_event(W1, registry_pb2.AttachResponse()),
+        lambda: store.add_event(W1, EVENT),
     ]
     for write in writes:
         with pytest.raises(StoreUnavailable) as caught:
@@ -106,7 +120,7 @@ def test_an_ack_the_store_cannot_take_is_logged_and_the_event_stays(tmp_path: Pa
     """Delivery is at least once: an ack on a read-only store does not raise (an Attach stream
     must not end over it), is logged, and the event stays pending for the next stream."""
     store = _saved(tmp_path)
-    event_id = store.add_event(W1, registry_pb2.AttachResponse())
+    event_id = store.add_event(W1, EVENT)
     store._db.execute("PRAGMA query_only=1")
     with capture_logs() as logs:
         store.ack_event(event_id)
@@ -134,12 +148,12 @@ def test_a_request_s_writes_skip_the_disk_sync_a_worker_s_writes_keep_it(tmp_pat
         blocks={0: np.array([3, 5], dtype=np.int64)}, expires_unix_ms=2**62, max_uses=2,
     )  # fmt: skip
     used = replace(grant, uses=1)
-    first = store.add_event(W1, registry_pb2.AttachResponse())
+    first = store.add_event(W1, EVENT)
     unsynced = {
         "save_grant": lambda: store.save_grant(grant),
         "update_grant": lambda: store.update_grant(used),
-        "record_use": lambda: store.record_use(used, W1, registry_pb2.AttachResponse()),
-        "add_event": lambda: store.add_event(W1, registry_pb2.AttachResponse()),
+        "record_use": lambda: store.record_use(used, W1, EVENT),
+        "add_event": lambda: store.add_event(W1, EVENT),
         "ack_event": lambda: store.ack_event(first),
         "delete_grants": lambda: store.delete_grants([grant.digest]),
     }
@@ -152,7 +166,7 @@ def test_a_request_s_writes_skip_the_disk_sync_a_worker_s_writes_keep_it(tmp_pat
         assert any(s.startswith(("INSERT", "UPDATE", "DELETE")) for s in seen), name
         assert level() == 2, name
     synced = {
-        "save_worker": lambda: store.save_worker(_request("two"), W2, {}, "coalesce", 1),
+        "save_worker": lambda: store.save_worker(_geometry("two"), {}, "coalesce", 1),
         "save_generation": lambda: store.save_generation(W2, 3),
         "update_plan": lambda: store.update_plan(W2, "baseline", 4),
         "delete_worker": lambda: store.delete_worker(W2),
@@ -203,7 +217,7 @@ def test_a_file_that_is_not_a_database_is_moved_aside(tmp_path: Path) -> None:
     assert (line["path"], line["moved_to"]) == (str(tmp_path / DB_NAME), str(aside))
     assert "file is not a database" in line["error"]
     assert _contents(store) == ([], {}, [])
-    store.save_worker(_request("one"), W1, {}, "coalesce", 1)
+    store.save_worker(_geometry("one"), {}, "coalesce", 1)
     assert store.generations() == {W1: 1}
     store.close()
 
@@ -214,7 +228,7 @@ def test_a_damaged_page_is_found_on_open_and_moved_aside(tmp_path: Path) -> None
     with it, rather than failing some later RPC."""
     store = _saved(tmp_path)
     for i in range(50):
-        store.save_worker(_request(f"w{i}", padding=3000), WorkerKey(f"w{i}", 0, 0, 0), {}, "c", 1)
+        store.save_worker(_geometry(f"w{i}", padding=3000), {}, "c", 1)
     store.close()  # the last connection checkpoints the WAL into the database
     db = tmp_path / DB_NAME
     assert db.stat().st_size > 40 * 4096
@@ -258,20 +272,20 @@ def test_without_a_state_dir_the_store_is_in_memory() -> None:
     """No state dir: an in-memory database with the same behaviour (the daemon has one path)."""
     store = StateStore("")
     assert not store.persistent
-    store.save_worker(_request("one"), W1, {}, "coalesce", 1)
+    store.save_worker(_geometry("one"), {}, "coalesce", 1)
     assert store.generations() == {W1: 1}
     store.close()
 
 
 def test_one_worker_is_read_by_its_key(tmp_path: Path) -> None:
     """``worker(key)`` answers the stored worker of that key (the one ``workers()`` lists,
-    request, planner and generation included), and None for a key never stored or deleted."""
+    geometry, planner and generation included), and None for a key never stored or deleted."""
     store = _saved(tmp_path)
-    store.save_worker(_request("two"), W2, {}, "baseline", 3)
+    store.save_worker(_geometry("two"), {}, "baseline", 3)
     assert store.worker(W2) == next(w for w in store.workers() if w.worker == W2)
     got = store.worker(W1)
     assert got is not None and (got.planner, got.generation) == ("coalesce", 1)
-    assert got.request == _request("one")
+    assert got.geometry == _geometry("one")
     assert store.worker(WorkerKey("three", 0, 0, 0)) is None
     store.delete_worker(W2)
     assert store.worker(W2) is None
@@ -299,3 +313,43 @@ def test_a_grant_stored_from_the_request_s_ids_reads_back_as_the_grant(tmp_path:
     assert {g: ids.tolist() for g, ids in back.blocks.items()} == {0: [2, 7, 9], 3: [1, 5]}
     assert replace(back, blocks=grant.blocks) == replace(grant, blocks=grant.blocks)
     again.close()
+
+
+def test_a_worker_reads_back_with_its_handles_and_an_unreadable_one_says_why(
+    tmp_path: Path,
+) -> None:
+    """A stored registration (kept as the wire's RegisterWorkerRequest) reads back after a
+    restart as the geometry that was saved, each allocation with its handle; a row this kvmapd
+    cannot read (a cache kind it does not know) lists with no geometry and the reason, so the
+    daemon's start goes on and that worker alone is left to its client."""
+    handles = [
+        ShmFdHandle("tok", 2, 64),
+        ShmPathHandle("/dev/shm/kv", 128),
+        CudaIpcHandle(b"h" * 64, 4096, 1 << 20),
+    ]
+    kinds = [DeviceKind.CPU, DeviceKind.CPU, DeviceKind.CUDA]
+    geometry = replace(
+        _geometry("one"),
+        allocations=tuple(
+            AllocationSpec(f"a{i}", 1 << 12, DeviceRef(kind, i, "GPU-1"), handle)
+            for i, (kind, handle) in enumerate(zip(kinds, handles, strict=True))
+        ),
+        tp_size=2,
+    )
+    store = StateStore(str(tmp_path))
+    store.save_worker(geometry, {}, "coalesce", 1)
+    store.close()
+    store = StateStore(str(tmp_path))
+    got = store.worker(W1)
+    assert got is not None and got.geometry == geometry and got.problem == ""
+    assert [a.handle for a in got.geometry.allocations] == handles
+    unknown_kind = registry_pb2.RegisterWorkerRequest(worker={"engine_id": "two"})
+    unknown_kind.views.add(layer_name="l", allocation_id="a0", cache_kind=99)  # type: ignore[arg-type]
+    store._db.execute(
+        "UPDATE workers SET worker = ?, request = ? WHERE worker = ?",
+        ('["two", 0, 0, 0]', unknown_kind.SerializeToString(), '["one", 0, 0, 0]'),
+    )
+    (row,) = store.workers()
+    assert (row.worker, row.geometry) == (W2, None)
+    assert row.problem == "views[0].cache_kind: unknown cache kind 99"
+    store.close()

@@ -14,8 +14,8 @@ import pytest
 
 from kvmap.core.geometry import WorkerKey
 from kvmap.core.grants import Grant
+from kvmap.core.worker_events import TransferDirection, TransferFinished
 from kvmap.daemon.adapters.state_store import StateStore
-from kvmap.v1 import registry_pb2
 
 _COMPLETE = """
 import os, sys
@@ -24,7 +24,7 @@ import numpy as np
 from kvmap.daemon.adapters.state_store import StateStore
 from kvmap.core.geometry import WorkerKey
 from kvmap.core.grants import Grant
-from kvmap.v1 import registry_pb2
+from kvmap.core.worker_events import TransferDirection, TransferFinished
 w = WorkerKey("p", 0, 0, 0)
 store = StateStore(sys.argv[1])
 kept = Grant(digest=b"k" * 32, worker=w, generation=1, request_id="kept",
@@ -33,8 +33,7 @@ spent = replace(kept, digest=b"s" * 32, request_id="spent", max_uses=1)
 store.save_grant(kept)
 store.save_grant(spent)
 def event(request_id):
-    done = registry_pb2.TransferFinishedEvent(request_id=request_id, peer_agent="peer")
-    return registry_pb2.AttachResponse(transfer_finished=done)
+    return TransferFinished(request_id, TransferDirection.PULLED_FROM, "peer")
 a = store.record_use(replace(kept, uses=1), w, event("kept"))
 b = store.record_use(replace(spent, uses=1), w, event("spent"))
 c = store.record_use(None, w, event("revoked"))
@@ -58,7 +57,7 @@ def test_a_recorded_use_survives_a_killed_daemon(tmp_path: Path) -> None:
     store = StateStore(str(tmp_path))
     assert [(g.request_id, g.uses, g.max_uses) for g in store.grants()] == [("kept", 1, 2)]
     pending = store.pending_events(WorkerKey("p", 0, 0, 0))
-    assert [(i, e.transfer_finished.request_id) for i, e in pending] == list(
+    assert [(i, e.request_id) for i, e in pending if isinstance(e, TransferFinished)] == list(
         zip(ids, ["kept", "spent", "revoked"], strict=True)
     )
 
@@ -82,9 +81,7 @@ def test_a_failed_record_stores_neither_the_use_nor_the_event(tmp_path: Path) ->
         "CREATE TRIGGER no_events BEFORE INSERT ON pending_events "
         "BEGIN SELECT RAISE(ABORT, 'no events'); END"
     )
-    event = registry_pb2.AttachResponse(
-        transfer_finished=registry_pb2.TransferFinishedEvent(request_id="r")
-    )
+    event = TransferFinished("r", TransferDirection.UNSPECIFIED, "")
     used = Grant(**{**grant.__dict__, "uses": 1})
     with pytest.raises(sqlite3.IntegrityError):
         store.record_use(used, w, event)

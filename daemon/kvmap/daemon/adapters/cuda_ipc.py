@@ -57,6 +57,7 @@ from kvmap.core.errors import (
     KvmapError,
     ResourceExhausted,
 )
+from kvmap.core.geometry import AllocationSpec, CudaIpcHandle
 from kvmap.daemon.adapters.cuda_driver import (
     IPC_HANDLE_SIZE,
     UUID_SIZE,
@@ -65,7 +66,6 @@ from kvmap.daemon.adapters.cuda_driver import (
     LibCuda,
 )
 from kvmap.daemon.adapters.nixl_port import MemoryType
-from kvmap.v1 import types_pb2
 
 log = structlog.get_logger("kvmapd.cuda_ipc")
 
@@ -415,11 +415,11 @@ class CudaIpcImporter:
 
 
 def import_allocation(
-    alloc: types_pb2.Allocation, *, field: str, importer: CudaIpcImporter
+    alloc: AllocationSpec, ipc: CudaIpcHandle, *, field: str, importer: CudaIpcImporter
 ) -> CudaMapping:
-    """Map an ``Allocation`` with a ``cuda_ipc`` handle. ``field`` is its path
-    in the request (``allocations[3]``); errors name its sub-fields."""
-    ipc = alloc.cuda_ipc
+    """Map an allocation through its ``cuda_ipc`` handle ``ipc``. ``field``
+    is its path in the request (``allocations[3]``); errors name its
+    sub-fields."""
     return importer.import_handle(
         handle=ipc.handle,
         offset=ipc.offset_bytes,

@@ -48,6 +48,7 @@ from kvmap.core.peer_policy import (
     PeerPolicy,
     is_host_name,
 )
+from kvmap.core.push_offers import Offer, offer_to_proto
 from kvmap.core.transfer_requests import Announcement, ReleaseNotice
 from kvmap.core.transfer_wire import (
     announcement_to_proto,
@@ -60,7 +61,7 @@ from kvmap.daemon.adapters.peer_batches import BeginBatches, outcomes
 from kvmap.daemon.adapters.peer_secret import peer_secret
 from kvmap.daemon.adapters.peer_stream import BeginStreams, StreamUnsupported
 from kvmap.tracing import TRACEPARENT
-from kvmap.v1 import peer_pb2, peer_pb2_grpc, types_pb2
+from kvmap.v1 import peer_pb2, peer_pb2_grpc
 
 log = structlog.get_logger("kvmapd.peers")
 
@@ -455,14 +456,15 @@ class PeerClient:
             raise _begin_error(target, req, err.code(), err.details() or "", reason) from None
         return resp.transfer_token
 
-    async def offer_push(self, target: str, offer: types_pb2.PushOffer, timeout_s: float) -> int:
-        """Peer.OfferPush: hand a decode worker's write-granted blocks to
-        the prefill engine on ``target``; how many of its workers heard."""
+    async def offer_push(self, target: str, offer: Offer, timeout_s: float) -> int:
+        """Peer.OfferPush: hand a decode worker's write-granted blocks (a
+        checked offer) to the prefill engine on ``target``; how many of its
+        workers heard."""
         stub = await self._stub(target)
         await self._connected(target)
         try:
             resp = await stub.OfferPush(
-                peer_pb2.PeerOfferPushRequest(offer=offer),
+                peer_pb2.PeerOfferPushRequest(offer=offer_to_proto(offer)),
                 timeout=timeout_s,
                 metadata=self._metadata,
             )

@@ -4,6 +4,12 @@ the geometry) and how to re-open each allocation without the worker,
 per-worker generation counters (monotonic across restarts), and pending
 notifications for workers (transfer-finished events not yet delivered).
 
+Its interface speaks domain types (a ``WorkerGeometry`` with its handles, a
+``core.worker_events`` event, a ``Grant``); the rows keep their wire forms
+(a ``RegisterWorkerRequest``, an ``AttachResponse``, a
+``GrantTransferRequest``), converted here by the core's converters, so a
+store written by any kvmapd reads back in any other.
+
 Every write is one transaction, in WAL mode: a ``kill -9`` loses nothing
 that was acknowledged (a commit is in the WAL file before it returns). What
 describes this machine's workers (their registrations, generations, the
@@ -46,8 +52,12 @@ from typing import Concatenate, ParamSpec, TypeVar
 import numpy as np
 import structlog
 
-from kvmap.core.geometry import WorkerKey
+from kvmap.core import convert
+from kvmap.core.errors import KvmapError
+from kvmap.core.event_wire import event_from_proto, event_to_proto
+from kvmap.core.geometry import WorkerGeometry, WorkerKey
 from kvmap.core.grants import Access, BlockIds, Grant, UnreadRelease
+from kvmap.core.worker_events import WorkerEvent
 from kvmap.daemon.adapters.store_faults import (
     STORE_SUFFIXES,
     StateStoreError,
@@ -190,10 +200,13 @@ class Reopen:
 @dataclass(frozen=True)
 class StoredWorker:
     worker: WorkerKey
-    request: registry_pb2.RegisterWorkerRequest
+    # The registration as it was stored, handles included (not validated
+    # again); None when this kvmapd cannot read it (``problem`` says why).
+    geometry: WorkerGeometry | None
     reopen: dict[str, Reopen]
     planner: str
     generation: int
+    problem: str = ""
 
 
 class StateStore:
@@ -323,18 +336,19 @@ class StateStore:
     @_mapped
     def save_worker(
         self,
-        req: registry_pb2.RegisterWorkerRequest,
-        worker: WorkerKey,
+        geometry: WorkerGeometry,
         reopen: dict[str, Reopen],
         planner: str,
         generation: int,
     ) -> None:
+        worker = geometry.worker
+        blob = convert.geometry_to_proto(geometry).SerializeToString()
         doc = json.dumps({k: v.to_json() for k, v in reopen.items()})
         with self._db:  # one transaction: the worker row and its generation
             self._db.execute("BEGIN")
             self._db.execute(
                 "INSERT OR REPLACE INTO workers VALUES (?, ?, ?, ?, ?)",
-                (_key(worker), req.SerializeToString(), doc, planner, generation),
+                (_key(worker), blob, doc, planner, generation),
             )
             self.save_generation(worker, generation)
 
@@ -376,18 +390,16 @@ class StateStore:
     # Pending events ---------------------------------------------------------
 
     @_mapped
-    def add_event(self, worker: WorkerKey, event: registry_pb2.AttachResponse) -> int:
+    def add_event(self, worker: WorkerKey, event: WorkerEvent) -> int:
         with self._unsynced():
             cur = self._db.execute(
                 "INSERT INTO pending_events (worker, event) VALUES (?, ?)",
-                (_key(worker), event.SerializeToString()),
+                (_key(worker), event_to_proto(event).SerializeToString()),
             )
         return int(cur.lastrowid or 0)
 
     @_mapped
-    def record_use(
-        self, grant: Grant | None, worker: WorkerKey, event: registry_pb2.AttachResponse
-    ) -> int:
+    def record_use(self, grant: Grant | None, worker: WorkerKey, event: WorkerEvent) -> int:
         """A completed transfer in one transaction (never one of them
         without the other): its grant's use (``grant`` as it is after: kept
         with its count, or deleted once used up; None when the grant is
@@ -401,16 +413,21 @@ class StateStore:
                 self._update_grant(grant)
             cur = self._db.execute(
                 "INSERT INTO pending_events (worker, event) VALUES (?, ?)",
-                (_key(worker), event.SerializeToString()),
+                (_key(worker), event_to_proto(event).SerializeToString()),
             )
         return int(cur.lastrowid or 0)
 
     @_mapped
-    def pending_events(self, worker: WorkerKey) -> list[tuple[int, registry_pb2.AttachResponse]]:
+    def pending_events(self, worker: WorkerKey) -> list[tuple[int, WorkerEvent]]:
+        """The worker's undelivered events, oldest first; one this kvmapd
+        cannot tell (a newer one's kind) is left out."""
         rows = self._db.execute(
             "SELECT id, event FROM pending_events WHERE worker = ? ORDER BY id", (_key(worker),)
         ).fetchall()
-        return [(int(i), registry_pb2.AttachResponse.FromString(b)) for i, b in rows]
+        events = [
+            (int(i), event_from_proto(registry_pb2.AttachResponse.FromString(b))) for i, b in rows
+        ]
+        return [(i, e) for i, e in events if e is not None]
 
     def ack_event(self, event_id: int) -> None:
         """Forget a delivered event. Delivery is at least once, so an ack the
@@ -544,4 +561,9 @@ def _stored(key: str, blob: bytes, doc: str, planner: str, generation: int) -> S
     """A ``workers`` row as the worker it stores."""
     req = registry_pb2.RegisterWorkerRequest.FromString(blob)
     reopen = {k: Reopen.from_json(v) for k, v in json.loads(doc).items()}
-    return StoredWorker(_worker(key), req, reopen, str(planner), int(generation))
+    try:
+        geometry: WorkerGeometry | None = convert.geometry_from_proto(req)
+        problem = ""
+    except KvmapError as err:
+        geometry, problem = None, str(err)
+    return StoredWorker(_worker(key), geometry, reopen, str(planner), int(generation), problem)

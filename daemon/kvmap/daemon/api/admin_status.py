@@ -16,6 +16,7 @@ import time
 from kvmap.core import convert
 from kvmap.core.config import effective
 from kvmap.core.geometry import WorkerKey
+from kvmap.daemon.api import wire_out
 from kvmap.daemon.engine.app import DaemonApp
 from kvmap.daemon.engine.workers import WorkerRecord
 from kvmap.daemon.version import VERSION
@@ -49,7 +50,7 @@ def status(app: DaemonApp) -> admin_pb2.GetStatusResponse:
         uptime_seconds=activity.uptime_s(),
         draining=app.draining,
         config={key: json.dumps(value) for key, value in effective(app.config).items()},
-        stats=app.stats(),
+        stats=wire_out.stats(app.stats()),
         workers=[worker_summary(r) for r in app.table.records()],
     )
     _add_transfers(app, resp)

@@ -1,5 +1,7 @@
 """The daemon process: two gRPC servers (Unix socket for the local worker,
-TCP for peers and operators), health, reflection, metrics, and shutdown."""
+TCP for peers and operators), health, reflection, metrics, and shutdown.
+The daemon's engine and adapters, and the locks it holds, are built by
+``kvmap.daemon.bootstrap`` and handed in."""
 
 from __future__ import annotations
 
@@ -10,9 +12,7 @@ import gc
 import json
 import os
 import resource
-import signal
-import uuid
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +24,8 @@ from grpc_reflection.v1alpha import reflection
 
 from kvmap.core.config import MAX_MESSAGE_BYTES, DaemonConfig
 from kvmap.daemon.adapters.config_files import read_pem
-from kvmap.daemon.adapters.metrics import Metrics
 from kvmap.daemon.adapters.peer_secret import peer_secret
-from kvmap.daemon.adapters.socket_lock import PathLock, SocketLock, StateDirLock
+from kvmap.daemon.adapters.socket_lock import PathLock
 from kvmap.daemon.api.authorization import PeerAuthorization
 from kvmap.daemon.api.health import ObservedHealth
 from kvmap.daemon.api.limits import tcp_server_options
@@ -43,7 +42,7 @@ from kvmap.daemon.api.services import (
     tcp_service_names,
     unix_service_names,
 )
-from kvmap.daemon.engine.app import Adapters, DaemonApp
+from kvmap.daemon.engine.app import DaemonApp
 
 log = structlog.get_logger("kvmapd")
 
@@ -54,32 +53,16 @@ READINESS_SERVICE = "kvmap.v1.Peer"
 
 class Daemon:
     def __init__(
-        self,
-        config: DaemonConfig,
-        metrics: Metrics | None = None,
-        adapters: Adapters | None = None,
+        self, config: DaemonConfig, app: DaemonApp, locks: Sequence[PathLock] = ()
     ) -> None:
-        """``adapters``: how the engine reaches NIXL, peers and worker memory;
-        the real ones for ``config`` by default (tests hand in a fake NIXL)."""
+        """``app``: the engine over its adapters (``bootstrap.build_daemon``
+        makes both); ``locks``: those held on the socket and the state
+        directory, released when the daemon stops."""
         self.config = config
-        # First: the state store and the stale-socket clean-up are this
-        # socket's owner's; a second daemon is refused before it touches
-        # either (SocketInUse names the path and the PID holding it).
-        # The socket's directory is made (0770) or checked safe first; the
-        # state directory is locked too (StateDirInUse), so two daemons never
-        # share one store.
-        self._locks: list[PathLock] = [SocketLock(config.socket_path)]
-        if config.state_dir:
-            self._locks.append(StateDirLock(config.state_dir))
-        self.instance = uuid.uuid4().hex[:12]
-        self.metrics = metrics or Metrics()
-        try:
-            for lock in self._locks:
-                lock.acquire()
-            self.app = DaemonApp(config, self.metrics, self.instance, adapters)
-        except BaseException:
-            self._release_locks()  # a daemon in this process may try again
-            raise
+        self.app = app
+        self.instance = app.instance
+        self.metrics = app.metrics
+        self._locks = list(locks)
         self.health = ObservedHealth(self.metrics.ready, READINESS_SERVICE)
         self._unix: aio.Server | None = None
         self._tcp: aio.Server | None = None
@@ -272,37 +255,6 @@ def raise_fd_limit() -> dict[str, Any]:
         except (OSError, ValueError) as err:
             return {"before": soft, "soft": soft, "hard": hard, "error": str(err)}
     return {"before": soft, "soft": target, "hard": hard}
-
-
-async def serve(
-    config: DaemonConfig,
-    ready_file: str | None = None,
-    on_started: Callable[[], None] = lambda: None,
-) -> int:
-    """Run the daemon until SIGTERM or SIGINT; ``on_started`` runs once it
-    serves, before the ready file is written (a failed start never gets
-    there: its one line stays the only one)."""
-    # Sockets are born owner/group-only (no window before the chmod below);
-    # "other" never gets access to anything the daemon creates.
-    os.umask(0o007)
-    fd_limit = raise_fd_limit()
-    daemon = Daemon(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    await daemon.start()
-    (log.warning if "error" in fd_limit else log.info)("fd_limit", **fd_limit)
-    # After start: creating the NIXL/UCX agent may install handlers of its own.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, daemon.app.request_replan)
-    freeze_startup_heap()
-    on_started()
-    if ready_file:
-        write_ready_file(ready_file, daemon)
-    await stop.wait()
-    log.info("kvmapd_stopping")
-    await daemon.stop()
-    return 0
 
 
 def _add_tcp_port(server: grpc.aio.Server, cfg: DaemonConfig) -> int:

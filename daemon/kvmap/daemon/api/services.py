@@ -1,6 +1,6 @@
 """gRPC servicers. Thin: each turns a request into one call on the engine
-(its wire form converted by ``core.convert`` / ``core.transfer_wire``) and
-the result into a response; errors propagate as KvmapError and become
+(its wire form read by ``api.wire_in``) and the result into a response
+(written by ``api.wire_out``); errors propagate as KvmapError and become
 statuses in ``rpc``. The Attach stream's replay of stored events is here:
 it is the stream's own protocol (stored first, then live, each acknowledged
 once sent)."""
@@ -17,30 +17,39 @@ from grpc import aio
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 
-from kvmap.core import convert
 from kvmap.core import planner as planners
 from kvmap.core.config import parse_host_port
+from kvmap.core.convert import model_from_plan
 from kvmap.core.errors import SHUTTING_DOWN, KvmapError, ResourceExhausted, Unavailable
 from kvmap.core.features import DAEMON_FEATURES
-from kvmap.core.geometry import WorkerKey
-from kvmap.core.push_offers import offer_from_proto
 from kvmap.core.transfer_requests import TransferRequest, UseRelease
-from kvmap.core.transfer_wire import (
-    MAX_BEGIN_CALLS,
-    MAX_REQUEST_ID,
-    MAX_TRANSFER_ID,
-    announcement_from_proto,
-    release_from_request,
-    release_notice_from_proto,
-    report_to_proto,
-    transfer_from_spec,
-)
+from kvmap.core.transfer_wire import MAX_BEGIN_CALLS, MAX_REQUEST_ID, MAX_TRANSFER_ID
 from kvmap.daemon.adapters.fd_handoff import PeerCred
 from kvmap.daemon.adapters.grpc_codes import status_number
 from kvmap.daemon.api.admin_status import status, worker_summary
 from kvmap.daemon.api.authorization import peer_identity
 from kvmap.daemon.api.local_callers import local_caller
 from kvmap.daemon.api.status import grpc_status
+from kvmap.daemon.api.wire_in import (
+    announcement_from_proto,
+    parse_and_validate,
+    push_offer,
+    registration,
+    release_from_request,
+    release_notice_from_proto,
+    transfer_from_spec,
+    worker_key,
+    worker_key_from_proto,
+)
+from kvmap.daemon.api.wire_out import (
+    attach_event,
+    attached,
+    planner_info_to_proto,
+    region_map_to_proto,
+    report_to_proto,
+    stats,
+    worker_id_to_proto,
+)
 from kvmap.daemon.engine.app import DaemonApp
 from kvmap.daemon.engine.transfers import new_transfer_id
 from kvmap.tracing import NULL_SPAN, Span, traceparent_in, traceparent_of
@@ -55,7 +64,6 @@ from kvmap.v1 import (
     registry_pb2_grpc,
     transfers_pb2,
     transfers_pb2_grpc,
-    types_pb2,
 )
 
 Ctx = aio.ServicerContext[Any, Any]
@@ -64,10 +72,6 @@ Ctx = aio.ServicerContext[Any, Any]
 Caller = Callable[[], PeerCred | None]
 
 log = structlog.get_logger("kvmapd.rpc")
-
-
-def worker_key(msg: types_pb2.WorkerId, field: str = "worker") -> WorkerKey:
-    return convert.requested_worker(msg, field)
 
 
 # Longest peer agent name a log line carries (a hostile caller's is cut).
@@ -82,7 +86,7 @@ def _bind_transfer_ids(request: peer_pb2.BeginTransferRequest, peer: str) -> Non
         transfer_id=request.transfer_id[:MAX_TRANSFER_ID],
         peer=peer,
         peer_agent=request.peer_agent[:_MAX_LOGGED_AGENT],
-        worker=str(convert.worker_key_from_proto(request.worker))[:_MAX_LOGGED_AGENT],
+        worker=str(worker_key_from_proto(request.worker))[:_MAX_LOGGED_AGENT],
     )
 
 
@@ -133,25 +137,21 @@ async def attach_events(
     queue = app.table.subscribe(key)
     store = app.store
     try:
-        yield registry_pb2.AttachResponse(
-            attached=registry_pb2.AttachedEvent(
-                generation=record.generation, daemon_instance=app.instance
-            )
-        )
+        yield attached(record.generation, app.instance)
         # Notifications that arrived while no stream was open (or before
         # a restart) first; queued live ones may repeat them: at least once.
         sent: set[int] = set()
-        for event_id, event in store.pending_events(key):
-            yield event
+        for event_id, stored in store.pending_events(key):
+            yield attach_event(stored)
             store.ack_event(event_id)
             sent.add(event_id)
         while True:
             event_id, event = await queue.get()
-            if event_id < 0:  # STREAM_END: the daemon is stopping
+            if event_id < 0 or event is None:  # STREAM_END: the daemon is stopping
                 return
             if event_id and event_id in sent:
                 continue
-            yield event
+            yield attach_event(event)
             if event_id:
                 store.ack_event(event_id)
     finally:
@@ -172,9 +172,12 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         if self.app.draining:
             raise Unavailable(SHUTTING_DOWN)
         caller = local_caller(context, self.app.fds)
-        record = await self.app.lifecycle.register(request, self.app.planner, caller)
+        # The worker's id, then who may register it, before the rest is read.
+        self.app.lifecycle.check_replacer(worker_key(request.worker), caller)
+        geometry = registration(request)
+        record = await self.app.lifecycle.register(geometry, self.app.planner, caller)
         return registry_pb2.RegisterWorkerResponse(
-            region_map=convert.region_map_to_proto(record.model), features=DAEMON_FEATURES
+            region_map=region_map_to_proto(record.model), features=DAEMON_FEATURES
         )
 
     async def DeregisterWorker(
@@ -260,7 +263,7 @@ class RegionMapsService(region_maps_pb2_grpc.RegionMapsServicer):
     ) -> region_maps_pb2.ListWorkersResponse:
         resp = region_maps_pb2.ListWorkersResponse(
             daemon_instance=self.app.instance,
-            planner=convert.planner_info_to_proto(self.app.planner.info),
+            planner=planner_info_to_proto(self.app.planner.info),
         )
         resp.workers.extend(worker_summary(r) for r in self.app.table.records())
         return resp
@@ -269,18 +272,16 @@ class RegionMapsService(region_maps_pb2_grpc.RegionMapsServicer):
         self, request: region_maps_pb2.GetRegionMapRequest, context: Ctx
     ) -> region_maps_pb2.GetRegionMapResponse:
         record = self.app.table.get(worker_key(request.worker))
-        return region_maps_pb2.GetRegionMapResponse(
-            region_map=convert.region_map_to_proto(record.model)
-        )
+        return region_maps_pb2.GetRegionMapResponse(region_map=region_map_to_proto(record.model))
 
     async def PlanPreview(
         self, request: region_maps_pb2.PlanPreviewRequest, context: Ctx
     ) -> region_maps_pb2.PlanPreviewResponse:
         planner = planners.get_planner(request.planner or self.app.planner.info.name)
-        geometry = convert.parse_and_validate(request.spec, field_prefix="spec.")
+        geometry = parse_and_validate(request.spec, field_prefix="spec.")
         plan = planner.plan(geometry)
-        model = convert.model_from_plan(geometry, plan, 0, {})
-        return region_maps_pb2.PlanPreviewResponse(region_map=convert.region_map_to_proto(model))
+        model = model_from_plan(geometry, plan, 0, {})
+        return region_maps_pb2.PlanPreviewResponse(region_map=region_map_to_proto(model))
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):
@@ -291,12 +292,10 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         self, request: admin_pb2.ReplanRequest, context: Ctx
     ) -> admin_pb2.ReplanResponse:
         records = await self.app.replan(request.planner)
-        resp = admin_pb2.ReplanResponse(
-            planner=convert.planner_info_to_proto(self.app.planner.info)
-        )
+        resp = admin_pb2.ReplanResponse(planner=planner_info_to_proto(self.app.planner.info))
         for record in records:
             resp.workers.add(
-                worker=convert.worker_id_to_proto(record.key),
+                worker=worker_id_to_proto(record.key),
                 generation=record.generation,
                 descriptor_count=record.model.descriptor_count,
             )
@@ -305,7 +304,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     async def GetStats(
         self, request: admin_pb2.GetStatsRequest, context: Ctx
     ) -> admin_pb2.GetStatsResponse:
-        return self.app.stats()
+        return stats(self.app.stats())
 
     async def GetStatus(
         self, request: admin_pb2.GetStatusRequest, context: Ctx
@@ -366,7 +365,7 @@ class PeerService(peer_pb2_grpc.PeerServicer):
         return peer_pb2.GetAgentMetadataResponse(
             agent_name=self.app.agent_name,
             agent_metadata=await self.app.agent_metadata(),
-            region_map=convert.region_map_to_proto(record.model),
+            region_map=region_map_to_proto(record.model),
             # Deprecated (region_map.generation), still sent for older callers.
             generation=record.generation,
             daemon_instance=self.app.instance,
@@ -486,7 +485,12 @@ class PeerService(peer_pb2_grpc.PeerServicer):
     ) -> peer_pb2.PeerOfferPushResponse:
         if self.app.draining:
             raise Unavailable(SHUTTING_DOWN)
-        workers = self.app.push_offers.relay(request.offer, peer=peer_identity(context))
+        try:
+            offer = push_offer(request.offer)
+        except KvmapError:
+            self.app.push_offers.refuse_malformed()
+            raise
+        workers = self.app.push_offers.relay(offer, peer=peer_identity(context))
         return peer_pb2.PeerOfferPushResponse(workers=workers)
 
 
@@ -537,13 +541,13 @@ class TransfersService(transfers_pb2_grpc.TransfersServicer):
         the offer is checked here before it leaves (``core.push_offers``)."""
         if self.app.draining:
             raise Unavailable(SHUTTING_DOWN)
-        offer = offer_from_proto(request.offer)
+        offer = push_offer(request.offer)
         key = worker_key(offer.decode_worker, "offer.decode_worker")
         self.app.table.get(key)
         self.app.lifecycle.check_caller(key, local_caller(context, self.app.fds))
         parse_host_port(request.target, "target")
         timeout_s = (request.timeout_ms / 1000) or self.app.config.transfer_timeout_s
-        workers = await self.app.adapters.peers.offer_push(request.target, request.offer, timeout_s)
+        workers = await self.app.adapters.peers.offer_push(request.target, offer, timeout_s)
         return transfers_pb2.OfferPushResponse(workers=workers)
 
     async def _tracked(

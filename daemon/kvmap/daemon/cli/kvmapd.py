@@ -91,9 +91,9 @@ def _check_config(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    # Lazy: the server imports nixl, which `kvmapd plan` must not need.
+    # Lazy: the daemon imports nixl, which `kvmapd plan` must not need.
+    from kvmap.daemon import bootstrap  # noqa: PLC0415
     from kvmap.daemon.adapters.state_store import StateStoreError  # noqa: PLC0415
-    from kvmap.daemon.api import server  # noqa: PLC0415
 
     config = _load(args)
     if config is None:
@@ -122,7 +122,7 @@ def _serve(args: argparse.Namespace) -> int:
             log.warning("peers_refused_by_config", problem=exposure_warning(config))
 
     try:
-        return asyncio.run(server.serve(config, ready_file=args.ready_file, on_started=started))
+        return asyncio.run(bootstrap.serve(config, ready_file=args.ready_file, on_started=started))
     except (StateStoreError, StartRefused) as err:
         # An unusable state dir, another daemon on this socket or state dir
         # (left alone), an unsafe runtime path (docs/security.md): the

@@ -1,7 +1,7 @@
-"""The composition root of the daemon's engine: the long-lived resources
-(the worker table, the NIXL agent driven from one thread and progressed by
-our own loop, the fd hand-off socket, the state store) and the parts that
-own the daemon's state, each of which a service calls once:
+"""The daemon's engine in one object: the long-lived resources (the worker
+table, the NIXL agent driven from one thread and progressed by our own
+loop, the fd hand-off socket, the state store) and the parts that own the
+daemon's state, each of which a service calls once:
 
 - ``registrar`` (engine/registration): registers, re-plans, retires workers;
 - ``lifecycle`` (engine/lifecycle): restored, returning and unattached workers;
@@ -9,35 +9,33 @@ own the daemon's state, each of which a service calls once:
 - ``events`` (engine/events): the workers' persisted event outbox;
 - ``engine`` (engine/transfers): this daemon's pulls and pushes.
 
-The adapters that hold process-wide state (the NIXL agent, the peer channels,
-the memory importers) are made once per daemon (``Adapters.for_config``) and
-handed down; the engine's tests hand in fakes."""
+The engine builds no adapter: the composition root (``kvmap.daemon.bootstrap``)
+makes each once per daemon (the state store, the fd hand-off server, the
+NIXL thread and how to create the agent, the peer channels, the memory
+importers, the metrics) and hands them in as ``Adapters``; the engine's
+tests build them there too, some replaced by fakes. It takes and returns
+domain types only: the api converts the wire forms (``api.wire_in``,
+``api.wire_out``)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
-from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
-from kvmap.core import convert
 from kvmap.core import grants as grants_core
 from kvmap.core import planner as planners
 from kvmap.core.config import RELOADABLE_KEYS, DaemonConfig, changed_keys
-from kvmap.daemon.adapters.config_files import reload_config
 from kvmap.daemon.adapters.cuda_ipc import CudaIpcImporter
 from kvmap.daemon.adapters.fd_handoff import FdHandoffServer
 from kvmap.daemon.adapters.memory import ShmImporter
 from kvmap.daemon.adapters.metrics import Metrics
-from kvmap.daemon.adapters.nixl_agent import NixlAgent
 from kvmap.daemon.adapters.nixl_port import AgentFactory, NixlPort
 from kvmap.daemon.adapters.nixl_thread import NixlThread
-from kvmap.daemon.adapters.peer_client import PeerClient
 from kvmap.daemon.adapters.state_store import StateStore, StateStoreError
-from kvmap.daemon.adapters.tcp_keepalive import HalfOpenGuard, Keepalive
 from kvmap.daemon.engine.activity import Activity
 from kvmap.daemon.engine.events import EventOutbox
 from kvmap.daemon.engine.grants import GrantTable
@@ -48,10 +46,10 @@ from kvmap.daemon.engine.pacing import Pacing
 from kvmap.daemon.engine.progress import Progress
 from kvmap.daemon.engine.push_offers import PushOfferRelay
 from kvmap.daemon.engine.registration import Registrar
+from kvmap.daemon.engine.stats import DaemonStats, TransferCounters
 from kvmap.daemon.engine.transfers import Peers, TransferEngine
 from kvmap.daemon.engine.workers import WorkerRecord, WorkerTable
-from kvmap.tracing import OFF, Tracer, tracer_for
-from kvmap.v1 import admin_pb2
+from kvmap.tracing import OFF, Tracer
 
 log = structlog.get_logger("kvmapd")
 
@@ -60,64 +58,64 @@ log = structlog.get_logger("kvmapd")
 NIXL_CALL_SLOW_S = 5.0
 
 
+class Sweeper(Protocol):
+    """``adapters.tcp_keepalive.HalfOpenGuard``: arms the TCP connections
+    opened since its last sweep."""
+
+    def sweep(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class Adapters:
-    """The daemon's adapters that hold process-wide state."""
+    """What the engine reaches the world through, one of each per daemon,
+    built by ``kvmap.daemon.bootstrap`` and handed in (the engine starts
+    and closes them)."""
 
     create_agent: AgentFactory
+    # The one thread every NIXL call runs on.
+    nixl: NixlThread
     peers: Peers
     # One importer of each kind per daemon: each counts (and the CUDA one
     # shares) what it has open in the process.
     shm: ShmImporter
     cuda: CudaIpcImporter
+    fds: FdHandoffServer
+    store: StateStore
+    metrics: Metrics
+    # SIGHUP: the config file read again (``adapters.config_files``).
+    reload_config: Callable[[DaemonConfig], DaemonConfig]
+    # Keepalive on each new TCP connection (None: peer_keepalive_s is 0).
+    half_open: Sweeper | None = None
     # The clock and backoff of a transfer's retries (tests: a virtual clock).
     pacing: Pacing = field(default_factory=Pacing)
     # Where spans go: OFF (no span records) unless an endpoint is configured.
     tracer: Tracer = OFF
-
-    @classmethod
-    def for_config(cls, config: DaemonConfig, instance: str = "") -> Adapters:
-        """The real ones: NIXL, gRPC to peers (mTLS when configured), spans
-        exported as daemon ``instance`` (when an endpoint is configured)."""
-        return cls(
-            create_agent=partial(NixlAgent.create, threads=config.nixl_threads),
-            peers=PeerClient.for_config(config),
-            shm=ShmImporter(config.shm_path_prefix),
-            cuda=CudaIpcImporter(),
-            tracer=tracer_for(config.otlp_traces_endpoint, "kvmapd", instance),
-        )
 
 
 class DaemonApp:
     # The UCX threads NIXL runs for the agent, known once it exists (start).
     nixl_threads = 0
 
-    def __init__(
-        self,
-        config: DaemonConfig,
-        metrics: Metrics,
-        instance: str,
-        adapters: Adapters | None = None,
-    ) -> None:
+    def __init__(self, config: DaemonConfig, instance: str, adapters: Adapters) -> None:
         self.config = config
-        self.adapters = adapters or Adapters.for_config(config, instance)
-        self.metrics = metrics
-        self.tracer = self.adapters.tracer
+        self.adapters = adapters
+        self.metrics = adapters.metrics
+        self.tracer = adapters.tracer
         self.instance = instance
         self.agent_name = f"kvmapd-{instance}"
-        self.table = WorkerTable(on_generation=metrics.generations.inc)
+        self.table = WorkerTable(on_generation=self.metrics.generations.inc)
         self.metrics.registered_bytes_limit.set(config.max_registered_bytes)
         self.planner = planners.get_planner(config.planner)
         self.draining = False
-        self.nixl = NixlThread()
+        self.nixl = adapters.nixl
         self._agent: NixlPort | None = None
-        self.fds = FdHandoffServer(config.fd_socket_path)
+        self.fds = adapters.fds
         self._registrar: Registrar | None = None
         self._engine: TransferEngine | None = None
         self._progress: Progress | None = None
         self.leases = LeaseTable()
         self.metrics.leases.set_function(lambda: len(self.leases))
-        self.store = StateStore(config.state_dir)
+        self.store = adapters.store
         # This daemon's agents before a restart: a claim one of them still
         # holds on a grant at a peer is this daemon's to take over.
         self.previous_agents = self._previous_agents()
@@ -125,13 +123,13 @@ class DaemonApp:
         self.grants = GrantTable(self.store)
         for key, generation in self.store.generations().items():
             self.table.seed_generation(key, generation)
-        self.counters = admin_pb2.TransferCounters()
+        self.counters = TransferCounters()
         # The live view's in-flight transfers and recent failures (Admin.GetStatus).
         self.activity = Activity()
         self._background: set[asyncio.Task[object]] = set()
         self.events = EventOutbox(self.table, self.store, self.grants)
         self.push_offers = PushOfferRelay(self.table)
-        self._build_sides(config, metrics)
+        self._build_sides(config, self.metrics)
 
     def _build_sides(self, config: DaemonConfig, metrics: Metrics) -> None:
         """The workers' lifecycle and the owner's side, over the tables above."""
@@ -225,8 +223,8 @@ class DaemonApp:
         )
         self._spawn(self._expire_leases())
         self._spawn(self._watch_nixl_thread())
-        if self.config.peer_keepalive_s > 0:
-            self._spawn(self._guard_half_open(Keepalive(self.config.peer_keepalive_s)))
+        if self.adapters.half_open is not None:
+            self._spawn(self._guard_half_open(self.adapters.half_open))
         await self.lifecycle.restore(self.planner)
 
     def _wake_progress(self) -> None:
@@ -243,11 +241,10 @@ class DaemonApp:
             await asyncio.sleep(0.5)
             self.owner.expire()
 
-    async def _guard_half_open(self, keepalive: Keepalive) -> None:
+    async def _guard_half_open(self, guard: Sweeper) -> None:
         """Keepalive on each new TCP connection within a sweep's period
         (adapters/tcp_keepalive.py says why: UCX arms only those it dials)."""
-        guard = HalfOpenGuard(keepalive)
-        period = max(1.0, keepalive.idle_s / 4)
+        period = max(1.0, self.config.peer_keepalive_s / 4)
         while True:
             guard.sweep()
             await asyncio.sleep(period)
@@ -289,17 +286,18 @@ class DaemonApp:
         self.store.close()
         self.tracer.shutdown()  # the last spans (bounded: a collector may be gone)
 
-    def stats(self) -> admin_pb2.GetStatsResponse:
-        counters = admin_pb2.TransferCounters()
-        counters.CopyFrom(self.counters)
-        counters.push_offers_relayed = self.push_offers.relayed
-        counters.push_offers_refused = self.push_offers.refused
-        return admin_pb2.GetStatsResponse(
+    def stats(self) -> DaemonStats:
+        counters = replace(
+            self.counters,
+            push_offers_relayed=self.push_offers.relayed,
+            push_offers_refused=self.push_offers.refused,
+        )
+        return DaemonStats(
             transfers=counters,
             workers=len(self.table),
             remote_agents=self.engine.remote_agent_count,
             daemon_instance=self.instance,
-            planner=convert.planner_info_to_proto(self.planner.info),
+            planner=self.planner.info,
             mapped_allocations=(
                 self.adapters.shm.live_mappings() + self.adapters.cuda.live_mappings()
             ),
@@ -341,7 +339,7 @@ class DaemonApp:
         planner = self.planner.info.name
         if self.config.config_file:
             try:
-                new = reload_config(self.config)
+                new = self.adapters.reload_config(self.config)
             except ValueError as err:
                 log.error("config_reload_refused", error=str(err), kept="the running config")
                 return

@@ -7,16 +7,16 @@ events, and acknowledges each it sent."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import structlog
 
-from kvmap.core import convert
 from kvmap.core.geometry import WorkerKey
 from kvmap.core.grants import Grant
+from kvmap.core.worker_events import RegionMapChanged, TransferFinished, WorkerEvent
 from kvmap.daemon.adapters.state_store import StateStore, StateStoreError
 from kvmap.daemon.engine.grants import GrantTable
 from kvmap.daemon.engine.workers import WorkerRecord, WorkerTable
-from kvmap.v1 import registry_pb2
 
 log = structlog.get_logger("kvmapd")
 
@@ -32,7 +32,7 @@ class EventOutbox:
     def tell_finished(
         self,
         key: WorkerKey,
-        done: registry_pb2.TransferFinishedEvent,
+        done: TransferFinished,
         used: Grant | None,
         store_use: bool = False,
     ) -> None:
@@ -42,9 +42,9 @@ class EventOutbox:
         notification and the worker loses nothing. With ``store_use`` the
         grant's use (``used``, which ``GrantTable.complete`` left unstored)
         is stored with the event."""
+        event = done
         if used is not None:
-            done.uses, done.max_uses, done.exhausted = used.uses, used.max_uses, used.exhausted
-        event = registry_pb2.AttachResponse(transfer_finished=done)
+            event = replace(done, uses=used.uses, max_uses=used.max_uses, exhausted=used.exhausted)
         if store_use:
             event_id = self._persist_use_and_event(key, event, used)
         else:
@@ -52,7 +52,7 @@ class EventOutbox:
         self._table.publish(key, event, event_id)
 
     def _persist_use_and_event(
-        self, key: WorkerKey, event: registry_pb2.AttachResponse, used: Grant | None
+        self, key: WorkerKey, event: TransferFinished, used: Grant | None
     ) -> int:
         """A completed transfer's grant use and its event, in one transaction
         (one sync of the store per completion, not two). A store that cannot
@@ -65,7 +65,7 @@ class EventOutbox:
                 self._grants.persist_use(used)
             return self.persist(key, event)
 
-    def persist(self, key: WorkerKey, event: registry_pb2.AttachResponse) -> int:
+    def persist(self, key: WorkerKey, event: WorkerEvent) -> int:
         """The event's id in the store; 0 (sent live only) when the store
         cannot take it: the progress loop must go on whatever the disk does."""
         try:
@@ -74,7 +74,7 @@ class EventOutbox:
             log.error("event_not_stored", worker=str(key), error=str(err))
             return 0
 
-    def requeue(self, key: WorkerKey, events: Sequence[registry_pb2.AttachResponse]) -> None:
+    def requeue(self, key: WorkerKey, events: Sequence[WorkerEvent]) -> None:
         """Store again the events a returning worker had not been sent (its
         Attach sends them); one the store cannot take is logged and lost, as
         a live event would be."""
@@ -82,13 +82,5 @@ class EventOutbox:
             self.persist(key, event)
 
     def publish_map_changed(self, record: WorkerRecord) -> None:
-        planner = record.model.planner
-        self._table.publish(
-            record.key,
-            registry_pb2.AttachResponse(
-                region_map_changed=registry_pb2.RegionMapChangedEvent(
-                    generation=record.generation,
-                    planner=convert.planner_info_to_proto(planner),
-                )
-            ),
-        )
+        changed = RegionMapChanged(generation=record.generation, planner=record.model.planner)
+        self._table.publish(record.key, changed)

@@ -14,18 +14,19 @@ from typing import Any
 
 import structlog
 
-from kvmap.core import convert
 from kvmap.core.config import DaemonConfig
+from kvmap.core.convert import check_requested
 from kvmap.core.errors import KvmapError, NotFound, PermissionDenied, Unavailable
-from kvmap.core.geometry import WorkerKey
+from kvmap.core.geometry import WorkerGeometry, WorkerKey
 from kvmap.core.planner import Planner
+from kvmap.core.validation import validate_geometry
+from kvmap.core.worker_events import WorkerEvent
 from kvmap.daemon.adapters.fd_handoff import PeerCred
 from kvmap.daemon.adapters.state_store import StateStore, StateStoreError, StoredWorker
 from kvmap.daemon.engine.events import EventOutbox
 from kvmap.daemon.engine.grants import GrantTable
-from kvmap.daemon.engine.registration import Registrar
+from kvmap.daemon.engine.registration import Registrar, handle_offset
 from kvmap.daemon.engine.workers import WorkerRecord, WorkerTable
-from kvmap.v1 import registry_pb2
 
 log = structlog.get_logger("kvmapd")
 
@@ -38,7 +39,7 @@ class _Returning:
     it had not been sent."""
 
     stored: StoredWorker
-    events: list[registry_pb2.AttachResponse]
+    events: list[WorkerEvent]
 
 
 class Lifecycle:
@@ -100,6 +101,13 @@ class Lifecycle:
                 f"worker {key} was registered by another uid: only that uid may attach,"
                 " grant, revoke, deregister or replace it (send its kvmap-peer-token)"
             )
+
+    def check_replacer(self, key: WorkerKey, caller: PeerCred | None) -> None:
+        """A registration of ``key`` by ``caller``: a live worker is replaced
+        only by the uid that registered it (``check_caller``), a new one by
+        anyone."""
+        if self._table.find(key) is not None:
+            self.check_caller(key, caller)
 
     def may_grant_unattached(self, key: WorkerKey) -> bool:
         """A restored worker's client is re-attaching after the restart: a
@@ -174,18 +182,17 @@ class Lifecycle:
 
     async def register(
         self,
-        request: registry_pb2.RegisterWorkerRequest,
+        geometry: WorkerGeometry,
         planner: Planner,
         caller: PeerCred | None = None,
     ) -> WorkerRecord:
         """Registry.RegisterWorker: register (or replace) the worker, then
         settle what it had before (``registered``). ``caller``: who calls
         (a live worker is replaced only by its own uid)."""
-        key = convert.requested_worker(request.worker, "worker")
-        if self._table.find(key) is not None:
-            self.check_caller(key, caller)
+        key = check_requested(geometry.worker, "worker")
+        self.check_replacer(key, caller)
         uid = None if caller is None else caller.uid
-        record = await self._registrar().register(request, planner, caller_uid=uid)
+        record = await self._registrar().register(geometry, planner, caller_uid=uid)
         if uid is None:
             self._owners.pop(record.key, None)
         else:
@@ -234,13 +241,15 @@ class Lifecycle:
             return False
         if now is None or now.reopen != before.reopen:
             return False
+        mine, had = now.geometry, before.geometry
+        if mine is None or had is None:
+            return False
         try:
-            same = convert.parse_and_validate(now.request) == convert.parse_and_validate(
-                before.request
-            )
+            validate_geometry(mine)
+            validate_geometry(had)
         except KvmapError:
             return False
-        return same and _handle_offsets(now) == _handle_offsets(before)
+        return mine == had and _handle_offsets(mine) == _handle_offsets(had)
 
     async def deregister(self, key: WorkerKey) -> WorkerRecord:
         """Registry.DeregisterWorker: the worker and its grants go."""
@@ -263,11 +272,7 @@ class Lifecycle:
         self._update_gauges()
 
 
-def _handle_offsets(w: StoredWorker) -> list[tuple[str, int]]:
-    """Where each allocation starts in its memory object."""
-    out = []
-    for alloc in w.request.allocations:
-        which = alloc.WhichOneof("handle")
-        handle = getattr(alloc, which) if which in ("shm_fd", "shm_path") else None
-        out.append((alloc.id, handle.offset_bytes if handle is not None else 0))
-    return out
+def _handle_offsets(geometry: WorkerGeometry) -> list[tuple[str, int]]:
+    """Where each allocation starts in its memory object (geometries
+    compare equal whatever their handles)."""
+    return [(alloc.id, handle_offset(alloc)) for alloc in geometry.allocations]

@@ -22,14 +22,15 @@ from kvmap.core.errors import (
 from kvmap.core.geometry import WorkerKey
 from kvmap.core.grants import DENIED, Access, Grant
 from kvmap.core.transfer_requests import Announcement, ReleaseNotice
+from kvmap.core.worker_events import TransferDirection, TransferFinished
 from kvmap.daemon.adapters.metrics import Metrics
 from kvmap.daemon.engine.events import EventOutbox
 from kvmap.daemon.engine.grants import GrantTable
 from kvmap.daemon.engine.leases import DEFAULT_LEASE_S, Lease, LeaseTable, token_of
 from kvmap.daemon.engine.lifecycle import Lifecycle
+from kvmap.daemon.engine.stats import TransferCounters
 from kvmap.daemon.engine.workers import WorkerTable
 from kvmap.tracing import NULL_SPAN, Span
-from kvmap.v1 import admin_pb2, registry_pb2
 
 log = structlog.get_logger("kvmapd")
 
@@ -94,7 +95,7 @@ class OwnerSide:
         events: EventOutbox,
         lifecycle: Lifecycle,
         metrics: Metrics,
-        counters: admin_pb2.TransferCounters,
+        counters: TransferCounters,
         draining: Callable[[], bool],
         wake: Callable[[], None],
     ) -> None:
@@ -239,11 +240,11 @@ class OwnerSide:
             uses=used.uses,
             max_uses=used.max_uses,
         )
-        done = registry_pb2.TransferFinishedEvent(
+        done = TransferFinished(
             request_id=n.request_id,
-            direction=registry_pb2.TRANSFER_DIRECTION_PUSHED_TO
+            direction=TransferDirection.PUSHED_TO
             if used.access is Access.WRITE
-            else registry_pb2.TRANSFER_DIRECTION_PULLED_FROM,
+            else TransferDirection.PULLED_FROM,
             peer_agent=n.peer_agent,
             released=True,
         )
@@ -316,14 +317,8 @@ class OwnerSide:
         self._metrics.served(lease.peer, "OK", lease.bytes)
         log.debug("transfer_finished", **lease_fields(lease))
         lease.span.event("notified")
-        direction = (
-            registry_pb2.TRANSFER_DIRECTION_PUSHED_TO
-            if lease.write
-            else registry_pb2.TRANSFER_DIRECTION_PULLED_FROM
-        )
-        done = registry_pb2.TransferFinishedEvent(
-            request_id=lease.request_id, direction=direction, peer_agent=peer
-        )
+        direction = TransferDirection.PUSHED_TO if lease.write else TransferDirection.PULLED_FROM
+        done = TransferFinished(request_id=lease.request_id, direction=direction, peer_agent=peer)
         self._events.tell_finished(lease.record.key, done, used, store_use=True)
         if used is not None:
             lease.span.set(uses=used.uses, max_uses=used.max_uses)

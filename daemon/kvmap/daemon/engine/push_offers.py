@@ -1,7 +1,8 @@
 """Push offers on the prefill side's daemon: a decode daemon offers a decode
 worker's blocks, granted for writing, to one of this daemon's engines
-(Peer.OfferPush); the offer is checked (``core.push_offers``) and relayed
-to every attached worker of that engine as a live ``push_offered`` event.
+(Peer.OfferPush); the offer is checked (``core.push_offers``, as the api
+reads it off the wire) and relayed to every attached worker of that engine
+as a live ``push_offered`` event.
 
 Offers are not stored. The prefill worker that needs one (its request was
 given the offer's push id) keeps it until it pushes; one that no worker
@@ -14,10 +15,10 @@ from __future__ import annotations
 
 import structlog
 
-from kvmap.core.errors import KvmapError, NotFound
-from kvmap.core.push_offers import offer_from_proto
+from kvmap.core.errors import NotFound
+from kvmap.core.push_offers import Offer
+from kvmap.core.worker_events import PushOffered
 from kvmap.daemon.engine.workers import WorkerTable
-from kvmap.v1 import registry_pb2, types_pb2
 
 log = structlog.get_logger("kvmapd.push_offers")
 
@@ -29,16 +30,16 @@ class PushOfferRelay:
         self.relayed = 0
         self.refused = 0
 
-    def relay(self, msg: types_pb2.PushOffer, *, peer: str) -> int:
-        """Check ``msg`` (from the authenticated ``peer``) and hand it to the
+    def refuse_malformed(self) -> None:
+        """An offer failed its checks (``core.push_offers``) on its way in:
+        counted among the refused."""
+        self.refused += 1
+
+    def relay(self, offer: Offer, *, peer: str) -> int:
+        """Hand a checked ``offer`` (from the authenticated ``peer``) to the
         attached workers of its prefill engine: how many. NOT_FOUND when
         none is attached (the decode side gives up at once rather than
         waiting out its timeout)."""
-        try:
-            offer = offer_from_proto(msg)
-        except KvmapError:
-            self.refused += 1
-            raise
         keys = [
             r.key
             for r in self._table.records()
@@ -47,9 +48,7 @@ class PushOfferRelay:
         if not keys:
             self.refused += 1
             raise NotFound(f"no attached worker of engine {offer.prefill_engine_id!r}")
-        event = registry_pb2.AttachResponse(
-            push_offered=registry_pb2.PushOfferedEvent(offer=msg, peer=peer)
-        )
+        event = PushOffered(offer=offer, peer=peer)
         for key in keys:
             self._table.publish(key, event)
         self.relayed += 1

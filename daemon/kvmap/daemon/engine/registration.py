@@ -26,8 +26,19 @@ from kvmap.core.config import (
     MAX_REGION_MAP_BYTES,
 )
 from kvmap.core.errors import InvalidArgument, KvmapError, ResourceExhausted
-from kvmap.core.geometry import Plan, RegionMapModel, WorkerGeometry, WorkerKey
+from kvmap.core.geometry import (
+    AllocationSpec,
+    CudaIpcHandle,
+    DeviceKind,
+    Plan,
+    RegionMapModel,
+    ShmFdHandle,
+    ShmPathHandle,
+    WorkerGeometry,
+    WorkerKey,
+)
 from kvmap.core.planner import Planner
+from kvmap.core.validation import validate_geometry
 from kvmap.daemon.adapters.cuda_ipc import CudaIpcImporter, CudaMapping, import_allocation
 from kvmap.daemon.adapters.fd_handoff import FdHandoffServer
 from kvmap.daemon.adapters.memory import MappedMemory, Owner, ShmImporter
@@ -40,7 +51,6 @@ from kvmap.daemon.adapters.state_store import (
     StoredWorker,
 )
 from kvmap.daemon.engine.workers import AttachedMemory, WorkerRecord, WorkerTable
-from kvmap.v1 import registry_pb2, types_pb2
 
 log = structlog.get_logger("kvmapd.registration")
 
@@ -93,7 +103,7 @@ class Registrar:
         self._max_workers = max_workers
         self._max_registered_bytes = max_registered_bytes
 
-    def _check_caps(self, req: registry_pb2.RegisterWorkerRequest, key: WorkerKey) -> None:
+    def _check_caps(self, geometry: WorkerGeometry, key: WorkerKey) -> None:
         """Refuse a registration over the daemon's caps before anything is
         mapped. A worker registering again replaces itself: its current
         record does not count."""
@@ -104,7 +114,7 @@ class Registrar:
                 f"{len(others)} workers are registered"
             )
         used = sum(r.memory.size_bytes for r in others)
-        wanted = sum(a.size_bytes for a in req.allocations)
+        wanted = sum(a.size_bytes for a in geometry.allocations)
         if used + wanted > self._max_registered_bytes:
             raise ResourceExhausted(
                 f"max_registered_bytes ({self._max_registered_bytes}) would be exceeded: "
@@ -115,7 +125,7 @@ class Registrar:
 
     def _import(
         self,
-        req: registry_pb2.RegisterWorkerRequest,
+        geometry: WorkerGeometry,
         preopened: dict[str, int],
         restored_from: dict[str, Reopen],
         caller_uid: int | None = None,
@@ -125,7 +135,7 @@ class Registrar:
         mapped: dict[str, Mapping] = {}
         reopen: dict[str, Reopen] = {}
         try:
-            for i, alloc in enumerate(req.allocations):
+            for i, alloc in enumerate(geometry.allocations):
                 mapped[alloc.id], reopen[alloc.id] = self._import_one(
                     alloc, f"allocations[{i}]", preopened, restored_from, caller_uid
                 )
@@ -139,22 +149,22 @@ class Registrar:
 
     def _import_one(
         self,
-        alloc: types_pb2.Allocation,
+        alloc: AllocationSpec,
         field: str,
         preopened: dict[str, int],
         restored_from: dict[str, Reopen],
         caller_uid: int | None,
     ) -> tuple[Mapping, Reopen]:
-        which = alloc.WhichOneof("handle")
-        if which == "cuda_ipc":
+        handle = alloc.handle
+        if isinstance(handle, CudaIpcHandle):
             # The handle opens again while the worker lives.
-            mapping = import_allocation(alloc, field=field, importer=self._cuda)
-            return mapping, Reopen(cuda_ipc=alloc.cuda_ipc.handle)
-        if alloc.device.type == types_pb2.DEVICE_TYPE_CUDA:
+            mapping = import_allocation(alloc, handle, field=field, importer=self._cuda)
+            return mapping, Reopen(cuda_ipc=handle.handle)
+        if alloc.device.kind is DeviceKind.CUDA:
             raise InvalidArgument(f"{field}.handle", "a CUDA allocation needs a cuda_ipc handle")
         if alloc.id in preopened:  # restored by the daemon itself
             fd = preopened.pop(alloc.id)
-            offset = _handle_offset(alloc)
+            offset = handle_offset(alloc)
             # A memfd was sealed when first registered (seals stay); a path's
             # file takes none, and it was checked against the prefixes then.
             reopen = restored_from[alloc.id]
@@ -162,18 +172,19 @@ class Registrar:
                 fd, offset, alloc.size_bytes, field=field, require_seal=not reopen.path
             )
             return mapped, reopen
-        if which == "shm_fd":
-            return self._import_shm_fd(alloc, f"{field}.shm_fd")
-        if which == "shm_path":
-            return self._import_shm_path(alloc, f"{field}.shm_path", caller_uid)
+        if isinstance(handle, ShmFdHandle):
+            return self._import_shm_fd(alloc, handle, f"{field}.shm_fd")
+        if isinstance(handle, ShmPathHandle):
+            return self._import_shm_path(alloc, handle, f"{field}.shm_path", caller_uid)
         raise InvalidArgument(
             f"{field}.handle",
             "registration needs memory: set shm_fd, shm_path or cuda_ipc "
             "(a handle of 'none' is for PlanPreview and kvmapd plan only)",
         )
 
-    def _import_shm_fd(self, alloc: types_pb2.Allocation, field: str) -> tuple[Mapping, Reopen]:
-        handle = alloc.shm_fd
+    def _import_shm_fd(
+        self, alloc: AllocationSpec, handle: ShmFdHandle, field: str
+    ) -> tuple[Mapping, Reopen]:
         fd = self._fds.claim(handle.token, handle.index, field)
         st = os.fstat(fd)
         # The worker holds the same object open: after a restart the daemon
@@ -182,11 +193,10 @@ class Registrar:
         return self._shm.import_fd(fd, handle.offset_bytes, alloc.size_bytes, field=field), reopen
 
     def _import_shm_path(
-        self, alloc: types_pb2.Allocation, field: str, caller_uid: int | None
+        self, alloc: AllocationSpec, handle: ShmPathHandle, field: str, caller_uid: int | None
     ) -> tuple[Mapping, Reopen]:
         """A file by path: only the caller's own, so a caller maps only what
         it could map itself (the daemon may open far more)."""
-        handle = alloc.shm_path
         mapping = self._shm.import_path(
             handle.path, handle.offset_bytes, alloc.size_bytes, field=field, owner=Owner(caller_uid)
         )
@@ -236,7 +246,7 @@ class Registrar:
                 for a in model.allocations
             ),
         )
-        size = convert.region_map_to_proto(model).ByteSize()
+        size = convert.region_map_bytes(model)
         if size > MAX_REGION_MAP_BYTES:
             raise InvalidArgument(
                 "views",
@@ -263,18 +273,19 @@ class Registrar:
 
     async def register(
         self,
-        req: registry_pb2.RegisterWorkerRequest,
+        geometry: WorkerGeometry,
         planner: Planner,
         restored: dict[str, tuple[int, Reopen]] | None = None,
         *,
         caller_uid: int | None = None,
     ) -> WorkerRecord:
-        """Register a worker. ``restored`` maps allocation ids to fds the
-        daemon opened itself (restore after a restart) and their Reopen;
-        ``caller_uid`` is who registers (path registrations need it)."""
+        """Register a worker (``geometry``, as read off the wire: validated
+        here). ``restored`` maps allocation ids to fds the daemon opened
+        itself (restore after a restart) and their Reopen; ``caller_uid`` is
+        who registers (path registrations need it)."""
         preopened = {k: fd for k, (fd, _) in (restored or {}).items()}
         try:
-            geometry = convert.parse_and_validate(req)
+            validate_geometry(geometry)
             plan = planner.plan(geometry)
         except BaseException:
             for fd in preopened.values():
@@ -282,22 +293,22 @@ class Registrar:
             raise
         async with self._table.lock:
             try:
-                self._check_caps(req, geometry.worker)
+                self._check_caps(geometry, geometry.worker)
             except BaseException:
                 for fd in preopened.values():
                     os.close(fd)
                 raise
             mapped, reopen = self._import(
-                req, preopened, {k: r for k, (_, r) in (restored or {}).items()}, caller_uid
+                geometry, preopened, {k: r for k, (_, r) in (restored or {}).items()}, caller_uid
             )
             mem = await self._attach(mapped)
-            record = await self._commit(req, geometry, plan, mem, reopen)
+            record = await self._commit(geometry, plan, mem, reopen)
             old = self._table.put(record)
-        for alloc in req.allocations:
+        for alloc in geometry.allocations:
             # The claimed fds were duplicated and are mapped now; the batch's
             # own copies can go rather than wait for the token to expire.
-            if alloc.WhichOneof("handle") == "shm_fd":
-                self._fds.discard(alloc.shm_fd.token)
+            if isinstance(alloc.handle, ShmFdHandle):
+                self._fds.discard(alloc.handle.token)
         log.info(
             "worker_registered",
             worker=str(geometry.worker),
@@ -312,7 +323,6 @@ class Registrar:
 
     async def _commit(
         self,
-        req: registry_pb2.RegisterWorkerRequest,
         geometry: WorkerGeometry,
         plan: Plan,
         mem: AttachedMemory,
@@ -327,9 +337,7 @@ class Registrar:
             await self._release_memory(mem)
             raise
         try:
-            self._store.save_worker(
-                req, geometry.worker, reopen, plan.planner.name, record.generation
-            )
+            self._store.save_worker(geometry, reopen, plan.planner.name, record.generation)
         except BaseException:
             await self._nixl(partial(self._agent.release_dlist, record.local_dlist))
             await self._release_memory(mem)
@@ -400,9 +408,12 @@ class Registrar:
     async def restore(self, stored: StoredWorker, planner: Planner) -> WorkerRecord | None:
         """Register a worker from the state store with memory the daemon can
         open by itself; None when it cannot (its client re-registers)."""
+        if stored.geometry is None:  # a row this kvmapd cannot read
+            log.warning("restore_failed", worker=str(stored.worker), error=stored.problem)
+            return None
         restored: dict[str, tuple[int, Reopen]] = {}
-        for alloc in stored.request.allocations:
-            if alloc.WhichOneof("handle") == "cuda_ipc":
+        for alloc in stored.geometry.allocations:
+            if isinstance(alloc.handle, CudaIpcHandle):
                 continue  # the stored handle itself opens again
             info = stored.reopen.get(alloc.id)
             fd = reopen_fd(info) if info is not None else None
@@ -413,7 +424,7 @@ class Registrar:
                 return None
             restored[alloc.id] = (fd, info)
         try:
-            return await self.register(stored.request, planner, restored)
+            return await self.register(stored.geometry, planner, restored)
         except KvmapError as err:
             log.warning("restore_failed", worker=str(stored.worker), error=str(err))
             return None
@@ -426,12 +437,10 @@ def nixl_target(m: Mapping) -> tuple[int, MemoryType]:
     return 0, MemoryType.DRAM
 
 
-def _handle_offset(alloc: types_pb2.Allocation) -> int:
-    which = alloc.WhichOneof("handle")
-    if which == "shm_fd":
-        return alloc.shm_fd.offset_bytes
-    if which == "shm_path":
-        return alloc.shm_path.offset_bytes
+def handle_offset(alloc: AllocationSpec) -> int:
+    """Where the allocation starts in its shared-memory object."""
+    if isinstance(alloc.handle, ShmFdHandle | ShmPathHandle):
+        return alloc.handle.offset_bytes
     return 0
 
 

@@ -42,6 +42,7 @@ from kvmap.core.errors import (
     Unavailable,
 )
 from kvmap.core.geometry import WorkerKey
+from kvmap.core.push_offers import Offer
 from kvmap.core.retry import retryable
 from kvmap.core.token_plan import plan_token_transfer
 from kvmap.core.transfer_pieces import Side
@@ -65,9 +66,9 @@ from kvmap.daemon.engine.posting import Posting
 from kvmap.daemon.engine.prepared import HandshakeKey, Prepared, TransferCaches, side_memory
 from kvmap.daemon.engine.progress import Progress
 from kvmap.daemon.engine.stage import new_stage, say_where, stage
+from kvmap.daemon.engine.stats import TransferCounters
 from kvmap.daemon.engine.workers import WorkerRecord, WorkerTable
 from kvmap.tracing import NULL_SPAN, OFF, Span, Tracer, code_name, current, use
-from kvmap.v1 import admin_pb2, types_pb2
 
 log = structlog.get_logger("kvmapd.transfers")
 
@@ -98,9 +99,7 @@ class Peers(Protocol):
     async def begin(self, target: str, announcement: Announcement, timeout_s: float) -> str: ...
     async def release(self, target: str, notice: ReleaseNotice, timeout_s: float) -> None: ...
     async def end(self, target: str, token: str) -> None: ...
-    async def offer_push(
-        self, target: str, offer: types_pb2.PushOffer, timeout_s: float
-    ) -> int: ...
+    async def offer_push(self, target: str, offer: Offer, timeout_s: float) -> int: ...
     async def close(self) -> None: ...
 
 
@@ -116,7 +115,7 @@ class TransferEngine:
         progress: Progress,
         peers: Peers,
         metrics: Metrics,
-        counters: admin_pb2.TransferCounters,
+        counters: TransferCounters,
         pacing: Pacing | None = None,
         replaces_agents: tuple[str, ...] = (),
         tracer: Tracer = OFF,

@@ -14,14 +14,15 @@ from typing import Any
 
 from kvmap.core.errors import NotFound
 from kvmap.core.geometry import RegionMapModel, WorkerGeometry, WorkerKey
+from kvmap.core.worker_events import WorkerEvent
 from kvmap.daemon.adapters.nixl_port import DlistHandle, Registration
-from kvmap.v1 import registry_pb2
 
-# (persisted event id or 0, event)
-EventQueue = asyncio.Queue[tuple[int, registry_pb2.AttachResponse]]
+# (persisted event id or 0, event); (-1, None) is ``STREAM_END``.
+QueuedEvent = tuple[int, WorkerEvent | None]
+EventQueue = asyncio.Queue[QueuedEvent]
 
 # Queued by ``WorkerTable.end_streams``: the stream that takes it ends.
-STREAM_END: tuple[int, registry_pb2.AttachResponse] = (-1, registry_pb2.AttachResponse())
+STREAM_END: QueuedEvent = (-1, None)
 
 # Events a slow Attach reader may have queued before the daemon drops the
 # oldest: events are hints (the worker can always re-read state), never a
@@ -154,16 +155,14 @@ class WorkerTable:
     def subscriber_count(self, key: WorkerKey) -> int:
         return len(self._subscribers.get(key, ()))
 
-    def publish(
-        self, key: WorkerKey, event: registry_pb2.AttachResponse, event_id: int = 0
-    ) -> None:
+    def publish(self, key: WorkerKey, event: WorkerEvent, event_id: int = 0) -> None:
         """Queue an event for every Attach stream of the worker. ``event_id``
         names a persisted event, acknowledged once a stream has sent it."""
         for queue in self._subscribers.get(key, ()):
             _offer(queue, (event_id, event))
 
 
-def _offer(queue: EventQueue, item: tuple[int, registry_pb2.AttachResponse]) -> None:
+def _offer(queue: EventQueue, item: QueuedEvent) -> None:
     """Queue ``item``, dropping the oldest queued event when the reader is
     MAX_QUEUED_EVENTS behind (events are hints: never a reason to grow)."""
     if queue.full():
