@@ -14,7 +14,9 @@ from kvmap.client.geometry import (
     LayerSpec,
     block_views,
     build_registration,
+    export_registration,
 )
+from kvmap.client.memory_export import ExportedMemory
 from kvmap.v1 import types_pb2
 
 MHA = types_pb2.CACHE_KIND_MHA
@@ -106,7 +108,7 @@ def test_flat_byte_view_needs_and_uses_the_page_size() -> None:
     assert views_of(t, 4, page=100) == [BlockView("", 0, 100, 100, 4)]
 
 
-def test_build_registration_one_allocation_per_storage_and_daemon_accepts_it() -> None:
+def test_export_registration_one_allocation_per_storage_and_daemon_accepts_it() -> None:
     """Layers on one storage become one shm_fd allocation with a view per layer that has a spec
     (others skipped), the storage is shared in place (writes through the layer tensors, before and
     after registering, show in a mapping of the fd), and an in-memory daemon accepts the request
@@ -120,7 +122,7 @@ def test_build_registration_one_allocation_per_storage_and_daemon_accepts_it() -
     }
     specs = {n: LayerSpec(0, MHA, nb) for n in ("model.layers.0.attn", "model.layers.1.attn")}
     worker = types_pb2.WorkerId(engine_id="e", tp_rank=0)
-    req, fds = build_registration(worker, kv, specs, block_size_tokens=16, tp_size=1)
+    req, fds = export_registration(worker, kv, specs, block_size_tokens=16, tp_size=1)
     assert len(req.allocations) == 1 and len(fds) == 1
     assert req.allocations[0].size_bytes == 2 * nb * page
     assert req.allocations[0].WhichOneof("handle") == "shm_fd"
@@ -147,17 +149,48 @@ def test_build_registration_one_allocation_per_storage_and_daemon_accepts_it() -
         shared.close()  # the fd itself belongs to the storage, which closes it
 
 
-def test_build_registration_refuses_mixed_devices_and_empty() -> None:
-    """build_registration refuses, with GeometryError, layers on more than one device type, a set
+def test_export_registration_refuses_mixed_devices_and_empty() -> None:
+    """export_registration refuses, with GeometryError, layers on more than one device type, a set
     with no specified KV cache layer, and a layer tensor without a block dimension."""
     worker = types_pb2.WorkerId(engine_id="e")
     specs = {n: LayerSpec(0, MHA, 4) for n in ("a", "b")}
     mixed = {"a": torch.zeros(4, 8), "b": torch.zeros(4, 8, device="meta")}
     with pytest.raises(GeometryError, match=r"mixed devices \['cpu', 'meta'\]"):
-        build_registration(worker, mixed, specs, block_size_tokens=16)
+        export_registration(worker, mixed, specs, block_size_tokens=16)
     with pytest.raises(GeometryError, match="no KV cache layer"):
-        build_registration(worker, {"a": torch.zeros(2, 2)}, {}, block_size_tokens=16)
+        export_registration(worker, {"a": torch.zeros(2, 2)}, {}, block_size_tokens=16)
     with pytest.raises(GeometryError, match="layer a: no dimension"):
-        build_registration(
+        export_registration(
             worker, {"a": torch.zeros(3, 5)}, {"a": LayerSpec(0, MLA, 7)}, block_size_tokens=16
+        )
+
+
+def test_build_registration_describes_an_export_and_moves_nothing() -> None:
+    """build_registration only reads: given an export of the layers, the layer tensors' storage
+    stays where it was (not moved into shared memory), and the views name the export's
+    allocations; an export of another number of tensors than layers is refused."""
+    nb, page = 4, 64
+    storage = torch.zeros(2 * nb * page, dtype=torch.uint8)
+    kv = {"a": storage[: nb * page].view(nb, page), "b": storage[nb * page :].view(nb, page)}
+    specs = {n: LayerSpec(0, MHA, nb) for n in kv}
+    where = storage.untyped_storage().data_ptr()
+    alloc = types_pb2.Allocation(
+        id="kv0",
+        size_bytes=2 * nb * page,
+        device=types_pb2.Device(type=types_pb2.DEVICE_TYPE_CPU),
+        shm_fd=types_pb2.ShmFdHandle(index=0),
+    )
+    worker = types_pb2.WorkerId(engine_id="e")
+    req = build_registration(
+        worker, kv, specs, ExportedMemory([alloc], [], [0, 0]), block_size_tokens=16
+    )
+    assert storage.untyped_storage().data_ptr() == where and not storage.is_shared()
+    assert list(req.allocations) == [alloc]
+    assert [(v.layer_name, v.allocation_id, v.offset_bytes) for v in req.views] == [
+        ("a", "kv0", 0),
+        ("b", "kv0", nb * page),
+    ]
+    with pytest.raises(GeometryError, match="an export of 1 tensors for 2 KV cache layers"):
+        build_registration(
+            worker, kv, specs, ExportedMemory([alloc], [], [0]), block_size_tokens=16
         )

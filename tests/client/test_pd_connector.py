@@ -29,7 +29,7 @@ from kvmap.client.connector import (
     pair_blocks,
     rank_capability,
 )
-from kvmap.client.geometry import LayerSpec, build_registration
+from kvmap.client.geometry import LayerSpec, export_registration
 from kvmap.core.errors import PermissionDenied, Unavailable
 from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
 
@@ -108,7 +108,7 @@ def make_side(net: InprocNetwork, addr: str, engine: str, fill: bool, **kw: Any)
     worker_transport, sched_transport = RecordingTransport(daemon), RecordingTransport(daemon)
     worker = WorkerCore(KvmapClient(worker_transport), wid, opts, clock=clock)
     specs = {n: LayerSpec(0, types_pb2.CACHE_KIND_MHA, NB) for n in LAYERS}
-    req, fds = build_registration(wid, kv, specs, block_size_tokens=16)
+    req, fds = export_registration(wid, kv, specs, block_size_tokens=16)
     worker.register(req, fds)
     sched = SchedulerCore(engine, opts, client=KvmapClient(sched_transport))
     return Side(daemon, sched, worker, kv, clock, sched_transport, worker_transport)

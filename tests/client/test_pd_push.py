@@ -20,7 +20,7 @@ from inproc_daemon import InprocDaemon, InprocNetwork, InprocTransport
 
 from kvmap.client.client import KvmapClient
 from kvmap.client.connector import ConnectorOptions, SchedulerCore, WorkerCore
-from kvmap.client.geometry import LayerSpec, build_registration
+from kvmap.client.geometry import LayerSpec, export_registration
 from kvmap.core.errors import PermissionDenied
 from kvmap.v1 import transfers_pb2, types_pb2
 
@@ -85,7 +85,7 @@ def make_side(net: InprocNetwork, engine: str, fill: bool, **kw: Any) -> Side:
         KvmapClient(InprocTransport(daemon)), wid, opts, clock=clock, block_size=BLOCK
     )
     specs = {n: LayerSpec(0, types_pb2.CACHE_KIND_MHA, NB) for n in LAYERS}
-    req, fds = build_registration(wid, kv, specs, block_size_tokens=BLOCK)
+    req, fds = export_registration(wid, kv, specs, block_size_tokens=BLOCK)
     worker.register(req, fds)
     sched = SchedulerCore(
         engine, opts, client=KvmapClient(InprocTransport(daemon)), block_size=BLOCK

@@ -21,7 +21,7 @@ from kvmap.client.connector import ConnectorOptions, SchedulerCore, WorkerCore, 
 from kvmap.client.geometry import (
     GeometryError,
     LayerSpec,
-    build_registration,
+    export_registration,
     head_layout,
     token_layout,
 )
@@ -86,7 +86,7 @@ def make_side(
     heads = head_layout(
         kv, specs, total_kv_heads=HEADS, head_size=HEAD_SIZE, tp_size=tp_size, block_tokens=block
     )
-    req, fds = build_registration(
+    req, fds = export_registration(
         wid, kv, specs, block_size_tokens=block, tp_size=tp_size, head_layout=heads
     )
     opts = options(addr)
@@ -349,7 +349,7 @@ def test_region_map_publishes_the_head_layout(net: InprocNetwork) -> None:
     kv = {LAYERS[0]: torch.zeros(2, 12, 2, 16, 4, dtype=torch.uint8)}
     specs = {LAYERS[0]: LayerSpec(0, types_pb2.CACHE_KIND_MHA, 12)}
     bad = types_pb2.HeadLayout(total_kv_heads=3, head_size=4, head_bytes=4, token_layout=1)
-    req, fds = build_registration(
+    req, fds = export_registration(
         types_pb2.WorkerId(engine_id="x"), kv, specs, block_size_tokens=16, tp_size=2,
         head_layout=bad,
     )  # fmt: skip

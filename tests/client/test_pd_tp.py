@@ -32,7 +32,7 @@ from kvmap.client.connector import (
     rank_capability,
     tp_readers,
 )
-from kvmap.client.geometry import LayerSpec, build_registration, head_layout
+from kvmap.client.geometry import LayerSpec, export_registration, head_layout
 from kvmap.core.errors import FailedPrecondition, PermissionDenied, Unimplemented
 from kvmap.core.reshard import rank_heads, source_ranks, source_readers
 from kvmap.v1 import registry_pb2, types_pb2
@@ -147,7 +147,7 @@ def assemble(
             if kv_heads
             else None
         )  # fmt: skip
-        req, fds = build_registration(
+        req, fds = export_registration(
             wid, kv, specs, block_size_tokens=BLOCK, tp_size=tp, head_layout=heads
         )
         worker = CountingWorker(

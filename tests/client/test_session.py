@@ -17,7 +17,7 @@ from inproc_daemon import InprocDaemon, InprocNetwork
 
 from kvmap.client.aio import AsyncKvmapClient
 from kvmap.client.client import KvmapClient
-from kvmap.client.geometry import LayerSpec, build_registration
+from kvmap.client.geometry import LayerSpec, export_registration
 from kvmap.client.session import Backoff, WorkerSession
 from kvmap.client.transports.base import AttachStream
 from kvmap.core.errors import DeadlineExceeded, KvmapError, NotFound
@@ -104,7 +104,7 @@ def daemon(net: InprocNetwork) -> InprocDaemon:
 
 def registration(nb: int = 8) -> tuple[registry_pb2.RegisterWorkerRequest, list[int], torch.Tensor]:
     kv = torch.zeros(nb, 64, dtype=torch.uint8)
-    req, fds = build_registration(
+    req, fds = export_registration(
         WORKER, {"layer0": kv}, {"layer0": LayerSpec(0, types_pb2.CACHE_KIND_MHA, nb)},
         block_size_tokens=16,
     )  # fmt: skip
@@ -261,7 +261,7 @@ def test_pull_copies_bytes_counts_and_notifies_owner(net: InprocNetwork) -> None
     sessions = []
     for d, engine, kv, on in ((pd, "p", kv_p, events.append), (dd, "d", kv_d, None)):
         w = types_pb2.WorkerId(engine_id=engine)
-        req, fds = build_registration(w, {"l": kv}, specs, block_size_tokens=16)
+        req, fds = export_registration(w, {"l": kv}, specs, block_size_tokens=16)
         s = WorkerSession(d.client(), req, fds, on_event=on, backoff=FAST)
         s.start(2)
         sessions.append(s)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from kvmap.client.geometry import LayerSpec, build_registration
+from kvmap.client.geometry import LayerSpec, export_registration
 from kvmap.client.transports import GrpcTransport, Transport
 from kvmap.core.errors import (
     FailedPrecondition,
@@ -113,7 +113,7 @@ def registration(worker: types_pb2.WorkerId, fill: bool) -> tuple[Worker, list[i
         kv.copy_(torch.randint(1, 255, kv.shape, generator=g, dtype=torch.uint8))
     tensors = {name: kv[:, i] for i, name in enumerate(LAYER_NAMES)}
     specs = {name: LayerSpec(0, MLA, BLOCKS) for name in LAYER_NAMES}
-    req, fds = build_registration(
+    req, fds = export_registration(
         worker, tensors, specs, block_size_tokens=16, kv_cache_layout="BLHNC"
     )
     return Worker("", worker, req, fds, kv), fds

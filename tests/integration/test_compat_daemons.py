@@ -19,7 +19,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmap.client.client import KvmapClient
-from kvmap.client.geometry import LayerSpec, build_registration, model_identity
+from kvmap.client.geometry import LayerSpec, export_registration, model_identity
 from kvmap.client.session import WorkerSession
 from kvmap.core.errors import FailedPrecondition
 from kvmap.tools.launch import DaemonProc, start_daemon
@@ -61,7 +61,7 @@ def start_worker(
 ) -> Worker:
     tensors = {n: torch.zeros(BLOCKS, 64, dtype=dtype) for n in LAYERS}
     specs = {n: LayerSpec(0, types_pb2.CACHE_KIND_MHA, BLOCKS) for n in LAYERS}
-    req, fds = build_registration(
+    req, fds = export_registration(
         types_pb2.WorkerId(engine_id=engine),
         tensors,
         specs,

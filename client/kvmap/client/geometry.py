@@ -8,8 +8,9 @@ block dimension is the first dimension of ``num_blocks`` entries; the
 dimensions inside it must make each block one contiguous page (in any
 physical order); each index of the dimensions outside it (e.g. the K/V
 dimension of ``[2, num_blocks, ...]`` caches) becomes its own view.
-``build_registration`` exports the tensors' backing storages (shared memory
-on CPU, CUDA IPC on GPUs) and assembles the ``RegisterWorkerRequest``.
+``build_registration`` assembles the ``RegisterWorkerRequest`` over memory
+that ``kvmap.client.memory_export`` exported, and moves nothing;
+``export_registration`` does both steps, the export first.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmap.client import cuda_export, shm_export
+from kvmap.client.memory_export import ExportedMemory, export_memory
+from kvmap.core.geometry import HeadLayout, TokenLayout
+from kvmap.core.head_layout import head_layout_to_proto, heads_per_rank
 from kvmap.v1 import registry_pb2, types_pb2
 
 
@@ -136,7 +139,8 @@ def _page_elements(shape: Sequence[int], strides: Sequence[int], dim: int) -> in
     return expected
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """A dtype as kvmap names it: ``float16``, not ``torch.float16``."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -212,7 +216,7 @@ def head_layout(
     """The ``HeadLayout`` a worker publishes so peers of another TP size or
     block size can plan transfers with it, read off its first head-split
     layer's tensor; None when it has no head-split layer (an MLA model)."""
-    per_rank = max(total_kv_heads // tp_size, 1)
+    per_rank = heads_per_rank(total_kv_heads, tp_size)
     for name, spec in specs.items():
         tensor = tensors.get(name)
         if spec.cache_kind != types_pb2.CACHE_KIND_MHA or tensor is None:
@@ -234,19 +238,65 @@ def head_layout(
                     f"layer {name}: K and V share the innermost dimension of a tokens-outer block"
                 )
             layout = types_pb2.TOKEN_LAYOUT_HEADS_KT_V
-        return types_pb2.HeadLayout(
-            total_kv_heads=total_kv_heads,
-            kv_heads_per_rank=per_rank,
-            head_size=head_size,
-            # One head of one token of K (or V).
-            head_bytes=head_size * tensor.element_size(),
-            token_layout=layout,  # type: ignore[arg-type,unused-ignore]
-            replicated_kinds=[types_pb2.CACHE_KIND_MLA, types_pb2.CACHE_KIND_INDEXER],
+        # One head of one token of K (or V): head_size elements.
+        heads = HeadLayout(
+            total_kv_heads, head_size, head_size * tensor.element_size(), TokenLayout(layout)
         )
+        return head_layout_to_proto(heads, tp_size)
     return None
 
 
+def registration_layers(
+    tensors: Mapping[str, torch.Tensor], specs: Mapping[str, LayerSpec]
+) -> dict[str, torch.Tensor]:
+    """The layers a registration holds: those with a spec (vLLM hands a
+    connector layers that share another layer's cache), all on one device
+    type, since one registration is either shared memory or CUDA IPC."""
+    chosen = {n: t for n, t in tensors.items() if n in specs}
+    if not chosen:
+        raise GeometryError("no KV cache layer to register")
+    devices = {t.device.type for t in chosen.values()}
+    if len(devices) != 1:
+        raise GeometryError(f"KV cache layers on mixed devices {sorted(devices)}")
+    return chosen
+
+
 def build_registration(
+    worker: types_pb2.WorkerId,
+    tensors: Mapping[str, torch.Tensor],
+    specs: Mapping[str, LayerSpec],
+    memory: ExportedMemory,
+    *,
+    block_size_tokens: int,
+    kv_cache_layout: str = "",
+    tp_size: int = 1,
+    model: types_pb2.ModelIdentity | None = None,
+    head_layout: types_pb2.HeadLayout | None = None,
+) -> registry_pb2.RegisterWorkerRequest:
+    """The registration of a worker's KV cache over ``memory``, the export
+    (``memory_export.export_memory``) of its ``registration_layers`` in that
+    order: their allocations, and each layer's views (read off its shape and
+    strides) in its storage. Reads the tensors; moves nothing."""
+    layers = registration_layers(tensors, specs)
+    if len(memory.storage_of) != len(layers):
+        raise GeometryError(
+            f"an export of {len(memory.storage_of)} tensors for {len(layers)} KV cache layers"
+        )
+    req = registry_pb2.RegisterWorkerRequest(
+        worker=worker,
+        kv_cache_layout=kv_cache_layout,
+        block_size_tokens=block_size_tokens,
+        tp_size=tp_size,
+        model=model,
+        head_layout=head_layout,
+        allocations=memory.allocations,
+    )
+    for (name, tensor), index in zip(layers.items(), memory.storage_of, strict=True):
+        _add_layer_views(req, name, tensor, specs[name], memory.allocations[index])
+    return req
+
+
+def export_registration(
     worker: types_pb2.WorkerId,
     tensors: Mapping[str, torch.Tensor],
     specs: Mapping[str, LayerSpec],
@@ -257,80 +307,24 @@ def build_registration(
     model: types_pb2.ModelIdentity | None = None,
     head_layout: types_pb2.HeadLayout | None = None,
 ) -> tuple[registry_pb2.RegisterWorkerRequest, list[int]]:
-    """The registration of a worker's KV cache and the fds it needs sent.
-
-    Layers without a spec are skipped (vLLM hands a connector layers that
-    share another layer's cache). CPU storages are moved into shared memory
-    in place and travel as fds; CUDA storages travel as IPC handles. Each
-    distinct storage is one allocation, whatever number of layers it backs.
-    """
-    names, chosen, device = _chosen_layers(tensors, specs)
-    req = registry_pb2.RegisterWorkerRequest(
-        worker=worker,
-        kv_cache_layout=kv_cache_layout,
+    """Export the memory of a worker's KV cache (``export_memory``: CPU
+    storages are moved into shared memory in place, CUDA storages exported
+    as IPC handles), then describe its registration over it
+    (``build_registration``): the request and the fds it needs sent."""
+    layers = registration_layers(tensors, specs)
+    memory = export_memory(list(layers.values()))
+    req = build_registration(
+        worker,
+        layers,
+        specs,
+        memory,
         block_size_tokens=block_size_tokens,
+        kv_cache_layout=kv_cache_layout,
         tp_size=tp_size,
         model=model,
         head_layout=head_layout,
     )
-    if device == "cpu":
-        fds, storage_sizes, placed = _add_shm_allocations(req, chosen)
-    else:
-        fds, storage_sizes, placed = _add_cuda_allocations(req, chosen)
-    for name, tensor, where in zip(names, chosen, placed, strict=True):
-        index = where.storage_index
-        _add_layer_views(
-            req, name, tensor, specs[name], storage_index=index, size=storage_sizes[index]
-        )
-    return req, fds
-
-
-def _chosen_layers(
-    tensors: Mapping[str, torch.Tensor], specs: Mapping[str, LayerSpec]
-) -> tuple[list[str], list[torch.Tensor], str]:
-    """The layers to register (those with a spec), their tensors and the one
-    device type they share: one registration is either shm or CUDA IPC."""
-    names = [n for n in tensors if n in specs]
-    if not names:
-        raise GeometryError("no KV cache layer to register")
-    chosen = [tensors[n] for n in names]
-    devices = {t.device.type for t in chosen}
-    if len(devices) != 1:
-        raise GeometryError(f"KV cache layers on mixed devices {sorted(devices)}")
-    return names, chosen, devices.pop()
-
-
-def _add_shm_allocations(
-    req: registry_pb2.RegisterWorkerRequest, chosen: Sequence[torch.Tensor]
-) -> tuple[list[int], list[int], list[shm_export.SharedView]]:
-    """Move CPU storages into shared memory and add one allocation each; an
-    allocation names its fd by index into the fds sent with the request."""
-    storages, placed = shm_export.export_tensors(chosen)
-    fds: list[int] = []
-    storage_sizes: list[int] = []
-    for i, s in enumerate(storages):
-        fds.append(s.fd)
-        storage_sizes.append(s.size_bytes)
-        req.allocations.add(
-            id=f"kv{i}",
-            size_bytes=s.size_bytes,
-            device=types_pb2.Device(type=types_pb2.DEVICE_TYPE_CPU),
-            shm_fd=types_pb2.ShmFdHandle(index=i),
-        )
-    return fds, storage_sizes, placed
-
-
-def _add_cuda_allocations(
-    req: registry_pb2.RegisterWorkerRequest, chosen: Sequence[torch.Tensor]
-) -> tuple[list[int], list[int], list[shm_export.SharedView]]:
-    """Export CUDA storages as IPC handles and add one allocation each; no
-    fds travel with them."""
-    cuda_storages, placed = cuda_export.export_cuda_tensors(chosen)
-    storage_sizes: list[int] = []
-    for i, c in enumerate(cuda_storages):
-        storage_sizes.append(c.storage_size_bytes)
-        req.allocations.append(c.allocation(f"kv{i}"))
-    return [], storage_sizes, placed
+    return req, memory.fds
 
 
 def _add_layer_views(
@@ -338,12 +332,11 @@ def _add_layer_views(
     name: str,
     tensor: torch.Tensor,
     spec: LayerSpec,
-    *,
-    storage_index: int,
-    size: int,
+    allocation: types_pb2.Allocation,
 ) -> None:
-    """Add the views of one layer, each checked to end inside its
-    ``size``-byte storage so the daemon never maps past it."""
+    """Add the views of one layer, each checked to end inside the storage
+    of its ``allocation`` so the daemon never maps past it."""
+    size = allocation.size_bytes
     try:
         views = block_views(
             tensor.shape,
@@ -363,7 +356,7 @@ def _add_layer_views(
             )
         req.views.add(
             layer_name=name + v.suffix,
-            allocation_id=f"kv{storage_index}",
+            allocation_id=allocation.id,
             transfer_group=spec.transfer_group,
             cache_kind=spec.cache_kind,  # type: ignore[arg-type,unused-ignore]
             dtype=dtype_name(tensor.dtype),

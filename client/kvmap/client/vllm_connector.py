@@ -59,7 +59,7 @@ from kvmap.client.connector.stats import PromMetrics, TransferStatsBook
 from kvmap.client.geometry import (
     GeometryError,
     LayerSpec,
-    build_registration,
+    export_registration,
     head_layout,
     model_identity,
     with_state_pages,
@@ -471,7 +471,7 @@ class KVMapConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unus
         tensors = with_state_pages(kv_caches, specs)
         # Informational: the engine core's resolved layout name (e.g. LBHNC).
         layout = str(getattr(self._kv_cache_config, "kv_cache_layout", None) or "")
-        req, fds = build_registration(
+        req, fds = export_registration(
             worker.worker,
             tensors,
             specs,
