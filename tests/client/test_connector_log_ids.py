@@ -12,7 +12,8 @@ import re
 import pytest
 from test_pd_connector import Side, pair, prefill_request, step
 
-from kvmap.core.errors import Unavailable
+from kvmap.core.errors import PermissionDenied, Unavailable
+from kvmap.core.peer_policy import INBOUND_DENIED
 from kvmap.v1 import transfers_pb2
 
 __all__ = ["pair"]  # the fixture, used by name
@@ -65,3 +66,29 @@ def test_a_failed_load_is_a_warning_with_the_request_and_peer_ids(
         f"request_id=req-p local_request_id=req-d peer={p.daemon.target} "
         "worker=prefill/dp0/tp0/pp0: loading its KV failed"
     ), line
+
+
+def test_a_load_refused_as_an_unauthorized_peer_names_the_cause_and_the_fix(
+    pair: tuple[Side, Side], caplog: pytest.LogCaptureFixture
+) -> None:
+    """When the prefill daemon refused the decode daemon as a peer (the error
+    a decode kvmapd returns for it: tests/integration/test_refused_peers.py),
+    the failed load's warning ends with the cause and the fix: the same
+    --peer-secret-file on both daemons, or mutual TLS."""
+    p, d = pair
+    kv = prefill_request(p, "req-p", [1, 2], tokens=20)
+
+    def refuse(spec: transfers_pb2.TransferSpec) -> None:
+        raise PermissionDenied(
+            f"PERMISSION_DENIED: remote daemon {p.daemon.target}: PERMISSION_DENIED: "
+            f"{INBOUND_DENIED}"
+        )
+
+    d.daemon.pull_hook = refuse
+    with caplog.at_level(logging.WARNING, logger="kvmap.client.connector"):
+        d.sched.after_alloc("req-d", dict(kv), [[7, 8]], 20)
+        r = step(d)
+    assert r.failed_recving == {"req-d"}
+    (line,) = [m for m in _lines(caplog, logging.WARNING) if "load failure" in m]
+    assert "reported as a load failure. Cause: the remote kvmapd does not accept" in line, line
+    assert "the same --peer-secret-file" in line and "mutual TLS" in line, line

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvmap.client.client import KvmapClient
+from kvmap.client.connector.fixes import fix_for
 from kvmap.client.connector.grants import MAX_GRANT_TTL_MS
 from kvmap.client.connector.logids import ids
 from kvmap.client.connector.metadata import PushRecvTask
@@ -135,9 +136,10 @@ class PushReceiver:
             failed.add(request_id)
             source = w.task.source
             log.warning(
-                "%s: the push of its KV failed (%s); reported as a load failure",
+                "%s: the push of its KV failed (%s); reported as a load failure%s",
                 ids(request_id, peer=source.target),
                 w.error,
+                fix_for(w.error),
             )
         return loaded, failed
 

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvmap.client.client import KvmapClient
+from kvmap.client.connector.fixes import fix_for
 from kvmap.client.connector.logids import ids
 from kvmap.client.connector.metadata import PushSendTask
 from kvmap.client.connector.options import ConnectorOptions
@@ -276,7 +277,7 @@ class PushSender:
         push.error = why
         push.todo.clear()
         self.failed += 1
-        log.warning("%s: not pushing its KV: %s", ids(push.task.request_id), why)
+        log.warning("%s: not pushing its KV: %s%s", ids(push.task.request_id), why, fix_for(why))
         for d, offer in push.offers.items():
             self._pool.submit(self._release, offer, push.readers.get(d, 0))
 

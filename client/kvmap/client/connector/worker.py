@@ -20,6 +20,7 @@ from typing import TypeVar
 
 from kvmap.client.client import KvmapClient, TransferResult
 from kvmap.client.connector.blocks import BlockIds, pair_blocks
+from kvmap.client.connector.fixes import fix_for
 from kvmap.client.connector.grants import revoke
 from kvmap.client.connector.logids import ids
 from kvmap.client.connector.metadata import ConnectorMeta, RecvTask
@@ -503,9 +504,10 @@ class WorkerCore:
         local, remote = load.task.local_block_ids, load.task.source.block_ids
         if error:
             log.warning(
-                "%s: loading its KV failed (%s); reported as a load failure",
+                "%s: loading its KV failed (%s); reported as a load failure%s",
                 _load_ids(load),
                 error,
+                fix_for(error),
             )
             if len(local) == 1:
                 self._load_errors.update(local[0])
