@@ -55,6 +55,7 @@ def status(app: DaemonApp) -> admin_pb2.GetStatusResponse:
     )
     _add_transfers(app, resp)
     _add_peers(app, resp)
+    _add_peer_refusals(app, resp)
     _add_leases(app, resp)
     _add_grants(app, resp)
     for failure in activity.failures():
@@ -96,6 +97,24 @@ def _add_peers(app: DaemonApp, resp: admin_pb2.GetStatusResponse) -> None:
                 target=target, agent_name=hs.agent_name, daemon_instance=hs.daemon_instance
             )
         peer.workers.add(worker=convert.worker_id_to_proto(worker), generation=hs.generation)
+
+
+def _add_peer_refusals(app: DaemonApp, resp: admin_pb2.GetStatusResponse) -> None:
+    """How TCP peers are authenticated, and how many were refused: a daemon
+    with no peer authentication, or whose peers present the wrong secret,
+    fails every load from it, and this is where an operator sees why."""
+    if app.config.mutual_tls:
+        resp.peer_authentication = admin_pb2.PEER_AUTHENTICATION_MUTUAL_TLS
+    elif app.config.peer_secret_file:
+        resp.peer_authentication = admin_pb2.PEER_AUTHENTICATION_PEER_SECRET
+    else:
+        resp.peer_authentication = admin_pb2.PEER_AUTHENTICATION_NONE
+    resp.peer_calls_refused = app.activity.peer_calls_refused
+    last = app.activity.last_peer_refusal
+    if last is not None:
+        resp.last_peer_refusal.at_unix_ms = last.at_unix_ms
+        resp.last_peer_refusal.peer = last.peer
+        resp.last_peer_refusal.reason = last.reason
 
 
 def _peer_order(entry: tuple[str, WorkerKey, object]) -> tuple[str, str]:

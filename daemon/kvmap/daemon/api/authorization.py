@@ -96,10 +96,18 @@ class PeerAuthorization(_Interceptor):
     """With mutual TLS, by certificate identity; otherwise by the shared peer
     secret and the source address; with neither, no one."""
 
-    def __init__(self, policy: PeerPolicy, mutual_tls: bool, secret: bytes | None = None) -> None:
+    def __init__(
+        self,
+        policy: PeerPolicy,
+        mutual_tls: bool,
+        secret: bytes | None = None,
+        on_refused: Callable[[str, str], None] | None = None,
+    ) -> None:
         self._policy = policy
         self._mutual_tls = mutual_tls
         self._secret = secret
+        # Told (peer, reason) of each refusal: the operator's view counts them.
+        self._on_refused = on_refused
         self._wrapped = WrappedHandlers(self._wrap)
         # Without mutual TLS the answer depends on the peer's address alone
         # (the policy never changes): each peer string (address and port,
@@ -122,9 +130,26 @@ class PeerAuthorization(_Interceptor):
             self._by_address[peer] = known
         return known
 
+    def refusal_reason(self, context: Ctx) -> str:
+        """Why a refused caller was refused, for the operator only (the
+        caller hears ``INBOUND_DENIED`` whatever it lacked)."""
+        if self._mutual_tls:
+            return "its certificate identities are not in peer_identity"
+        if self._secret is None:
+            return "no peer authentication is configured here (no peer_secret_file, no mutual TLS)"
+        presented = presented_secret(context)
+        if presented is None:
+            return "presented no peer secret"
+        if not secret_matches(presented, self._secret):
+            return "presented another peer secret"
+        return "its address is not in peer_accept"
+
     def check(self, context: Ctx) -> None:
         if not self.authorized(context):
-            log.warning("peer_refused", peer=context.peer())
+            peer, reason = context.peer(), self.refusal_reason(context)
+            log.warning("peer_refused", peer=peer, reason=reason)
+            if self._on_refused is not None:
+                self._on_refused(peer, reason)
             raise PermissionDenied(INBOUND_DENIED)
 
     def _guard(self, context: Ctx) -> _Guard:

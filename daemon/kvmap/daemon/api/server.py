@@ -120,7 +120,12 @@ class Daemon:
         # Strangers reach this port: every limit of api.limits applies.
         self._tcp = self._new_server(
             "tcp",
-            PeerAuthorization(cfg.peer_policy, mutual_tls=cfg.mutual_tls, secret=secret),
+            PeerAuthorization(
+                cfg.peer_policy,
+                mutual_tls=cfg.mutual_tls,
+                secret=secret,
+                on_refused=self.app.activity.peer_refused,
+            ),
             options=tcp_server_options(),
         )
         self._peer_service = add_tcp_services(self._tcp, self.app)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import json
 
+from kvmap.core.peer_policy import INBOUND_DENIED
 from kvmap.daemon.cli.tables import Column, bytes_text, columns_table, worker_id, workers_table
 from kvmap.v1 import admin_pb2
 
@@ -131,7 +132,49 @@ def _head(st: Status) -> list[str]:
         f"listen {_config(st, 'listen')}",
         f"transfers done: {c.pulls_done} pulls, {c.pushes_done} pushes, {c.failed} failed, "
         f"{bytes_text(c.bytes)}; served to peers: {c.served_done}",
+        *peer_lines(st),
     ]
+
+
+# What admits peers, and where to read how (the same fix on both sides).
+PEER_FIX = (
+    "start every kvmapd with the same --peer-secret-file (each peer's address in the "
+    "other's --peer-accept), or with mutual TLS and --peer-identity (docs/security.md)"
+)
+
+
+def peer_lines(st: Status) -> list[str]:
+    """How peers are authenticated and whether any are refused, either way:
+    peers this daemon refused (``peer_calls_refused``) and calls of its own
+    that remote daemons refused (among the recent errors). A daemon with no
+    peer authentication refuses every peer, so every load from it fails."""
+    auth = st.peer_authentication
+    refused = st.peer_calls_refused
+    last = st.last_peer_refusal
+    latest = (
+        f"; last {_clock(last.at_unix_ms)} from {last.peer}: {last.reason}" if last.peer else ""
+    )
+    if auth == admin_pb2.PEER_AUTHENTICATION_NONE:
+        lines = [
+            "peers: NO PEER AUTHENTICATION (no --peer-secret-file, no mutual TLS): every peer "
+            f"daemon is refused ({refused} calls so far), so no load from this daemon succeeds;",
+            f"  fix: {PEER_FIX}",
+        ]
+    elif auth == admin_pb2.PEER_AUTHENTICATION_UNSPECIFIED:
+        lines = []  # a daemon that predates the fields
+    else:
+        how = "mutual TLS" if auth == admin_pb2.PEER_AUTHENTICATION_MUTUAL_TLS else "peer secret"
+        lines = [f"peers: authenticated by {how}; {refused} calls refused{latest}"]
+        if refused:
+            lines.append(f"  a refused peer daemon cannot load from this one: {PEER_FIX}")
+    outbound = [e for e in st.recent_errors if e.listener != "tcp" and INBOUND_DENIED in e.message]
+    if outbound:
+        lines += [
+            f"peers: remote daemons refused {len(outbound)} recent calls of this daemon "
+            "(not an authorized peer there; RECENT ERRORS);",
+            f"  fix: {PEER_FIX}",
+        ]
+    return lines
 
 
 def _config(st: Status, key: str) -> str:

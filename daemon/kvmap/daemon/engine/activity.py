@@ -48,6 +48,15 @@ class InFlight:
 
 
 @dataclass(frozen=True)
+class PeerRefusal:
+    """A TCP call of Peer or RegionMaps refused as not authorized."""
+
+    at_unix_ms: int
+    peer: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class FailedCall:
     """One RPC that ended with an error status."""
 
@@ -72,6 +81,10 @@ class Activity:
         self._keys = itertools.count()
         self._transfers: dict[int, InFlight] = {}
         self._failures: deque[FailedCall] = deque(maxlen=RECENT_ERRORS)
+        # TCP callers refused as not authorized peers (api.authorization):
+        # a daemon whose peers all fail to authenticate says so here.
+        self.peer_calls_refused = 0
+        self.last_peer_refusal: PeerRefusal | None = None
 
     def uptime_s(self) -> float:
         return self._clock() - self.started
@@ -111,6 +124,10 @@ class Activity:
                 request_id=request_id[:128],
             )
         )
+
+    def peer_refused(self, peer: str, reason: str) -> None:
+        self.peer_calls_refused += 1
+        self.last_peer_refusal = PeerRefusal(self._wall(), peer[:128], reason[:MAX_ERROR_CHARS])
 
     def failures(self) -> list[FailedCall]:
         """The last ``RECENT_ERRORS`` failed RPCs, oldest first."""

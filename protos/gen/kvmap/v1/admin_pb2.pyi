@@ -7,6 +7,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from kvmap.v1 import region_maps_pb2 as _region_maps_pb2
 from kvmap.v1 import types_pb2 as _types_pb2
 import builtins as _builtins
@@ -19,6 +20,33 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _PeerAuthentication:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PeerAuthenticationEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PeerAuthentication.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PEER_AUTHENTICATION_UNSPECIFIED: _PeerAuthentication.ValueType  # 0
+    """A daemon that predates the field."""
+    PEER_AUTHENTICATION_NONE: _PeerAuthentication.ValueType  # 1
+    """Neither a peer_secret_file nor mutual TLS: every TCP caller is refused."""
+    PEER_AUTHENTICATION_PEER_SECRET: _PeerAuthentication.ValueType  # 2
+    """The shared peer secret (peer_secret_file), from a peer_accept address."""
+    PEER_AUTHENTICATION_MUTUAL_TLS: _PeerAuthentication.ValueType  # 3
+    """Client certificates from tls_client_ca with a peer_identity."""
+
+class PeerAuthentication(_PeerAuthentication, metaclass=_PeerAuthenticationEnumTypeWrapper): ...
+
+PEER_AUTHENTICATION_UNSPECIFIED: PeerAuthentication.ValueType  # 0
+"""A daemon that predates the field."""
+PEER_AUTHENTICATION_NONE: PeerAuthentication.ValueType  # 1
+"""Neither a peer_secret_file nor mutual TLS: every TCP caller is refused."""
+PEER_AUTHENTICATION_PEER_SECRET: PeerAuthentication.ValueType  # 2
+"""The shared peer secret (peer_secret_file), from a peer_accept address."""
+PEER_AUTHENTICATION_MUTUAL_TLS: PeerAuthentication.ValueType  # 3
+"""Client certificates from tls_client_ca with a peer_identity."""
+Global___PeerAuthentication: _TypeAlias = PeerAuthentication  # noqa: Y015
 
 @_typing.final
 class ReplanRequest(_message.Message):
@@ -496,6 +524,9 @@ class GetStatusResponse(_message.Message):
     TRANSFERS_TOTAL_FIELD_NUMBER: _builtins.int
     LEASES_TOTAL_FIELD_NUMBER: _builtins.int
     GRANTS_TOTAL_FIELD_NUMBER: _builtins.int
+    PEER_AUTHENTICATION_FIELD_NUMBER: _builtins.int
+    PEER_CALLS_REFUSED_FIELD_NUMBER: _builtins.int
+    LAST_PEER_REFUSAL_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     daemon_instance: _builtins.str
     agent_name: _builtins.str
@@ -508,6 +539,15 @@ class GetStatusResponse(_message.Message):
     """
     leases_total: _builtins.int
     grants_total: _builtins.int
+    peer_authentication: Global___PeerAuthentication.ValueType
+    """How this daemon authenticates the TCP callers of Peer and RegionMaps
+    (docs/security.md). NONE: every one of them is refused, so no other
+    daemon can load KV from this one or push to it.
+    """
+    peer_calls_refused: _builtins.int
+    """Calls of Peer and RegionMaps on TCP refused since the daemon started
+    (the caller is not an authorized peer), and the latest of them.
+    """
     @_builtins.property
     def config(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """The configuration in force, key by key (the keys of kvmapd.toml), each
@@ -528,6 +568,8 @@ class GetStatusResponse(_message.Message):
     def grants(self) -> _containers.RepeatedCompositeFieldContainer[Global___GrantStatus]: ...
     @_builtins.property
     def recent_errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___RecentError]: ...
+    @_builtins.property
+    def last_peer_refusal(self) -> Global___PeerRefusal: ...
     def __init__(
         self,
         *,
@@ -548,11 +590,49 @@ class GetStatusResponse(_message.Message):
         transfers_total: _builtins.int = ...,
         leases_total: _builtins.int = ...,
         grants_total: _builtins.int = ...,
+        peer_authentication: Global___PeerAuthentication.ValueType = ...,
+        peer_calls_refused: _builtins.int = ...,
+        last_peer_refusal: Global___PeerRefusal | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_peer_refusal", b"last_peer_refusal", "stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "config", b"config", "daemon_instance", b"daemon_instance", "draining", b"draining", "grants", b"grants", "grants_total", b"grants_total", "leases", b"leases", "leases_total", b"leases_total", "peers", b"peers", "recent_errors", b"recent_errors", "started_unix_ms", b"started_unix_ms", "stats", b"stats", "transfers", b"transfers", "transfers_total", b"transfers_total", "uptime_seconds", b"uptime_seconds", "version", b"version", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "config", b"config", "daemon_instance", b"daemon_instance", "draining", b"draining", "grants", b"grants", "grants_total", b"grants_total", "last_peer_refusal", b"last_peer_refusal", "leases", b"leases", "leases_total", b"leases_total", "peer_authentication", b"peer_authentication", "peer_calls_refused", b"peer_calls_refused", "peers", b"peers", "recent_errors", b"recent_errors", "started_unix_ms", b"started_unix_ms", "stats", b"stats", "transfers", b"transfers", "transfers_total", b"transfers_total", "uptime_seconds", b"uptime_seconds", "version", b"version", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetStatusResponse: _TypeAlias = GetStatusResponse  # noqa: Y015
+
+@_typing.final
+class PeerRefusal(_message.Message):
+    """A TCP call of Peer or RegionMaps this daemon refused. The caller was told
+    only that it is not authorized; the reason is the operator's.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AT_UNIX_MS_FIELD_NUMBER: _builtins.int
+    PEER_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    at_unix_ms: _builtins.int
+    peer: _builtins.str
+    """The caller as gRPC names it (ipv4:10.0.0.8:41234)."""
+    reason: _builtins.str
+    """Why: "no peer authentication is configured here", "presented no peer
+    secret", "presented another peer secret", "its address is not in
+    peer_accept", or under mutual TLS "its certificate identities are not
+    in peer_identity".
+    """
+    def __init__(
+        self,
+        *,
+        at_unix_ms: _builtins.int = ...,
+        peer: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_unix_ms", b"at_unix_ms", "peer", b"peer", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerRefusal: _TypeAlias = PeerRefusal  # noqa: Y015
