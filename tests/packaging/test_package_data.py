@@ -7,6 +7,10 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from kvmap.tools import demo
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -44,3 +48,16 @@ def test_every_top_level_package_declares_py_typed() -> None:
         "kvmap.core", "kvmap.tracing", "kvmap.daemon", "kvmap.client", "kvmap.tools", "kvmap.v1",
     ):  # fmt: skip
         assert "py.typed" in package_data.get(package, []), package
+
+
+def test_a_demo_without_the_bundled_example_says_so(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The demo's full-scale line comes from package data: an install that
+    lacks the example prints why the line is missing, naming the file and
+    the package, instead of leaving it out unexplained."""
+    missing = tmp_path / "glm53-rank.json"
+    monkeypatch.setattr(demo, "example_path", lambda name: missing)
+    line = demo._full_scale()
+    assert line.startswith("  full-scale GLM-5.3 rank: not shown, this install lacks"), line
+    assert str(missing) in line and "kvmap.daemon.examples" in line

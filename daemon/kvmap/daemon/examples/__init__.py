@@ -5,7 +5,7 @@ through ``example_path``. ``kvmap.tools.make_examples`` writes them."""
 from __future__ import annotations
 
 from importlib import resources
-from importlib.abc import Traversable
+from importlib.resources.abc import Traversable
 
 NAMES = ("glm-tiny", "glm53-rank", "llama-mha")
 
