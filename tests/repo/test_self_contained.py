@@ -9,6 +9,7 @@ does not ignore) and names each offending file and line.
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -78,13 +79,27 @@ def _module_source(dotted: str) -> str | None:
 
 def _python_name_exists(dotted: str) -> bool:
     """``dotted`` is a kvmap module, or a module followed by one name that
-    the module defines (a class, function or assignment at any indentation)."""
+    the module defines (a class, function or assignment at any indentation)
+    or imports (a re-export, such as a documented module path kept for a
+    module that moved)."""
     if _module_source(dotted) is not None:
         return True
     module, _, attr = dotted.rpartition(".")
     source = _module_source(module)
+    if not source:
+        return False
     definition = rf"^\s*(?:(?:async\s+)?def|class)\s+{attr}\b|^\s*{attr}\s*[:=]"
-    return bool(source) and re.search(definition, source, re.MULTILINE) is not None
+    return re.search(definition, source, re.MULTILINE) is not None or attr in _imported(source)
+
+
+def _imported(source: str) -> set[str]:
+    """The names a module's import statements bind."""
+    return {
+        alias.asname or alias.name.split(".")[0]
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    }
 
 
 def _leaving(line: str, here: Path) -> Iterator[str]:
@@ -200,6 +215,8 @@ def test_catches_references_that_leave_the_repository(name: str, line: str) -> N
         ("docs/gpu.md", "See [the README](../README.md) and /tmp/kvmap-0/kvmapd.sock."),
         ("README.md", "- `protos/kvmap/v1/*.proto` and `deploy/k8s/` and `tests/unit/`"),
         ("README.md", "`kvmap.core.planner.PLANNERS`, `kvmap.tools`, `kvmap.v1.Peer`"),
+        # A name a module re-exports (the connector's documented module path).
+        ("docs/vllm.md", "`kvmap.client.vllm_connector.KVMapConnector`"),
     ],
 )
 def test_accepts_references_inside_the_repository(name: str, line: str) -> None:

@@ -4,12 +4,13 @@
   (``transports.GrpcTransport`` to a live kvmapd); errors are the project's one tree,
   ``kvmap.core.errors.KvmapError`` subclasses (``errors.from_rpc_error``).
 - ``WorkerSession``: keeps a worker registered and attached across daemon restarts.
-- ``geometry``: KV cache tensors -> registration; ``shm_export`` / ``cuda_export``:
-  memory handles.
-- ``connector``: the vLLM connector's P/D state machines, without vLLM
-  (``SchedulerCore``, ``WorkerCore``; its README.md is the reading path);
-  ``vllm_connector.KVMapConnector``: the vLLM connector (the only module that
-  imports vLLM).
+- ``memory_export``: a worker's KV memory exported for its daemon (CPU storages
+  moved into shared memory, ``shm_export``; CUDA IPC handles, ``cuda_export``);
+  ``geometry``: KV cache tensors and that export -> the registration.
+- ``connector``: the vLLM connector (its README.md is the reading path): its
+  P/D state machines and rules without vLLM (``SchedulerCore``,
+  ``WorkerCore``), and ``connector.vllm.KVMapConnector``, the only module that
+  imports vLLM, which vLLM loads from ``vllm_connector``.
 """
 
 from kvmap.client.aio import AsyncKvmapClient

@@ -1,18 +1,24 @@
-"""The vLLM KV connector's logic, without vLLM (README.md here is the reading
-path). ``kvmap.client.vllm_connector.KVMapConnector`` adapts vLLM's objects to
-the two halves below; everything here takes plain ids, lists and dicts, so it
-is tested against an in-process kvmapd without vLLM.
+"""The vLLM KV connector (README.md here is the reading path). ``vllm``
+holds ``KVMapConnector``, which vLLM loads through ``kvmap.client.vllm_connector``
+and which adapts vLLM's objects to the modules below; it is the only one that
+imports vLLM, and this package does not import it. Everything else takes
+plain ids, lists and dicts, so it is tested against an in-process kvmapd
+without vLLM.
 
 - ``options``: ``kv_connector_extra_config`` (``ConnectorOptions``)
+- ``model``: what the model's config means here (its identity's fields,
+  the KV caches refused at start-up)
 - ``params``: ``kv_transfer_params`` written by the prefill side, read by the
   decode side (``RemoteSource``, the capability per rank)
 - ``metadata``: what the scheduler tells its workers each step
-- ``tp_mapping``, ``blocks``, ``windows``: which ranks read which, how
-  block lists pair, which blocks of windowed and state groups move
+- ``tp_mapping``, ``blocks``, ``windows``: which ranks read which
+  (``TpSplit``, one rule for grants, pulls and pushes), how block lists
+  pair, which blocks of windowed and state groups move
 - ``scheduler``: ``SchedulerCore`` (grants, params, per-step metadata)
 - ``grants``: the prefill side's grants in its kvmapd
 - ``pulls``: the decode side's transfer specs (``PullSpecs``)
 - ``worker``: ``WorkerCore`` (registration, pulls, releases, kept blocks)
+- ``registration``: a worker's KV caches exported and described for kvmapd
 - ``stats``: the connector's transfer statistics and Prometheus series
 - ``traces``: the connector's OpenTelemetry spans and how they join vLLM's
 """
@@ -34,7 +40,7 @@ from kvmap.client.connector.params import (
 )
 from kvmap.client.connector.pulls import PullSpecs, missing_feature
 from kvmap.client.connector.scheduler import SchedulerCore
-from kvmap.client.connector.tp_mapping import tp_readers
+from kvmap.client.connector.tp_mapping import TpSplit, tp_readers
 from kvmap.client.connector.windows import GroupWindows
 from kvmap.client.connector.worker import (
     PULL_RETRY_MAX_S,
@@ -65,6 +71,7 @@ __all__ = [
     "RecvTask",
     "RemoteSource",
     "SchedulerCore",
+    "TpSplit",
     "TransferResults",
     "WorkerCore",
     "default_socket",

@@ -1,6 +1,6 @@
 """The connector's transfer statistics, in the shape vLLM's KV connector
 stats interface expects (``KVConnectorStats``, ``KVConnectorPromMetrics``),
-without importing vLLM: ``kvmap.client.vllm_connector`` mixes these into
+without importing vLLM: ``kvmap.client.connector.vllm`` mixes these into
 vLLM's base classes.
 
 Each worker records what its loads did (``record_*``) into a
