@@ -256,6 +256,7 @@ def test_reregistration_bumps_generation_atomically(daemon: DaemonProc, worker: 
         "DAEMON_FEATURE_UNREAD_RELEASE",
         "DAEMON_FEATURE_WRITE_GRANTS",
         "DAEMON_FEATURE_PUSH_OFFERS",
+        "DAEMON_FEATURE_CALLER_CAPABILITIES",
     ]
     assert seen[0] == old
     torn = [m for m in seen if not (isinstance(m, types_pb2.RegionMap) and m in (old, new))]

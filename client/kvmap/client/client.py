@@ -92,6 +92,7 @@ class KvmapClient:
             registry_pb2.UNREAD_RELEASE_UNSPECIFIED
         ),
         access: registry_pb2.GrantAccess.ValueType = registry_pb2.GRANT_ACCESS_UNSPECIFIED,
+        capability: str = "",
     ) -> registry_pb2.GrantTransferResponse:
         """Mint the capability a peer must present to read (or write) exactly
         ``blocks`` (block ids per transfer group) of ``worker`` for
@@ -100,7 +101,10 @@ class KvmapClient:
         count (``max_uses`` must be 0); ``unread_release``: whether a release
         declaring no readers may use an open grant up unread (ALLOWED, where
         the worker's layout agrees) or never (REFUSED); ``access``: READ (a
-        pull, the default) or WRITE (a push into these blocks)."""
+        pull, the default) or WRITE (a push into these blocks);
+        ``capability``: one this process drew (``new_capability``), granted
+        instead of one the daemon draws (a daemon without
+        DAEMON_FEATURE_CALLER_CAPABILITIES answers with its own)."""
         req = registry_pb2.GrantTransferRequest(
             worker=worker,
             request_id=request_id,
@@ -113,6 +117,7 @@ class KvmapClient:
             open_uses=open_uses,
             unread_release=unread_release,
             access=access,
+            capability=capability,
         )
         return self.transport.grant_transfer(req, self.timeout_s)
 

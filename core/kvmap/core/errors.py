@@ -6,6 +6,7 @@
     ├── NotFound             NOT_FOUND
     ├── AlreadyExists        ALREADY_EXISTS
     ├── PermissionDenied     PERMISSION_DENIED  (the caller may not do this; says no more)
+    │   └── OwnerRefused     (a peer daemon refused a transfer's capability)
     ├── FailedPrecondition   FAILED_PRECONDITION
     │   └── HandshakeAgain   (reason HANDSHAKE_AGAIN: a fresh handshake cures it)
     │       └── StaleGeneration  (a peer's region map changed under a transfer)
@@ -107,6 +108,13 @@ class PermissionDenied(KvmapError):
     it must not tell a stranger which of the checks it failed."""
 
     code = ErrorCode.PERMISSION_DENIED
+
+
+class OwnerRefused(PermissionDenied):
+    """The peer daemon that owns a transfer's blocks refused its capability
+    (BeginTransfer answered PERMISSION_DENIED). A puller tries again for a
+    moment (``kvmap.core.retry.GRANT_RACE_S``): the owner's worker may have
+    handed the capability on before its daemon had the grant."""
 
 
 class FailedPrecondition(KvmapError):

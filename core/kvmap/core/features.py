@@ -22,4 +22,5 @@ DAEMON_FEATURES: tuple[registry_pb2.DaemonFeature.ValueType, ...] = (
     registry_pb2.DAEMON_FEATURE_UNREAD_RELEASE,
     registry_pb2.DAEMON_FEATURE_WRITE_GRANTS,
     registry_pb2.DAEMON_FEATURE_PUSH_OFFERS,
+    registry_pb2.DAEMON_FEATURE_CALLER_CAPABILITIES,
 )

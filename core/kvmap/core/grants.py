@@ -15,6 +15,7 @@ failed.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import IntEnum
@@ -70,6 +71,20 @@ class Access(IntEnum):
 
     READ = 1
     WRITE = 2
+
+
+# A capability a caller drew itself (GrantTransferRequest.capability): as
+# the daemon draws them (secrets.token_urlsafe(32): 43 characters, 256 bits)
+# or longer, URL-safe (it travels in kv_transfer_params).
+CALLER_CAPABILITY = re.compile(r"[A-Za-z0-9_-]{43,128}")
+
+
+def check_caller_capability(value: str) -> str:
+    """A caller-drawn capability's form; its randomness is the caller's word
+    (the one who could weaken it holds the capability anyway)."""
+    if not CALLER_CAPABILITY.fullmatch(value):
+        raise InvalidArgument("capability", "must be 43 to 128 URL-safe characters")
+    return value
 
 
 def check_access(value: int) -> Access:

@@ -9,7 +9,12 @@ others are about the request and stay: PERMISSION_DENIED, INVALID_ARGUMENT,
 NOT_FOUND, a FAILED_PRECONDITION without that reason (an expired
 capability, incompatible geometry), RESOURCE_EXHAUSTED of a stated limit.
 Only the first kind is retried, with exponential backoff and jitter, while
-the transfer's own deadline allows.
+the transfer's own deadline allows; and the owner's refusal of a capability
+(``OwnerRefused``) in a transfer's first ``GRANT_RACE_S``: a prefill worker
+draws its capabilities itself and grants them off vLLM's scheduler thread
+(GrantTransferRequest.capability), so a fast decode can ask before the
+owner has the grant. Later the refusal stands: a capability is never
+granted long after it was handed on.
 
 ``retryable`` is the daemon's one classification of a failed attempt;
 ``RetryPolicy`` is the project's one backoff arithmetic, shared with the
@@ -27,18 +32,28 @@ from kvmap.core.errors import (
     HANDSHAKE_AGAIN,
     ErrorCode,
     KvmapError,
+    OwnerRefused,
     RequestedGenerationGone,
 )
 
+# How long after a transfer started an owner's refusal of its capability is
+# taken for a grant still on its way (the prefill worker's background grant
+# is a local call of a millisecond or two; a decode reaches the owner after
+# the router's and its own hops).
+GRANT_RACE_S = 0.25
 
-def retryable(err: BaseException) -> bool:
-    """Whether a failed transfer attempt may succeed if tried again."""
+
+def retryable(err: BaseException, elapsed_s: float = float("inf")) -> bool:
+    """Whether a failed transfer attempt may succeed if tried again;
+    ``elapsed_s``: since the transfer started (the grant race)."""
     if not isinstance(err, KvmapError) or isinstance(err, RequestedGenerationGone):
         # A bug is not a restart; a generation the spec pins that a fresh
         # handshake showed gone never comes back.
         return False
     if err.code is ErrorCode.UNAVAILABLE:
         return True
+    if isinstance(err, OwnerRefused):
+        return elapsed_s < GRANT_RACE_S
     return err.code is ErrorCode.FAILED_PRECONDITION and err.reason == HANDSHAKE_AGAIN
 
 

@@ -62,6 +62,9 @@ class ConnectorMeta:
     # lease starts); and requests that will not be sent (aborted).
     in_batch: set[str] = field(default_factory=set)
     not_processed: set[str] = field(default_factory=set)
+    # Kept prefill requests whose grants failed after they were offered
+    # (connector.granter): freed at once, no pull can come.
+    ungranted: set[str] = field(default_factory=set)
     # Decode requests that load none of the remote blocks (all in the local
     # prefix cache, or ended before they were scheduled): each worker
     # releases its use of the prefill side's grants.

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvmap.client.client import KvmapClient
 from kvmap.client.connector.blocks import BlockIds
+from kvmap.client.connector.granter import BackgroundGranter, RankGrant, new_capability
 from kvmap.client.connector.grants import MAX_GRANT_TTL_MS, revoke
 from kvmap.client.connector.logids import ids
 from kvmap.client.connector.metadata import ConnectorMeta, PushRecvTask, PushSendTask, RecvTask
@@ -93,6 +94,10 @@ class SchedulerCore:
         self.client = client
         self.tracer = connector_tracer(options)
         self._meta = ConnectorMeta()
+        # Grants off vLLM's scheduler thread, once kvmapd showed it takes
+        # the capabilities drawn here (``_grant``); never older than this.
+        self._granter: BackgroundGranter | None = None
+        self._grant_max_age_s = min(options.call_timeout_s, options.lease_seconds / 4)
         # Push-mode prefill requests of this engine: their push ids, and
         # the finished ones whose blocks wait for their pushes.
         self._push_ids: dict[str, str] = {}
@@ -323,8 +328,17 @@ class SchedulerCore:
         return self.windows.fit(local, source.block_ids)
 
     def build_meta(self) -> ConnectorMeta:
+        if self._granter is not None:
+            # Offered, kept, and their grants failed: no pull can come.
+            self._meta.ungranted.update(self._granter.failed())
         meta, self._meta = self._meta, ConnectorMeta()
         return meta
+
+    def shutdown(self) -> None:
+        """Stop the grants' thread (those handed on are made first)."""
+        if self._granter is not None:
+            self._granter.idle(self.options.call_timeout_s)
+            self._granter.close()
 
     def request_finished(
         self,
@@ -448,39 +462,40 @@ class SchedulerCore:
         in rank order, or "" (logged) when any grant fails; then the grants
         already made are revoked, since no one will be told of them. And
         whether every grant is open (a kvmapd that predates open grants
-        makes each a one-use grant: decode engines of this TP size only)."""
+        makes each a one-use grant: decode engines of this TP size only).
+
+        The capabilities are drawn here. Once kvmapd has shown it grants
+        under them (the first grants, made here and waited for), the grants
+        are made off this thread (``connector.granter``): vLLM's scheduler
+        thread does not wait on kvmapd."""
         if self.client is None:
             log.error("%s: no kvmapd to grant the transfer; not offering KV", ids(request_id))
             return "", False
-        blocks = {g: ids for g, ids in enumerate(groups) if ids}
-        # A lease longer than kvmapd's longest grant: the grant ends first,
-        # and the blocks wait unreadable until the lease frees them.
-        ttl_ms = min(int(self.options.lease_seconds * 1000), MAX_GRANT_TTL_MS)
+        ranks = self._rank_grants(groups)
+        capabilities = [g.capability if g else UNREAD_CAPABILITY for g in ranks]
+        if self._granter is not None:
+            self._granter.submit(request_id, [g for g in ranks if g], current())
+            return ".".join(capabilities), self.open_grants
         granted: list[types_pb2.WorkerId] = []
-        capabilities: list[str] = []
-        open_grants = self.open_grants
+        open_grants, theirs = self.open_grants, False
         try:
-            for worker in self._rank_workers():
-                if not self.readers[worker.tp_rank]:
-                    # No decode rank reads this rank (a replicated cache
-                    # read from fewer ranks): nothing to grant; its worker
-                    # frees the blocks at once.
-                    capabilities.append(UNREAD_CAPABILITY)
+            for i, g in enumerate(ranks):
+                if g is None:
                     continue
-                # Exactly as many completed pulls as decode ranks read this
-                # rank (open: as the first decode rank declares): a replayed
-                # capability beyond them is refused.
                 grant = self.client.grant_transfer(
-                    worker,
+                    g.worker,
                     request_id,
-                    blocks,
-                    ttl_ms=ttl_ms,
-                    max_uses=0 if self.open_grants else self.readers[worker.tp_rank],
-                    open_uses=self.open_grants,
-                    unread_release=self.unread_release[worker.tp_rank],
+                    g.blocks,
+                    ttl_ms=g.ttl_ms,
+                    max_uses=g.max_uses,
+                    open_uses=g.open_uses,
+                    unread_release=g.unread_release,
+                    capability=g.capability,
                 )
-                granted.append(worker)
-                capabilities.append(grant.capability)
+                granted.append(g.worker)
+                # A kvmapd that predates caller capabilities drew its own.
+                theirs |= grant.capability != g.capability
+                capabilities[i] = grant.capability
                 open_grants &= grant.open_uses
         except KvmapError as err:
             current().fail(err.code.name, err.message)
@@ -492,4 +507,32 @@ class SchedulerCore:
             for worker in granted:
                 revoke(self.client, worker, request_id)
             return "", False
+        if granted and not theirs and open_grants == self.open_grants:
+            self._granter = BackgroundGranter(self.client, max_age_s=self._grant_max_age_s)
         return ".".join(capabilities), open_grants
+
+    def _rank_grants(self, groups: list[list[int]]) -> list[RankGrant | None]:
+        """Each rank's grant of ``groups`` under a capability drawn here
+        (None: no decode rank reads the rank, nothing to grant; its worker
+        frees the blocks at once)."""
+        blocks = {g: ids for g, ids in enumerate(groups) if ids}
+        # A lease longer than kvmapd's longest grant: the grant ends first,
+        # and the blocks wait unreadable until the lease frees them.
+        ttl_ms = min(int(self.options.lease_seconds * 1000), MAX_GRANT_TTL_MS)
+        return [
+            RankGrant(
+                worker=worker,
+                capability=new_capability(),
+                blocks=blocks,
+                ttl_ms=ttl_ms,
+                # Exactly as many completed pulls as decode ranks read this
+                # rank (open: as the first decode rank declares): a replayed
+                # capability beyond them is refused.
+                max_uses=0 if self.open_grants else self.readers[worker.tp_rank],
+                open_uses=self.open_grants,
+                unread_release=self.unread_release[worker.tp_rank],
+            )
+            if self.readers[worker.tp_rank]
+            else None
+            for worker in self._rank_workers()
+        ]

@@ -490,5 +490,7 @@ class KVMapConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unus
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
-        if self.scheduler is not None and self.scheduler.client is not None:
-            self.scheduler.client.close()
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
+            if self.scheduler.client is not None:
+                self.scheduler.client.close()

@@ -238,6 +238,13 @@ class WorkerCore:
             # A pull may already have finished: then it is no longer listed.
             if request_id in self._to_process:
                 self._send_deadline[request_id] = now + lease_s
+        for request_id in meta.ungranted:
+            # Its grant failed after it was offered: freed at the next poll.
+            if request_id in self._to_process:
+                self._to_process.discard(request_id)
+                self._send_deadline.pop(request_id, None)
+                self._send_pulls.pop(request_id, None)
+                self._unread_sends.add(request_id)
         for recv in meta.push_recv:
             self.push_recv.start(recv)
         self.push_send.start(meta.push_ready, meta.push_send, meta.not_processed)

@@ -35,6 +35,7 @@ from kvmap.core.errors import (
     InvalidArgument,
     KvmapError,
     NotFound,
+    OwnerRefused,
     PermissionDenied,
     StaleGeneration,
     Unavailable,
@@ -113,6 +114,9 @@ def _begin_error(
     capability, say) reaches the caller as it is."""
     if reason == HANDSHAKE_AGAIN:
         return StaleGeneration(str(req.worker), req.generation, 0)
+    if status == grpc.StatusCode.PERMISSION_DENIED:
+        # The owner refused the capability (core.retry: the grant race).
+        return OwnerRefused(f"remote daemon {target}: {status.name}: {details}")
     return _status_error(target, status, details)
 
 

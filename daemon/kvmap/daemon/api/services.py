@@ -231,6 +231,7 @@ def grant_transfer(
             open_uses=request.open_uses,
             unread_release=request.unread_release,
             access=request.access,
+            capability=request.capability,
         )
     return registry_pb2.GrantTransferResponse(
         capability=capability,

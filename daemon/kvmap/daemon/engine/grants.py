@@ -23,6 +23,7 @@ import structlog
 
 from kvmap.core import grants as core
 from kvmap.core.errors import (
+    AlreadyExists,
     FailedPrecondition,
     KvmapError,
     PermissionDenied,
@@ -142,11 +143,14 @@ class GrantTable:
         open_uses: bool = False,
         unread_release: int = core.UnreadRelease.UNSPECIFIED,
         access: int = core.Access.READ,
+        capability: str = "",
     ) -> tuple[str, Grant]:
         """Mint a capability for ``record``'s worker; the caller checked that
         the worker is attached. Returns the capability (the only copy) and
         its grant (``unread_release``: the worker's word on a release
-        declaring no readers, stored with it)."""
+        declaring no readers, stored with it). ``capability``: one the
+        worker drew (checked for form; ALREADY_EXISTS if a grant has it),
+        else one drawn here."""
         request_id = core.check_request_id(request_id)
         ttl_ms = core.check_ttl(ttl_ms)
         max_uses = core.check_grant_uses(max_uses, open_uses)
@@ -154,7 +158,12 @@ class GrantTable:
         direction = core.check_access(access)
         blocks = core.granted_blocks(groups, self._group_limits(record))
         self._check_room(record.key, sum(len(ids) for ids in blocks.values()))
-        capability = new_capability()
+        if capability:
+            capability = core.check_caller_capability(capability)
+            if core.digest(capability) in self._entries:
+                raise AlreadyExists("capability: already a grant's")
+        else:
+            capability = new_capability()
         grant = Grant(
             digest=core.digest(capability),
             worker=record.key,

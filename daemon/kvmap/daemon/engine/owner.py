@@ -127,9 +127,11 @@ class OwnerSide:
         open_uses: bool = False,
         unread_release: int = 0,
         access: int = 0,
+        capability: str = "",
     ) -> tuple[str, Grant]:
         """Registry.GrantTransfer: a capability for one request's blocks of an
-        attached worker (its transfer_finished event must reach someone)."""
+        attached worker (its transfer_finished event must reach someone);
+        ``capability``: one the worker drew, else the daemon draws it."""
         self._refuse_while_draining()
         record = self._table.get(key)
         if self._table.subscriber_count(key) == 0 and not self._lifecycle.may_grant_unattached(key):
@@ -143,6 +145,7 @@ class OwnerSide:
             open_uses=open_uses,
             unread_release=unread_release,
             access=access,
+            capability=capability,
         )
 
     def revoke(self, key: WorkerKey, request_id: str) -> int:

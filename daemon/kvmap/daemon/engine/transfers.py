@@ -312,6 +312,7 @@ class TransferEngine:
         the time left cannot hold the next pause (then the last error)."""
         pacing = self._pacing
         handshaked = False
+        started = pacing.now()
         for attempt in itertools.count():
             try:
                 attempt_reports = self._run(
@@ -324,7 +325,7 @@ class TransferEngine:
             except KvmapError as err:
                 pause = (
                     pacing.policy.next_delay(attempt, pacing.draw(), deadline - pacing.now())
-                    if retryable(err)
+                    if retryable(err, pacing.now() - started)
                     else None
                 )
                 if pause is None:

@@ -56,6 +56,8 @@ class _DaemonFeatureEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DaemonF
     """Transfers.OfferPush, Peer.OfferPush and AttachResponse.push_offered:
     a decode worker's blocks offered to a prefill engine for a push.
     """
+    DAEMON_FEATURE_CALLER_CAPABILITIES: _DaemonFeature.ValueType  # 9
+    """GrantTransferRequest.capability: grants under a capability the caller drew."""
 
 class DaemonFeature(_DaemonFeature, metaclass=_DaemonFeatureEnumTypeWrapper):
     """Wire features a daemon may lack (an older kvmapd lists none of them)."""
@@ -90,6 +92,8 @@ DAEMON_FEATURE_PUSH_OFFERS: DaemonFeature.ValueType  # 8
 """Transfers.OfferPush, Peer.OfferPush and AttachResponse.push_offered:
 a decode worker's blocks offered to a prefill engine for a push.
 """
+DAEMON_FEATURE_CALLER_CAPABILITIES: DaemonFeature.ValueType  # 9
+"""GrantTransferRequest.capability: grants under a capability the caller drew."""
 Global___DaemonFeature: _TypeAlias = DaemonFeature  # noqa: Y015
 
 class _TransferDirection:
@@ -491,6 +495,7 @@ class GrantTransferRequest(_message.Message):
     OPEN_USES_FIELD_NUMBER: _builtins.int
     UNREAD_RELEASE_FIELD_NUMBER: _builtins.int
     ACCESS_FIELD_NUMBER: _builtins.int
+    CAPABILITY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     ttl_ms: _builtins.int
     """Lifetime of the capability; 0 means the daemon's default."""
@@ -512,6 +517,17 @@ class GrantTransferRequest(_message.Message):
     UNSPECIFIED means READ) or WRITE them (a push into a decode worker's
     blocks). A grant admits only its own direction.
     """
+    capability: _builtins.str
+    """A capability the caller drew itself (43 to 128 URL-safe characters,
+    at least 256 random bits from a cryptographic source), minted instead
+    of one the daemon draws: the caller can hand it on before this call
+    answers, so vLLM's scheduler never waits on the daemon for it. It
+    grants exactly what a daemon-drawn one would. INVALID_ARGUMENT when
+    malformed, ALREADY_EXISTS when it is a grant's already. Empty: the
+    daemon draws one. Served by daemons that list
+    DAEMON_FEATURE_CALLER_CAPABILITIES (an older one ignores the field and
+    answers with a capability of its own).
+    """
     @_builtins.property
     def worker(self) -> _types_pb2.WorkerId: ...
     @_builtins.property
@@ -529,10 +545,11 @@ class GrantTransferRequest(_message.Message):
         open_uses: _builtins.bool = ...,
         unread_release: Global___UnreadRelease.ValueType = ...,
         access: Global___GrantAccess.ValueType = ...,
+        capability: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["worker", b"worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["access", b"access", "groups", b"groups", "max_uses", b"max_uses", "open_uses", b"open_uses", "request_id", b"request_id", "ttl_ms", b"ttl_ms", "unread_release", b"unread_release", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["access", b"access", "capability", b"capability", "groups", b"groups", "max_uses", b"max_uses", "open_uses", b"open_uses", "request_id", b"request_id", "ttl_ms", b"ttl_ms", "unread_release", b"unread_release", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
