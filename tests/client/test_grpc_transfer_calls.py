@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from kvmap.client.client import KvmapClient
 from kvmap.client.errors import OtherStatus
-from kvmap.client.transports.grpc import spec_request_bytes
+from kvmap.client.transports.wire import spec_request_bytes
 from kvmap.core.errors import DeadlineExceeded, PermissionDenied
 from kvmap.v1 import transfers_pb2, transfers_pb2_grpc, types_pb2
 

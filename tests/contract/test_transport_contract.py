@@ -1,5 +1,5 @@
 """The worker-facing contract of kvmapd, against real ``kvmapd serve``
-processes: ``GrpcTransport`` over their Unix sockets, fds over the hand-off
+processes: ``KvmapdTransport`` over their Unix sockets, fds over the hand-off
 socket, real shared memory, real NIXL between the two daemons on 127.0.0.1.
 What a worker may send, what is accepted, rejected (with which error) and
 answered. (It once also held the client's in-memory stand-in daemon to the
@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from kvmap.client.geometry import LayerSpec, export_registration
-from kvmap.client.transports import GrpcTransport, Transport
+from kvmap.client.transports import KvmapdTransport, Transport
 from kvmap.core.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -86,7 +86,7 @@ def backend(real_daemons: dict[str, DaemonProc]) -> Backend:
         "grpc",
         real["prefill"].tcp_target,
         real["decode"].tcp_target,
-        lambda role: GrpcTransport(real[role].socket),
+        lambda role: KvmapdTransport(real[role].socket),
     )
 
 

@@ -3,10 +3,10 @@ interceptors, peer authorization, health) on a Unix socket in a temporary
 folder and on 127.0.0.1, with NIXL replaced by the fake of ``fake_nixl``.
 
 Everything else is what ``kvmapd serve`` runs: workers reach their daemon
-with ``GrpcTransport`` over the socket (fds over the hand-off socket), the
-daemon maps their shared memory, pulls between two daemons go through the
-real Peer RPCs over TCP, and the fake agents copy the bytes between the
-mapped addresses. Each daemon keeps a state folder, so a restart keeps the
+with ``KvmapdTransport`` over its sockets (gRPC, the fd hand-off and the
+local calls sockets), the daemon maps their shared memory, pulls between two
+daemons go through the real Peer RPCs over TCP, and the fake agents copy the
+bytes between the mapped addresses. Each daemon keeps a state folder, so a restart keeps the
 generation counters and the workers' pending events, as ``--state-dir``
 does in a pod.
 
@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 from fake_nixl import FakeNetwork
 
 from kvmap.client.client import KvmapClient
-from kvmap.client.transports.grpc import GrpcTransport
+from kvmap.client.transports.kvmapd import KvmapdTransport
 from kvmap.core.config import DaemonConfig
 from kvmap.core.errors import Unavailable
 from kvmap.core.geometry import WorkerKey
@@ -105,9 +105,9 @@ class _BreakableStream:
         self._inner.cancel()
 
 
-class InprocTransport(GrpcTransport):
-    """A worker's connection to an in-process kvmapd: ``GrpcTransport`` over
-    its socket, with the daemon handle's failure injection."""
+class InprocTransport(KvmapdTransport):
+    """A worker's connection to an in-process kvmapd: ``KvmapdTransport`` over
+    its sockets, with the daemon handle's failure injection."""
 
     def __init__(self, daemon: InprocDaemon) -> None:
         super().__init__(daemon.socket)
@@ -168,7 +168,7 @@ class InprocDaemon:
         self.pull_hook: PullHook | None = None
         self.listed_features: Features | None = None
         self.streams: list[_BreakableStream] = []
-        self.transports: list[GrpcTransport] = []
+        self.transports: list[KvmapdTransport] = []
         self.start()
         self.target = self._config.listen
 

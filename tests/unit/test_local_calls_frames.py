@@ -22,13 +22,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvmap.client.errors import from_status
-from kvmap.client.transports.grpc import spec_request_bytes
 from kvmap.client.transports.local_calls import (
     PULL_FIELD,
     PUSH_FIELD,
     LocalCalls,
     call_bytes,
 )
+from kvmap.client.transports.wire import spec_request_bytes
 from kvmap.core.errors import DeadlineExceeded, NotFound, PermissionDenied, Unavailable
 from kvmap.daemon.adapters.metrics import Metrics
 from kvmap.daemon.api import local_calls

@@ -1,7 +1,7 @@
 """kvmap client library and vLLM connector.
 
 - ``KvmapClient`` / ``AsyncKvmapClient``: the daemon's API over a transport
-  (``transports.GrpcTransport`` to a live kvmapd); errors are the project's one tree,
+  (``transports.KvmapdTransport`` to a live kvmapd); errors are the project's one tree,
   ``kvmap.core.errors.KvmapError`` subclasses (``errors.from_rpc_error``).
 - ``WorkerSession``: keeps a worker registered and attached across daemon restarts.
 - ``memory_export``: a worker's KV memory exported for its daemon (CPU storages

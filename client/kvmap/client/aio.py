@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator, Mapping, Sequence
 
 from kvmap.client.client import DEFAULT_TIMEOUT_S, KvmapClient, TransferResult
-from kvmap.client.transports import GrpcTransport, Transport
+from kvmap.client.transports import KvmapdTransport, Transport
 from kvmap.client.transports.base import AttachStream
 from kvmap.v1 import admin_pb2, registry_pb2, transfers_pb2, types_pb2
 
@@ -44,7 +44,7 @@ class AsyncKvmapClient:
 
     @classmethod
     def connect(cls, socket_path: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> AsyncKvmapClient:
-        return cls(GrpcTransport(socket_path), timeout_s)
+        return cls(KvmapdTransport(socket_path), timeout_s)
 
     async def register(
         self, req: registry_pb2.RegisterWorkerRequest, fds: Sequence[int] = ()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvmap.client.transports import AttachStream, GrpcTransport, Transport
+from kvmap.client.transports import AttachStream, KvmapdTransport, Transport
 from kvmap.core.errors import KvmapError
 from kvmap.v1 import admin_pb2, region_maps_pb2, registry_pb2, transfers_pb2, types_pb2
 
@@ -50,7 +50,7 @@ class KvmapClient:
 
     @classmethod
     def connect(cls, socket_path: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> KvmapClient:
-        return cls(GrpcTransport(socket_path), timeout_s)
+        return cls(KvmapdTransport(socket_path), timeout_s)
 
     def register(
         self, req: registry_pb2.RegisterWorkerRequest, fds: Sequence[int] = ()

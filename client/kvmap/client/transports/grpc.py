@@ -1,30 +1,21 @@
-"""Transport to a live kvmapd over its Unix socket (gRPC + fd hand-off)."""
+"""kvmapd's gRPC API over its Unix socket, and nothing else: the fd hand-off
+socket (``handoff.py``, which also gives the credential token Registry calls
+present) and the local calls socket (``local_calls.py``) are transports of
+their own, which ``kvmapd.KvmapdTransport`` composes with this one."""
 
 from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import grpc
 import grpc.experimental
 
-from kvmap.client import fd_handoff
 from kvmap.client.errors import from_rpc_error
-from kvmap.client.transports.local_calls import (
-    ATTACH_FIELD,
-    GRANT_FIELD,
-    PULL_FIELD,
-    PUSH_FIELD,
-    REVOKE_FIELD,
-    LocalAttachStream,
-    LocalCalls,
-    call_bytes,
-)
-from kvmap.core.config import LOCAL_CALLS_SUFFIX
-from kvmap.core.errors import KvmapError, PermissionDenied
-from kvmap.core.protowire import varint
+from kvmap.client.transports.wire import spec_request_bytes
+from kvmap.core.errors import PermissionDenied
 from kvmap.tracing import TRACEPARENT, current
 from kvmap.v1 import (
     admin_pb2,
@@ -39,9 +30,13 @@ from kvmap.v1 import (
 
 T = TypeVar("T")
 R = TypeVar("R")
+Metadata = tuple[tuple[str, str], ...]
+# The metadata that says which uid calls (``HandoffTransport.credentials``):
+# called with True for a new token, after the daemon refused the old one.
+Credentials = Callable[[bool], Metadata]
 
 
-class _GrpcAttachStream:
+class GrpcAttachStream:
     def __init__(self, call: Any) -> None:
         self._call = call
 
@@ -76,11 +71,6 @@ _OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_reconnect_backoff_ms", 250),
 ]
 
-# A credential token is fetched again after this long (the daemon keeps one
-# 120 s), and its fetch may take this long.
-CREDENTIAL_REFRESH_S = 60.0
-CREDENTIAL_TIMEOUT_S = 5.0
-
 # How long a unary call waits for the channel to reconnect to a daemon that
 # is listening again (several reconnect periods, well under a call's deadline).
 RECONNECT_WAIT_S = 2.0
@@ -93,18 +83,6 @@ RECONNECT_WAIT_S = 2.0
 # core sees the same arguments as ``_OPTIONS``, so both channels share one
 # connection to the daemon.
 _SINGLE_THREADED_STREAMS = (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)
-
-# Field 1 (``spec``), length-delimited: the tag of PullRequest and
-# PushRequest's only field.
-_SPEC_TAG = b"\x0a"
-
-
-def spec_request_bytes(spec: transfers_pb2.TransferSpec) -> bytes:
-    """``PullRequest(spec=spec)`` (or ``PushRequest``) as serialized, the
-    same bytes, without first deep-copying a spec of thousands of block ids
-    into a request message only to serialize it."""
-    body = spec.SerializeToString()
-    return _SPEC_TAG + varint(len(body)) + body
 
 
 def _spec_call(
@@ -141,10 +119,18 @@ def daemon_listening(socket_path: str) -> bool:
     return True
 
 
+def _no_credentials(fresh: bool) -> Metadata:
+    return ()
+
+
 class GrpcTransport:
-    def __init__(self, socket_path: str, fd_socket_path: str | None = None) -> None:
+    """kvmapd's gRPC services on ``socket_path``. Registry calls present
+    ``credentials`` (a daemon that requires them refuses calls without);
+    it sends no fds, so registering a worker whose memory travels as fds
+    needs ``kvmapd.KvmapdTransport``."""
+
+    def __init__(self, socket_path: str, credentials: Credentials = _no_credentials) -> None:
         self.socket_path = socket_path
-        self.fd_socket_path = fd_socket_path or f"{socket_path}.fds"
         target = f"unix://{socket_path}"
         self._channel = grpc.insecure_channel(target, options=_OPTIONS)
         self._streams = grpc.insecure_channel(target, options=[*_OPTIONS, _SINGLE_THREADED_STREAMS])
@@ -154,16 +140,7 @@ class GrpcTransport:
         self._transfers = transfers_pb2_grpc.TransfersStub(self._channel)
         self._maps = region_maps_pb2_grpc.RegionMapsStub(self._channel)
         self._admin = admin_pb2_grpc.AdminStub(self._channel)
-        # This process's credential token (fd_handoff.send_credentials) and
-        # when it was fetched: Registry calls carry it, so that the daemon
-        # honours them only from the uid that registered the worker.
-        self._credential = ""
-        self._credential_at = 0.0
-        # Pull and Push go on the daemon's local calls socket where it has one.
-        self._local = LocalCalls(socket_path + LOCAL_CALLS_SUFFIX)
-
-    def send_fds(self, fds: Sequence[int], timeout: float) -> str:
-        return fd_handoff.send_fds(self.fd_socket_path, fds, timeout)
+        self._credentials = credentials
 
     def register_worker(
         self, req: registry_pb2.RegisterWorkerRequest, timeout: float
@@ -175,91 +152,43 @@ class GrpcTransport:
     ) -> registry_pb2.DeregisterWorkerResponse:
         return self._as_caller(self._registry.DeregisterWorker, req, timeout)
 
-    def attach(self, req: registry_pb2.AttachRequest) -> LocalAttachStream | _GrpcAttachStream:
-        """On the local calls socket where the daemon has one (the kernel
-        tells the daemon this process's uid: no credential token), else
-        over gRPC."""
-        sock = self._local.attach(call_bytes(ATTACH_FIELD, req.SerializeToString(), ""))
-        if sock is not None:
-            return LocalAttachStream(sock, lambda: self._grpc_attach(req))
-        return self._grpc_attach(req)
-
-    def _grpc_attach(self, req: registry_pb2.AttachRequest) -> _GrpcAttachStream:
+    def attach(self, req: registry_pb2.AttachRequest) -> GrpcAttachStream:
         # A fresh token: (re)attaching follows a daemon restart, which forgot the old one.
-        metadata = self._credentials(fresh=True)
-        return _GrpcAttachStream(self._registry.Attach(req, metadata=metadata))
+        metadata = self._credentials(True)
+        return GrpcAttachStream(self._registry.Attach(req, metadata=metadata))
 
     def grant_transfer(
         self, req: registry_pb2.GrantTransferRequest, timeout: float
     ) -> registry_pb2.GrantTransferResponse:
-        # On the local calls socket where the daemon serves it (a scheduler
-        # grants on every rank for every request); else gRPC's.
-        frame = call_bytes(GRANT_FIELD, req.SerializeToString(), current().traceparent())
-        reply = self._local.unary(frame, timeout, "granted")
-        if reply is not None:
-            return reply.granted
         return self._as_caller(self._registry.GrantTransfer, req, timeout)
 
     def revoke_transfer(
         self, req: registry_pb2.RevokeTransferRequest, timeout: float
     ) -> registry_pb2.RevokeTransferResponse:
-        frame = call_bytes(REVOKE_FIELD, req.SerializeToString(), "")
-        reply = self._local.unary(frame, timeout, "revoked")
-        if reply is not None:
-            return reply.revoked
         return self._as_caller(self._registry.RevokeTransfer, req, timeout)
-
-    def _credentials(self, fresh: bool = False) -> tuple[tuple[str, str], ...]:
-        """The metadata that says which uid calls: a credential token, kept
-        for CREDENTIAL_REFRESH_S (the daemon keeps it 120 s). None when the
-        daemon cannot give one (not up yet, or older): the call goes without,
-        and a daemon that needs it answers PERMISSION_DENIED."""
-        now = time.monotonic()
-        if fresh or not self._credential or now - self._credential_at > CREDENTIAL_REFRESH_S:
-            try:
-                self._credential = fd_handoff.send_credentials(
-                    self.fd_socket_path, CREDENTIAL_TIMEOUT_S
-                )
-                self._credential_at = now
-            except KvmapError:
-                self._credential = ""
-        return ((fd_handoff.PEER_TOKEN_METADATA, self._credential),) if self._credential else ()
 
     def _as_caller(self, call: Callable[..., R], req: Any, timeout: float) -> R:
         """A Registry call with this process's credentials; once more with a
         fresh token when refused (a restarted daemon forgot the old one)."""
         traced = _trace_metadata()
         try:
-            return self._unary(call, req, timeout, metadata=(*self._credentials(), *traced))
+            return self._unary(call, req, timeout, metadata=(*self._credentials(False), *traced))
         except PermissionDenied:
-            metadata = (*self._credentials(fresh=True), *traced)
+            metadata = (*self._credentials(True), *traced)
             return self._unary(call, req, timeout, metadata=metadata)
 
     def pull(
         self, spec: transfers_pb2.TransferSpec, timeout: float
     ) -> Iterator[transfers_pb2.PullResponse]:
-        """Pull{spec}: on the local calls socket where the daemon has one,
-        else over gRPC; the spec is serialized once, straight into the
+        """Pull{spec}; the spec is serialized once, straight into the
         request's bytes (no PullRequest copy of its block ids)."""
-        local = self._local_call(PULL_FIELD, spec, timeout)
-        if local is not None:
-            return iter([transfers_pb2.PullResponse(status=status) for status in local])
         return _stream(self._pull_spec(spec, timeout=timeout, metadata=_trace_metadata()))
 
     def push(
         self, spec: transfers_pb2.TransferSpec, timeout: float
     ) -> Iterator[transfers_pb2.PushResponse]:
         """Push{spec}, as ``pull``."""
-        local = self._local_call(PUSH_FIELD, spec, timeout)
-        if local is not None:
-            return iter([transfers_pb2.PushResponse(status=status) for status in local])
         return _stream(self._push_spec(spec, timeout=timeout, metadata=_trace_metadata()))
-
-    def _local_call(
-        self, field: int, spec: transfers_pb2.TransferSpec, timeout: float
-    ) -> list[transfers_pb2.TransferStatus] | None:
-        frame = call_bytes(field, spec_request_bytes(spec), current().traceparent())
-        return self._local.call(frame, timeout)
 
     def release(
         self, req: transfers_pb2.ReleaseRequest, timeout: float
@@ -323,6 +252,5 @@ class GrpcTransport:
         return True
 
     def close(self) -> None:
-        self._local.close()
         self._streams.close()
         self._channel.close()

@@ -1,9 +1,11 @@
 """Pull, Push, Attach, GrantTransfer and RevokeTransfer on kvmapd's local
 calls socket (``<socket>.calls``, ``protos/kvmap/v1/local_calls.proto``):
 the same calls as gRPC's, at what a Unix socket costs (the daemon's
-``api/local_calls.py`` says why).
+``api/local_calls.py`` says why). ``LocalCallsTransport`` makes them from
+their request messages; ``LocalCalls`` moves their frames.
 
-``LocalCalls.call`` and ``unary`` answer None when the daemon has no such
+``LocalCalls.call`` and ``unary`` (and so ``LocalCallsTransport``'s calls)
+answer None when the daemon has no such
 socket (an older daemon, one started with ``--no-local-calls``, one down),
 no room for another connection, or (``unary``, an attach) does not know the
 call: the caller then makes the call over gRPC, which answers as it always
@@ -31,8 +33,10 @@ from collections.abc import Callable, Iterator
 
 from kvmap.client.errors import from_status, from_status_number
 from kvmap.client.transports.base import AttachStream
+from kvmap.client.transports.wire import spec_request_bytes
 from kvmap.core.errors import InvalidArgument, KvmapError
 from kvmap.core.protowire import varint
+from kvmap.tracing import current
 from kvmap.v1 import local_calls_pb2, registry_pb2, transfers_pb2
 
 LENGTH = struct.Struct("<I")
@@ -75,7 +79,72 @@ def call_bytes(field: int, request: bytes, traceparent: str) -> bytes:
     return b"".join((LENGTH.pack(size), head, request, tail))
 
 
+class LocalCallsTransport:
+    """The calls a worker makes on the local calls socket at ``path``, from
+    their request messages: each answers None where the call must go over
+    gRPC instead (the module docstring says when). A call carries the
+    calling thread's traceparent (``kvmap.tracing.current``) where gRPC's
+    would; an attach names no credentials (the kernel tells the daemon the
+    caller's uid)."""
+
+    def __init__(self, path: str) -> None:
+        self.calls = LocalCalls(path)
+
+    def attach(
+        self, req: registry_pb2.AttachRequest, fallback: Callable[[], AttachStream]
+    ) -> LocalAttachStream | None:
+        """The worker's events, ``fallback`` attaching it over gRPC where the
+        daemon answers that it has no room or does not know the call."""
+        sock = self.calls.attach(call_bytes(ATTACH_FIELD, req.SerializeToString(), ""))
+        return None if sock is None else LocalAttachStream(sock, fallback)
+
+    def grant_transfer(
+        self, req: registry_pb2.GrantTransferRequest, timeout: float
+    ) -> registry_pb2.GrantTransferResponse | None:
+        frame = call_bytes(GRANT_FIELD, req.SerializeToString(), current().traceparent())
+        reply = self.calls.unary(frame, timeout, "granted")
+        return None if reply is None else reply.granted
+
+    def revoke_transfer(
+        self, req: registry_pb2.RevokeTransferRequest, timeout: float
+    ) -> registry_pb2.RevokeTransferResponse | None:
+        reply = self.calls.unary(
+            call_bytes(REVOKE_FIELD, req.SerializeToString(), ""), timeout, "revoked"
+        )
+        return None if reply is None else reply.revoked
+
+    def pull(
+        self, spec: transfers_pb2.TransferSpec, timeout: float
+    ) -> list[transfers_pb2.PullResponse] | None:
+        """Pull{spec}, the spec serialized once, straight into the frame."""
+        statuses = self._transfer(PULL_FIELD, spec, timeout)
+        if statuses is None:
+            return None
+        return [transfers_pb2.PullResponse(status=status) for status in statuses]
+
+    def push(
+        self, spec: transfers_pb2.TransferSpec, timeout: float
+    ) -> list[transfers_pb2.PushResponse] | None:
+        """Push{spec}, as ``pull``."""
+        statuses = self._transfer(PUSH_FIELD, spec, timeout)
+        if statuses is None:
+            return None
+        return [transfers_pb2.PushResponse(status=status) for status in statuses]
+
+    def _transfer(
+        self, field: int, spec: transfers_pb2.TransferSpec, timeout: float
+    ) -> list[transfers_pb2.TransferStatus] | None:
+        frame = call_bytes(field, spec_request_bytes(spec), current().traceparent())
+        return self.calls.call(frame, timeout)
+
+    def close(self) -> None:
+        self.calls.close()
+
+
 class LocalCalls:
+    """Frames to and from the local calls socket at ``path``, on kept
+    connections."""
+
     def __init__(self, path: str, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         self.path = path
         self._connect_timeout_s = connect_timeout_s
