@@ -1,23 +1,24 @@
 """Shared test hooks: the Hypothesis profile (``hypothesis_profiles``),
-each test's tier and whether it runs in the serial phase (``tiers``), and
-the reaping of the processes a test started."""
+each test's tier and whether it runs in the serial phase (``tiers``), the
+zygotes the processes a test starts are forked from (``zygote``), and the
+reaping of the processes a test started."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import hypothesis_profiles
 import pytest
 import tiers
+import zygote
 
 from kvmap.tools import launch
 
 hypothesis_profiles.load_profile()
 # Stand-in workers are forked from a zygote that imported them once: the
 # suite starts hundreds, each ~2 CPU-s of imports otherwise.
-os.environ.setdefault(launch.ZYGOTE_ENV, "1")
+zygote.install()
 
 TESTS = Path(__file__).resolve().parent
 

@@ -1,5 +1,6 @@
-"""``kvmap.tools.zygote``: processes forked from a process that imported
-their modules, started and waited for as ``subprocess.Popen`` would."""
+"""``zygote`` (tests/support/zygote.py): processes forked from a process that
+imported their modules, started and waited for as ``subprocess.Popen``
+would, and ``kvmap.tools.launch`` starting its processes through it."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from kvmap.tools.zygote import FORKED_ENV, ForkedProcess, Zygote
+import zygote as zygotes
+from zygote import FORKED_ENV, ForkedProcess, Zygote
 
 pytestmark = pytest.mark.timeout(120)
+# tests/support, where the zygote module is (a child process imports it).
+SUPPORT = Path(zygotes.__file__).parent
 
 # Answers each stdin line with what the process is: its pid, argv, working
 # directory, environment and whether its module was imported before it ran
@@ -112,14 +115,17 @@ def test_kill_and_concurrent_spawns(zygote: tuple[Zygote, Path]) -> None:
 
 
 def test_a_launch_zygote_leaves_no_folder_after_its_process_exits(tmp_path: Path) -> None:
-    """``launch.zygote_for`` makes the zygote a folder (its log, its
-    children's TMPDIR): the process's exit takes it away, so runs of the
-    suite leave nothing behind in /tmp."""
+    """``zygote.install`` has ``launch`` fork from zygotes, and each is a
+    folder (its log, its children's TMPDIR): the process's exit takes it
+    away, so runs of the suite leave nothing behind in /tmp."""
     (tmp_path / "child.py").write_text("import os\nprint(os.environ['TMPDIR'], flush=True)\n")
     script = (
         "import sys\n"
+        "sys.path.insert(0, sys.argv[2])\n"
+        "import zygote\n"
         "from kvmap.tools import launch\n"
-        "z = launch.zygote_for(['json'])\n"
+        "zygote.install()\n"
+        "z = launch.forker_for(['json'])\n"
         "home = z.log.parent\n"
         "child = launch.start_python([sys.argv[1]], launch.local_env(home), home,"
         " home / 'child.log', z)\n"
@@ -131,7 +137,7 @@ def test_a_launch_zygote_leaves_no_folder_after_its_process_exits(tmp_path: Path
     tmp.mkdir()
     env = dict(os.environ, KVMAP_LAUNCH_ZYGOTE="1", TMPDIR=str(tmp))
     done = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "child.py")],
+        [sys.executable, "-c", script, str(tmp_path / "child.py"), str(SUPPORT)],
         check=False,
         env=env,
         capture_output=True,

@@ -116,7 +116,8 @@ def _run(bin_dir: Path, cwd: Path, *argv: str) -> subprocess.CompletedProcess[st
 def test_wheel_ships_package_data_and_no_tests(wheel: Path) -> None:
     """The wheel holds every bundled example, each package's py.typed, the
     generated stubs and both console scripts, no stand-in daemon in the
-    client, nothing outside kvmap/ (no tests), and declares its licence as
+    client, no test machinery (the zygote), nothing outside kvmap/ (no
+    tests), and declares its licence as
     an SPDX expression and ships its text (LICENSE, taken by setuptools'
     default license-files patterns)."""
     with zipfile.ZipFile(wheel) as whl:
@@ -132,6 +133,8 @@ def test_wheel_ships_package_data_and_no_tests(wheel: Path) -> None:
     # client carries none of its own.
     assert "kvmap/client/transports/grpc.py" in names
     assert not [n for n in names if n.startswith("kvmap/client/transports/memory")]
+    # Test machinery stays in tests/support: the zygotes tests fork from.
+    assert not [n for n in names if "zygote" in n]
     scripts = _entry_points(wheel)
     assert "kvmapd = kvmap.daemon.cli.kvmapd:main" in scripts
     assert "kvmapctl = kvmap.daemon.cli.kvmapctl:main" in scripts

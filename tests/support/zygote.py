@@ -1,4 +1,5 @@
-"""Python processes forked from one that has imported their heavy modules.
+"""Python processes forked from one that has imported their heavy modules:
+test support, never shipped (the wheel holds ``kvmap`` only).
 
 A stand-in worker spends ~2 of its CPU seconds importing torch, a vLLM
 engine ~8 importing torch and vLLM, and the test suite starts hundreds of
@@ -7,6 +8,10 @@ once; each process is then a fork of it that runs ``python -m MODULE ARGS``
 (or ``python SCRIPT ARGS``) with its own environment, directory and stdio,
 as ``subprocess.Popen`` would have started it. Only the start differs: the
 module runs as ``__main__`` in a process of its own, as it would have.
+
+``tests/conftest.py`` has ``kvmap.tools.launch`` fork the processes it
+starts from zygotes (``install``: ``launch.fork_from(zygote_for)``) unless
+``ZYGOTE_ENV`` says otherwise.
 
 The process is forked twice and reparented to the caller (which becomes a
 child subreaper), so that the caller waits for it and reads its exit status
@@ -27,6 +32,7 @@ import importlib
 import json
 import os
 import runpy
+import shutil
 import signal
 import socket
 import subprocess
@@ -35,11 +41,14 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 PR_SET_CHILD_SUBREAPER = 36
+# Other than "1" (the default) in the test process's environment: every
+# process is started afresh.
+ZYGOTE_ENV = "KVMAP_LAUNCH_ZYGOTE"
 # Set in every forked process's environment: what it runs may adapt to a
 # parent that imported it already (engine_proc reconfigures vLLM's logging).
 FORKED_ENV = "KVMAP_FORKED_FROM_ZYGOTE"
@@ -100,8 +109,9 @@ class Zygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         setup = json.dumps({"preload": list(preload), "sys_path": list(sys_path)})
         with open(log, "w") as out:
+            # This file as a script: it is test support, not a module of kvmap.
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(theirs.fileno()), setup],
+                [sys.executable, __file__, str(theirs.fileno()), setup],
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
@@ -143,6 +153,49 @@ class Zygote:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(10)
+
+
+# The test process's zygotes, by what they preloaded.
+_zygotes: dict[tuple[tuple[str, ...], tuple[str, ...]], Zygote] = {}
+_zygotes_lock = threading.Lock()
+
+
+def zygote_for(
+    preload: Sequence[str],
+    sys_path: Sequence[str] = (),
+    env_of: Callable[[Path], dict[str, str]] | None = None,
+) -> Zygote:
+    """This process's zygote that has imported ``preload`` (``sys_path``
+    first), started at first use with ``env_of(its own folder)`` (default
+    ``launch.local_env``): what ``launch.forker_for`` answers once
+    ``install``ed."""
+    from kvmap.tools import launch
+
+    key = (tuple(preload), tuple(sys_path))
+    with _zygotes_lock:
+        if key not in _zygotes:
+            home = Path(tempfile.mkdtemp(prefix="kvmap-zygote-"))
+            env = (env_of or launch.local_env)(home)
+            zygote = Zygote(preload, env, home / "zygote.log", sys_path)
+            _zygotes[key] = zygote
+            atexit.register(_close_zygote, zygote, home)
+        return _zygotes[key]
+
+
+def _close_zygote(zygote: Zygote, home: Path) -> None:
+    """At exit: the zygote, then its folder (its log and what its
+    children left in their TMPDIR), so test runs leave nothing in /tmp."""
+    zygote.close()
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def install() -> None:
+    """Have ``kvmap.tools.launch`` fork the Python processes it starts from
+    zygotes when ``ZYGOTE_ENV`` is "1" (the default)."""
+    from kvmap.tools import launch
+
+    if os.environ.get(ZYGOTE_ENV, "1") == "1":
+        launch.fork_from(zygote_for)
 
 
 # The zygote's side.
@@ -231,4 +284,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    # Run as a script: the import path starts where ``python -m`` would
+    # start it, at the working directory, not at this folder.
+    sys.path[0] = os.getcwd()
     sys.exit(main(sys.argv[1:]))
