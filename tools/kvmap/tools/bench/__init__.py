@@ -8,6 +8,8 @@ daemons and real NIXL agents on this machine.
                  [--layer-ms 0.5] [--push-profile NAME] [--repeats N] [--json]
     kvmapd bench --ttft [--ttft-connectors kvmap-pull,kvmap-push,nixl-pull,nixl-push]
                  [--ttft-concurrency 1,4] [--ttft-requests N] [--json]
+    kvmapd bench --sched [--sched-connectors kvmap,nixl] [--sched-tp 1,2]
+                 [--sched-waves N] [--sched-batch N] [--json]
 
 Modules: ``profiles`` (the geometries, with their sources), ``blockpool``
 (request block ids and the fragmentation model), ``worker`` (the stand-in
@@ -18,7 +20,9 @@ the same lists), ``pod`` (a TP pod on one daemon), ``results`` (the figures, typ
 pull after finish against push at finish and layer-group pushes, with a
 layer-paced stand-in prefill in ``push_worker``); ``ttft`` (``--ttft``: time
 to first token through real vLLM servers and the P/D proxy, kvmap's pull and
-push beside vLLM's NixlConnector and NixlPushConnector; servers in ``ttft_stack``).
+push beside vLLM's NixlConnector and NixlPushConnector; servers in ``ttft_stack``);
+``sched_step`` (``--sched``: vLLM's scheduler thread in the steps that finish
+prefill requests, kvmap's connector beside NixlConnector, engine in ``sched_engine``).
 See docs/benchmarks.md.
 """
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -92,6 +97,7 @@ def main(argv: Sequence[str]) -> int:
     _add_daemon_args(p)
     _add_push_args(p)
     _add_ttft_args(p)
+    _add_sched_args(p)
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return run(p.parse_args(argv))
 
@@ -234,6 +240,22 @@ def _add_ttft_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft-hidden", type=int, default=512, help="model width (default 512)")
 
 
+def _add_sched_args(p: argparse.ArgumentParser) -> None:
+    """``--sched``: the scheduler's step time (bench.sched_step)."""
+    p.add_argument(
+        "--sched",
+        action="store_true",
+        help="vLLM's scheduler thread in the steps that finish prefill requests, kvmap's "
+        "connector beside vLLM's NixlConnector (bench.sched_step); takes --json",
+    )
+    p.add_argument("--sched-connectors", default="kvmap,nixl", help="(default kvmap,nixl)")
+    p.add_argument(
+        "--sched-tp", type=_positive(int), default=(1, 2), metavar="N,N", help="(default 1,2)"
+    )
+    p.add_argument("--sched-waves", type=int, default=8, help="measured waves (default 8)")
+    p.add_argument("--sched-batch", type=int, default=8, help="requests a wave (default 8)")
+
+
 def _positive(kind: type[int] | type[float]) -> Callable[[str], tuple[Any, ...]]:
     """A parser of a comma-separated list of positive numbers, sorted."""
 
@@ -259,25 +281,34 @@ def _levels(text: str) -> tuple[int, ...]:
     return levels
 
 
+def _refused(args: argparse.Namespace) -> str:
+    """Why these arguments cannot run ("" when they can)."""
+    if args.repeats < 1:
+        return "--repeats must be at least 1"
+    if not 0 <= args.nixl_threads <= MAX_NIXL_THREADS:
+        return f"--nixl-threads must be 0-{MAX_NIXL_THREADS}"
+    if sum(map(bool, (args.push, args.ttft, args.sched))) > 1:
+        return "choose one of --push, --ttft, --sched"
+    return ""
+
+
 def run(args: argparse.Namespace) -> int:
     # Lazy: the runner pulls in numpy and the launcher, which other
     # subcommands do not need.
     from kvmap.tools.bench import report, runner  # noqa: PLC0415
 
-    if args.repeats < 1:
-        print("kvmapd bench: --repeats must be at least 1", file=sys.stderr)
-        return 2
-    if not 0 <= args.nixl_threads <= MAX_NIXL_THREADS:
-        print(f"kvmapd bench: --nixl-threads must be 0-{MAX_NIXL_THREADS}", file=sys.stderr)
+    if why := _refused(args):
+        print(f"kvmapd bench: {why}", file=sys.stderr)
         return 2
 
     def progress(line: str) -> None:
         if not args.quiet:
             print(f"  .. {line}", file=sys.stderr, flush=True)
 
-    other = _run_push if args.push else _run_ttft if args.ttft else None
-    if other is not None:
-        return other(args, progress)
+    others = {"push": _run_push, "ttft": _run_ttft, "sched": _run_sched}
+    for name, other in others.items():
+        if getattr(args, name):
+            return other(args, progress)
     opts = runner.Options(
         profiles=args.profile or list(DEFAULT_PROFILES),
         planners=args.planner or runner.default_planners(),
@@ -349,6 +380,21 @@ def _run_ttft(args: argparse.Namespace, progress: Callable[[str], None]) -> int:
         with _sigterm_raises():
             return ttft.run_cli(args, progress)
     except (ValueError, RuntimeError, TimeoutError) as err:
+        print(f"kvmapd bench: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("kvmapd bench: interrupted; every process it started was stopped", file=sys.stderr)
+        return 130
+
+
+def _run_sched(args: argparse.Namespace, progress: Callable[[str], None]) -> int:
+    """``kvmapd bench --sched``: bench.sched_step, its processes stopped however it ends."""
+    from kvmap.tools.bench import sched_step  # noqa: PLC0415  (vLLM engines)
+
+    try:
+        with _sigterm_raises():
+            return sched_step.run_cli(args, progress)
+    except (ValueError, RuntimeError, subprocess.TimeoutExpired) as err:
         print(f"kvmapd bench: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
