@@ -8,7 +8,7 @@ asserted.
 vLLM's NixlPushConnector is left to the benchmark itself: on two shared
 cores its workers' UCX progress threads spin and a request took 15 to 110 s
 (docs/benchmarks.md), too long for the suite. The goal's arithmetic, which
-needs its rows, is tested in tests/unit/test_bench_ttft.py."""
+needs its rows, is tested in tests/unit/test_ttft_table.py."""
 
 from __future__ import annotations
 
