@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvmap.tools.bench.ttft import TtftOptions, _ms, _result, render
+from kvmap.tools.bench.scratch import ms
+from kvmap.tools.bench.ttft import TtftOptions, _result, render
 
 
 def row(connector: str, level: int, p50_ms: float, tokens: list[list[int]]) -> dict[str, Any]:
@@ -25,10 +26,12 @@ def row(connector: str, level: int, p50_ms: float, tokens: list[list[int]]) -> d
 
 
 def test_percentiles_are_milliseconds_of_the_sorted_samples() -> None:
-    """p50 is the median, p90 the sample at 90% of the sorted list, mean the
-    mean; no samples give zeros rather than an error."""
-    assert _ms([0.003, 0.001, 0.002, 0.010]) == {"p50": 2.5, "p90": 10.0, "mean": 4.0}
-    assert _ms([]) == {"p50": 0.0, "p90": 0.0, "mean": 0.0}
+    """p50 is the median, p90 the sample at 90% of the sorted list, then the
+    mean and the max; no samples give zeros rather than an error."""
+    got = ms([0.003, 0.001, 0.002, 0.010], 90)
+    assert got == {"p50": 2.5, "p90": 10.0, "mean": 4.0, "max": 10.0}
+    assert ms([0.001] * 99 + [0.5], 99) == {"p50": 1.0, "p99": 500.0, "mean": 5.99, "max": 500.0}
+    assert ms([], 99) == {"p50": 0.0, "p99": 0.0, "mean": 0.0, "max": 0.0}
 
 
 def test_the_goal_compares_kvmap_push_with_nixl_push_per_level() -> None:

@@ -18,8 +18,6 @@ arrival of an event are read on the same scale.
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 import threading
 import time
@@ -32,8 +30,7 @@ import numpy.typing as npt
 from kvmap.client.errors import status_name
 from kvmap.core.errors import KvmapError
 from kvmap.core.geometry import ViewSpec
-from kvmap.tools import json_lines
-from kvmap.tools.bench.worker import BenchWorker, Registered, Words, pattern
+from kvmap.tools.bench.worker import BenchWorker, Registered, Words, pattern, worker_main
 from kvmap.v1 import registry_pb2, transfers_pb2, types_pb2
 
 # How long a push may take before the daemon's answer is given up on.
@@ -248,32 +245,9 @@ COMMANDS = (
 )
 
 
-def handle(w: PushWorker, cmd: dict[str, Any]) -> dict[str, Any]:
-    op = cmd.get("cmd", "")
-    if op not in COMMANDS:
-        return {"ok": False, "code": "UNKNOWN_COMMAND", "message": str(op)}
-    try:
-        out: dict[str, Any] = getattr(w, op)(cmd)
-    except KvmapError as err:
-        return {"ok": False, "code": status_name(err), "message": err.message}
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvmap-bench-push-worker", allow_abbrev=False)
-    p.add_argument("--socket", required=True)
-    args = p.parse_args(argv)
-    # Answers go to the original stdout; what NIXL and UCX print to fd 1
-    # goes to stderr, the worker's log file (as bench.worker does).
-    answers = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    w = PushWorker(args.socket)
-    try:
-        json_lines.serve({"ready": True, "pid": os.getpid()}, lambda cmd: handle(w, cmd), answers)
-    finally:
-        w.close()
-    return 0
+    # What NIXL and UCX print goes to the worker's log, as bench.worker's.
+    return worker_main("kvmap-bench-push-worker", PushWorker, COMMANDS, argv)
 
 
 if __name__ == "__main__":

@@ -21,13 +21,13 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvmap.tools.bench.host import machine
+from kvmap.tools.bench.scratch import ms, scratch_dir
 from kvmap.tools.launch import local_env, start_daemon
 from kvmap.tools.vllm_servers import free_port
 
@@ -93,18 +93,6 @@ def _run_engine(
     return out
 
 
-def _ms(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"p50": 0.0, "p99": 0.0, "max": 0.0}
-    ordered = sorted(values)
-    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-    return {
-        "p50": round(statistics.median(ordered) * 1000, 3),
-        "p99": round(p99 * 1000, 3),
-        "max": round(ordered[-1] * 1000, 3),
-    }
-
-
 def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     """A run's figures: the steps in which requests finished, and the rest."""
     steps = list(zip(raw["schedule_s"], raw["update_s"], strict=False))
@@ -118,21 +106,11 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         "requests_per_finishing_step": round(statistics.fmean(finished_in), 1)
         if finished_in
         else 0.0,
-        "finishing_step_ms": _ms(finishing),
-        "request_finished_ms": _ms(raw["request_finished_s"]),
-        "other_step_ms": _ms([s + u for s, (u, n) in steps if not n]),
-        "wave_ms": _ms(raw["wave_s"]),
+        "finishing_step_ms": ms(finishing, 99),
+        "request_finished_ms": ms(raw["request_finished_s"], 99),
+        "other_step_ms": ms([s + u for s, (u, n) in steps if not n], 99),
+        "wave_ms": ms(raw["wave_s"], 99),
     }
-
-
-@contextlib.contextmanager
-def _workdir(opts: SchedOptions) -> Iterator[Path]:
-    if opts.workdir is not None:
-        opts.workdir.mkdir(parents=True, exist_ok=True)
-        yield opts.workdir
-        return
-    with tempfile.TemporaryDirectory(prefix="kvmap-sched-") as tmp:
-        yield Path(tmp)
 
 
 def run_sched(opts: SchedOptions) -> dict[str, Any]:
@@ -142,7 +120,7 @@ def run_sched(opts: SchedOptions) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"unknown connectors {sorted(unknown)}; known: kvmap, nixl")
     rows = []
-    with _workdir(opts) as tmp:
+    with scratch_dir(opts.workdir, "kvmap-sched-") as tmp:
         model = build_model(tmp / "model", opts.layers, opts.hidden)
         for tp in opts.tp_sizes:
             for connector in opts.connectors:

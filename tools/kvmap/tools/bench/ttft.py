@@ -23,13 +23,10 @@ machine, not what a GPU cluster would see.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
-import statistics
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +35,7 @@ import aiohttp
 
 from kvmap.tools import vllm_servers as vs
 from kvmap.tools.bench.host import machine
+from kvmap.tools.bench.scratch import ms, scratch_dir
 from kvmap.tools.bench.ttft_stack import CONNECTORS, Stack, kvmap_stack, nixl_stack
 
 SCHEMA = "kvmapd-bench-ttft/1"
@@ -164,18 +162,6 @@ async def _load(url: str, batch: list[list[int]], in_flight: int, max_tokens: in
         return list(await asyncio.gather(*(gated(p) for p in batch)))
 
 
-def _ms(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"p50": 0.0, "p90": 0.0, "mean": 0.0}
-    ordered = sorted(values)
-    p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
-    return {
-        "p50": round(statistics.median(ordered) * 1000, 1),
-        "p90": round(p90 * 1000, 1),
-        "mean": round(statistics.fmean(ordered) * 1000, 1),
-    }
-
-
 def measure(stack: Stack, connector: str, opts: TtftOptions) -> list[dict[str, Any]]:
     """One connector's rows, a row per concurrency level."""
     url = stack.proxies[connector].url
@@ -194,8 +180,8 @@ def measure(stack: Stack, connector: str, opts: TtftOptions) -> list[dict[str, A
                 "concurrency": level,
                 "requests": len(samples),
                 "ok": len(ok),
-                "ttft_ms": _ms([s.ttft_s for s in ok]),
-                "e2e_ms": _ms([s.e2e_s for s in ok]),
+                "ttft_ms": ms([s.ttft_s for s in ok], 90),
+                "e2e_ms": ms([s.e2e_s for s in ok], 90),
                 "loaded": round(loaded / (len(batch) * opts.prompt_tokens), 3),
                 "tokens": [list(s.tokens) for s in samples],
             }
@@ -204,22 +190,12 @@ def measure(stack: Stack, connector: str, opts: TtftOptions) -> list[dict[str, A
     return rows
 
 
-@contextlib.contextmanager
-def _workdir(opts: TtftOptions) -> Iterator[Path]:
-    if opts.workdir is not None:
-        opts.workdir.mkdir(parents=True, exist_ok=True)
-        yield opts.workdir
-        return
-    with tempfile.TemporaryDirectory(prefix="kvmap-ttft-") as tmp:
-        yield Path(tmp)
-
-
 def run_ttft(opts: TtftOptions) -> dict[str, Any]:
     unknown = set(opts.connectors) - set(CONNECTORS)
     if unknown:
         raise ValueError(f"unknown connectors {sorted(unknown)}; known: {', '.join(CONNECTORS)}")
     rows: list[dict[str, Any]] = []
-    with _workdir(opts) as tmp:
+    with scratch_dir(opts.workdir, "kvmap-ttft-") as tmp:
         opts.progress(f"building a {opts.layers}-layer model")
         model = build_model(tmp / "model", opts.layers, opts.hidden)
         args = serve_args(opts)

@@ -25,6 +25,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -453,9 +454,11 @@ COMMANDS = (
 )
 
 
-def handle(w: BenchWorker, cmd: dict[str, Any]) -> dict[str, Any]:
+def dispatch(w: Any, commands: Collection[str], cmd: dict[str, Any]) -> dict[str, Any]:
+    """Run ``cmd`` as the method of ``w`` its name names, if ``commands``
+    lists it; a kvmap error is the answer, not the worker's end."""
     op = cmd.get("cmd", "")
-    if op not in COMMANDS:
+    if op not in commands:
         return {"ok": False, "code": "UNKNOWN_COMMAND", "message": str(op)}
     try:
         out: dict[str, Any] = getattr(w, op)(cmd)
@@ -464,8 +467,16 @@ def handle(w: BenchWorker, cmd: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvmap-bench-worker", allow_abbrev=False)
+def handle(w: BenchWorker, cmd: dict[str, Any]) -> dict[str, Any]:
+    return dispatch(w, COMMANDS, cmd)
+
+
+def worker_main(
+    prog: str, make: Callable[[str], Any], commands: Collection[str], argv: list[str] | None
+) -> int:
+    """A stand-in worker process: ``make(socket)`` served over JSON lines
+    (``json_lines``), answering ``commands`` until told to exit."""
+    p = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
     p.add_argument("--socket", required=True)
     args = p.parse_args(argv)
     # Answers go to the original stdout; anything else a library writes to
@@ -473,12 +484,17 @@ def main(argv: list[str] | None = None) -> int:
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    w = BenchWorker(args.socket)
+    w = make(args.socket)
     try:
-        json_lines.serve({"ready": True, "pid": os.getpid()}, lambda cmd: handle(w, cmd), answers)
+        ready = {"ready": True, "pid": os.getpid()}
+        json_lines.serve(ready, lambda cmd: dispatch(w, commands, cmd), answers)
     finally:
         w.close()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return worker_main("kvmap-bench-worker", BenchWorker, COMMANDS, argv)
 
 
 if __name__ == "__main__":
