@@ -59,10 +59,12 @@ class RankGrant:
     unread_release: registry_pb2.UnreadRelease.ValueType
 
 
-def grant_one(client: KvmapClient, request_id: str, g: RankGrant) -> None:
-    """Make ``g`` in kvmapd; a daemon that minted another capability (it
-    predates caller capabilities) is as good as a refusal here."""
-    resp = client.grant_transfer(
+def make_grant(
+    client: KvmapClient, request_id: str, g: RankGrant
+) -> registry_pb2.GrantTransferResponse:
+    """Ask kvmapd for ``g`` (an older kvmapd answers with a capability of
+    its own)."""
+    return client.grant_transfer(
         g.worker,
         request_id,
         g.blocks,
@@ -72,7 +74,12 @@ def grant_one(client: KvmapClient, request_id: str, g: RankGrant) -> None:
         unread_release=g.unread_release,
         capability=g.capability,
     )
-    if resp.capability != g.capability:
+
+
+def grant_one(client: KvmapClient, request_id: str, g: RankGrant) -> None:
+    """Make ``g`` in kvmapd; a daemon that minted another capability (it
+    predates caller capabilities) is as good as a refusal here."""
+    if make_grant(client, request_id, g).capability != g.capability:
         revoke(client, g.worker, request_id)
         raise KvmapError("kvmapd does not take a caller's capability (an older kvmapd)")
 

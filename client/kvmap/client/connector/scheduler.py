@@ -12,7 +12,12 @@ from typing import Any
 
 from kvmap.client.client import KvmapClient
 from kvmap.client.connector.blocks import BlockIds
-from kvmap.client.connector.granter import BackgroundGranter, RankGrant, new_capability
+from kvmap.client.connector.granter import (
+    BackgroundGranter,
+    RankGrant,
+    make_grant,
+    new_capability,
+)
 from kvmap.client.connector.grants import MAX_GRANT_TTL_MS, revoke
 from kvmap.client.connector.logids import ids
 from kvmap.client.connector.metadata import ConnectorMeta, PushRecvTask, PushSendTask, RecvTask
@@ -482,16 +487,7 @@ class SchedulerCore:
             for i, g in enumerate(ranks):
                 if g is None:
                     continue
-                grant = self.client.grant_transfer(
-                    g.worker,
-                    request_id,
-                    g.blocks,
-                    ttl_ms=g.ttl_ms,
-                    max_uses=g.max_uses,
-                    open_uses=g.open_uses,
-                    unread_release=g.unread_release,
-                    capability=g.capability,
-                )
+                grant = make_grant(self.client, request_id, g)
                 granted.append(g.worker)
                 # A kvmapd that predates caller capabilities drew its own.
                 theirs |= grant.capability != g.capability

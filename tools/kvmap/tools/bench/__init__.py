@@ -29,6 +29,7 @@ See docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import signal
 import subprocess
@@ -305,10 +306,9 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"  .. {line}", file=sys.stderr, flush=True)
 
-    others = {"push": _run_push, "ttft": _run_ttft, "sched": _run_sched}
-    for name, other in others.items():
+    for name in OTHER_BENCHES:
         if getattr(args, name):
-            return other(args, progress)
+            return _run_other(name, args, progress)
     opts = runner.Options(
         profiles=args.profile or list(DEFAULT_PROFILES),
         planners=args.planner or runner.default_planners(),
@@ -351,51 +351,24 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result.verified else 1
 
 
-def _run_push(args: argparse.Namespace, progress: Callable[[str], None]) -> int:
-    """``kvmapd bench --push``: bench.push, its processes stopped however it ends."""
-    from kvmap.tools.bench import push  # noqa: PLC0415  (the launcher, numpy)
+# The benches other than the pull series: flag -> module with run_cli
+# (imported when chosen: the launcher and numpy, aiohttp, vLLM's servers).
+OTHER_BENCHES = {"push": "push", "ttft": "ttft", "sched": "sched_step"}
 
+
+def _run_other(name: str, args: argparse.Namespace, progress: Callable[[str], None]) -> int:
+    """``kvmapd bench --push|--ttft|--sched``: that bench's run_cli, every
+    process it started stopped however it ends."""
     if args.plot:
-        print("kvmapd bench: --plot draws the pull series, not --push", file=sys.stderr)
+        print(f"kvmapd bench: --plot draws the pull series, not --{name}", file=sys.stderr)
         return 2
+    module = importlib.import_module(f"kvmap.tools.bench.{OTHER_BENCHES[name]}")
     try:
         with _sigterm_raises():
-            return push.run_cli(args, progress)
-    except (ValueError, RuntimeError, TimeoutError, AssertionError) as err:
-        print(f"kvmapd bench: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("kvmapd bench: interrupted; every process it started was stopped", file=sys.stderr)
-        return 130
-
-
-def _run_ttft(args: argparse.Namespace, progress: Callable[[str], None]) -> int:
-    """``kvmapd bench --ttft``: bench.ttft, its processes stopped however it ends."""
-    from kvmap.tools.bench import ttft  # noqa: PLC0415  (aiohttp; vLLM's servers)
-
-    if args.plot:
-        print("kvmapd bench: --plot draws the pull series, not --ttft", file=sys.stderr)
-        return 2
-    try:
-        with _sigterm_raises():
-            return ttft.run_cli(args, progress)
-    except (ValueError, RuntimeError, TimeoutError) as err:
-        print(f"kvmapd bench: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("kvmapd bench: interrupted; every process it started was stopped", file=sys.stderr)
-        return 130
-
-
-def _run_sched(args: argparse.Namespace, progress: Callable[[str], None]) -> int:
-    """``kvmapd bench --sched``: bench.sched_step, its processes stopped however it ends."""
-    from kvmap.tools.bench import sched_step  # noqa: PLC0415  (vLLM engines)
-
-    try:
-        with _sigterm_raises():
-            return sched_step.run_cli(args, progress)
-    except (ValueError, RuntimeError, subprocess.TimeoutExpired) as err:
-        print(f"kvmapd bench: {err}", file=sys.stderr)
+            code: int = module.run_cli(args, progress)
+            return code
+    except (ValueError, RuntimeError, AssertionError, TimeoutError, subprocess.TimeoutExpired) as e:
+        print(f"kvmapd bench: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("kvmapd bench: interrupted; every process it started was stopped", file=sys.stderr)
