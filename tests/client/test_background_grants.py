@@ -1,10 +1,9 @@
 """vLLM's scheduler thread does not wait on kvmapd (SchedulerCore._grant and
-connector.granter), against in-process daemons: after the first grant, made
-in place (it shows kvmapd grants under capabilities drawn by the caller),
-``request_finished`` hands its capabilities on at once and the grants are
-made on the granter's thread; the decode side loads exactly the blocks as
-before. A grant that fails there frees the kept blocks at once. A kvmapd
-that draws its own capabilities keeps every grant in place."""
+connector.granter), against in-process daemons: ``request_finished`` hands
+its capabilities on at once and the grants are made on the granter's
+thread; the decode side loads exactly the blocks as before. A grant that
+fails there frees the kept blocks at once. A kvmapd that draws its own
+capabilities costs one request, then every grant is made in place."""
 
 from __future__ import annotations
 
@@ -85,27 +84,22 @@ def same(p: Side, d: Side, local: list[int], remote: list[int]) -> bool:
     )
 
 
-def test_after_the_first_grant_request_finished_does_not_wait_on_kvmapd(
-    pair: tuple[Side, Side],
-) -> None:
-    """The first grant is made on the calling thread; the second request's
-    ``request_finished`` returns while kvmapd still holds its grant (it
-    would never return if it waited), the grant is then made on the
-    granter's thread under the capability already handed on, and decode
-    loads the blocks."""
+def test_request_finished_does_not_wait_on_kvmapd(pair: tuple[Side, Side]) -> None:
+    """``request_finished`` returns while kvmapd still holds the request's
+    grant (it would never return if it waited, the first request included);
+    the grant is then made on the granter's thread under the capability
+    already handed on, and decode loads the blocks."""
     p, d = pair
     gates = GatedGrants(p.sched_transport)
-    kv1 = prefill_request(p, "req-1", [3, 4], 20)
-    assert gates.made == [("req-1", threading.current_thread().name)]
-    gates.held.add("req-2")
-    kv2 = prefill_request(p, "req-2", [5, 6], 20)  # returns with the grant held
-    assert [r for r, _ in gates.made] == ["req-1"]
+    gates.held |= {"req-1", "req-2"}
+    kv1 = prefill_request(p, "req-1", [3, 4], 20)  # returns with the grant held
+    kv2 = prefill_request(p, "req-2", [5, 6], 20)
+    assert gates.made == []
     gates.release.set()
     decode(d, "dec-2", kv2, [10, 11], 20)
-    assert gates.made[1] == ("req-2", "kvmap-granter")
-    assert same(p, d, [10, 11], [5, 6])
     decode(d, "dec-1", kv1, [12, 13], 20)
-    assert same(p, d, [12, 13], [3, 4])
+    assert gates.made == [("req-1", "kvmap-granter"), ("req-2", "kvmap-granter")]
+    assert same(p, d, [10, 11], [5, 6]) and same(p, d, [12, 13], [3, 4])
 
 
 def test_a_background_grant_that_fails_frees_the_blocks_at_once(pair: tuple[Side, Side]) -> None:
@@ -124,17 +118,22 @@ def test_a_background_grant_that_fails_frees_the_blocks_at_once(pair: tuple[Side
     assert p.worker.leases_expired == 0 and p.worker.pending_sends == 1
 
 
-def test_a_kvmapd_that_draws_its_own_capabilities_keeps_grants_in_place(
+def test_a_kvmapd_that_draws_its_own_capabilities_is_granted_in_place_after_one(
     pair: tuple[Side, Side],
 ) -> None:
     """A kvmapd that predates caller capabilities answers with one it drew:
-    that one is offered, and every later grant is still made on the calling
-    thread (nothing is handed on before kvmapd has it)."""
+    the first request's capability, handed on already, will never work, so
+    its grant is revoked and its blocks freed (its decode recomputes); from
+    then on every grant is made on the calling thread and the daemon's own
+    capability is offered, which decode loads with."""
     p, d = pair
     gates = GatedGrants(p.sched_transport)
     gates.own_capability = True
-    kvs = [prefill_request(p, f"req-{i}", [3 + 2 * i, 4 + 2 * i], 20) for i in range(3)]
+    prefill_request(p, "req-0", [1, 2], 20)
+    assert p.sched._granter is not None and p.sched._granter.idle(10)
+    assert step(p).finished_sending == {"req-0"}
+    kvs = [prefill_request(p, f"req-{i}", [3 + 2 * i, 4 + 2 * i], 20) for i in (1, 2)]
     me = threading.current_thread().name
-    assert gates.made == [(f"req-{i}", me) for i in range(3)]
-    decode(d, "dec-2", kvs[2], [20, 21], 20)
+    assert gates.made == [("req-0", "kvmap-granter"), ("req-1", me), ("req-2", me)]
+    decode(d, "dec-2", kvs[1], [20, 21], 20)
     assert same(p, d, [20, 21], [7, 8])

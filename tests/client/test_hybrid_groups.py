@@ -205,6 +205,7 @@ def test_prefill_offers_and_grants_only_each_groups_needed_blocks(
     p, _ = pair
     kv = prefill(p)
     assert kv["remote_block_ids"] == OFFERED
+    assert p.sched.wait_for_grants(10)  # made off the scheduler's thread
     (grant,) = p.grants.grants
     assert {g.transfer_group: list(g.block_ids) for g in grant.groups} == dict(enumerate(OFFERED))
 

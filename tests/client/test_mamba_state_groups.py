@@ -299,6 +299,7 @@ def test_state_slot_moves_with_the_attention_blocks(
     p.sched.windows = d.sched.windows = windows
     kv = prefill(p, (prefill_state, [1, 2, 3]))
     assert kv["remote_block_ids"] == [[9], [1, 2, 3]]
+    assert p.sched.wait_for_grants(10)  # made off the scheduler's thread
     (grant,) = p.grants.grants
     assert {g.transfer_group: list(g.block_ids) for g in grant.groups} == {0: [9], 1: [1, 2, 3]}
     r = load(d, kv, [decode_state, [30, 31, 29]])

@@ -265,6 +265,7 @@ def test_prefill_grants_exactly_the_kept_blocks_and_revokes_when_the_lease_runs_
     untouched)."""
     p, d = pair
     kv = prefill_request(p, "req-p", [3, 17, 4], tokens=40)
+    assert p.sched.wait_for_grants(10)  # made off the scheduler's thread
     [grant] = p.sched_transport.grants
     assert grant.worker == types_pb2.WorkerId(engine_id="prefill")
     assert grant.request_id == "req-p"
@@ -288,12 +289,14 @@ def test_prefill_grants_exactly_the_kept_blocks_and_revokes_when_the_lease_runs_
     assert torch.count_nonzero(d.kv[LAYERS[0]][7:10]) == 0
 
 
-def test_a_refused_grant_offers_no_capability_and_keeps_nothing(
+def test_a_refused_grant_frees_the_offered_blocks_at_the_next_step(
     pair: tuple[Side, Side], caplog: pytest.LogCaptureFixture
 ) -> None:
     """When the daemon refuses a grant (here the second of two tensor-parallel ranks, which is not
-    registered), the request keeps no blocks, its params carry no capability (the decode side will
-    recompute), no lease is sent, the error is logged and the first rank's grant is revoked."""
+    registered), the capabilities were handed on already (grants are made off vLLM's scheduler
+    thread): the first rank's grant is revoked, the error is logged, and the next step tells the
+    workers the request is ungranted, so they free its blocks at once (its decode side's pull is
+    refused and recomputes)."""
     p, _ = pair
     sched = SchedulerCore("prefill", p.sched.options, tp_size=2, client=p.sched.client)
     params: dict[str, Any] = {"do_remote_decode": True}
@@ -302,13 +305,14 @@ def test_a_refused_grant_offers_no_capability_and_keeps_nothing(
         keep, kv = sched.request_finished(
             "r", params, finished_normally=True, block_ids=[[1, 2]], num_computed_tokens=20
         )
-    assert keep is False and kv is not None
-    assert CAPABILITY_KEY not in kv and kv["remote_request_id"] == "r"
+        assert keep is True and kv is not None and kv[CAPABILITY_KEY]
+        assert sched.wait_for_grants(10)
     meta = sched.build_meta()
-    assert meta.not_processed == {"r"} and not meta.send
+    assert meta.ungranted == {"r"} and set(meta.send) == {"r"}
     assert "did not grant" in caplog.text
     assert [g.worker.tp_rank for g in p.sched_transport.grants] == [0, 1]
     assert [(r.worker.tp_rank, r.request_id) for r in p.sched_transport.revokes] == [(0, "r")]
+    sched.shutdown()
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ class StandInClient:
         self.calls: list[tuple[str, str, int, str]] = []
         self.refuse: set[tuple[str, int]] = set()
         self.own_capability = False
+        self.one_use = False
         self.gate = threading.Event()
         self.gate.set()
         # Set once a grant call has started (it then waits for ``gate``).
@@ -42,7 +43,8 @@ class StandInClient:
         if (request_id, worker.tp_rank) in self.refuse:
             raise Unavailable("kvmapd is not there")
         cap = "X" * 43 if self.own_capability else kw["capability"]
-        return registry_pb2.GrantTransferResponse(capability=cap, open_uses=kw["open_uses"])
+        open_uses = kw["open_uses"] and not self.one_use
+        return registry_pb2.GrantTransferResponse(capability=cap, open_uses=open_uses)
 
     def revoke_transfer(self, worker: types_pb2.WorkerId, request_id: str) -> int:
         self.calls.append(("revoke", request_id, worker.tp_rank, ""))
@@ -119,15 +121,32 @@ def test_a_failed_rank_takes_back_the_ranks_granted_and_is_reported(
     granter.close()
 
 
-def test_a_daemon_that_draws_its_own_capability_is_a_failure(client: StandInClient) -> None:
-    """An older kvmapd ignores the drawn capability: the one handed on would
-    never work, so the grant it made is revoked and the request reported."""
-    client.own_capability = True
+@pytest.mark.parametrize("older", ["own capability", "one-use grant"])
+def test_an_older_daemon_is_a_failure_and_is_remembered(client: StandInClient, older: str) -> None:
+    """An older kvmapd ignores the drawn capability, or makes a one-use grant
+    of an open one: what was handed on would never work (or would not work
+    for every decode rank), so the grant is revoked, the request reported,
+    and the granter says so (the scheduler grants in place from then on)."""
+    client.own_capability = older == "own capability"
+    client.one_use = older == "one-use grant"
     granter = BackgroundGranter(client, max_age_s=5.0)  # type: ignore[arg-type]
+    assert not granter.older_kvmapd
     granter.submit("r1", [rank(0)])
     assert granter.idle(10)
     assert [c[:3] for c in client.calls] == [("grant", "r1", 0), ("revoke", "r1", 0)]
     assert granter.failed() == ["r1"]
+    assert granter.older_kvmapd
+    granter.close()
+
+
+def test_a_refused_grant_is_no_sign_of_an_older_daemon(client: StandInClient) -> None:
+    """kvmapd unreachable is a failed job, not a reason to stop granting
+    off the scheduler thread."""
+    client.refuse = {("r1", 0)}
+    granter = BackgroundGranter(client, max_age_s=5.0)  # type: ignore[arg-type]
+    granter.submit("r1", [rank(0)])
+    assert granter.idle(10)
+    assert granter.failed() == ["r1"] and not granter.older_kvmapd
     granter.close()
 
 

@@ -17,8 +17,11 @@ is refused and asks again for a moment (``kvmap.core.retry.GRANT_RACE_S``).
 A job that fails (kvmapd unreachable, a refused grant, a daemon that drew a
 capability of its own) revokes what it granted and is reported, so the
 scheduler frees the request's kept blocks at once instead of at the end of
-their lease. A job that waited longer than ``max_age_s`` is not granted at
-all: a capability must not come alive long after it was handed on.
+their lease. A kvmapd that predates caller capabilities costs that one
+request (recomputed by its decode engine): the scheduler then grants in
+place, as before, waiting for each answer. A job that waited longer than
+``max_age_s`` is not granted at all: a capability must not come alive long
+after it was handed on.
 """
 
 from __future__ import annotations
@@ -76,12 +79,19 @@ def make_grant(
     )
 
 
+class OlderKvmapd(KvmapError):
+    """kvmapd granted, but not as asked: under a capability it drew (it
+    predates caller capabilities) or as a one-use grant (it predates open
+    grants). The capability handed on will never work."""
+
+
 def grant_one(client: KvmapClient, request_id: str, g: RankGrant) -> None:
-    """Make ``g`` in kvmapd; a daemon that minted another capability (it
-    predates caller capabilities) is as good as a refusal here."""
-    if make_grant(client, request_id, g).capability != g.capability:
+    """Make ``g`` in kvmapd; one an older kvmapd made otherwise than asked
+    is revoked and raises ``OlderKvmapd``."""
+    resp = make_grant(client, request_id, g)
+    if resp.capability != g.capability or resp.open_uses != g.open_uses:
         revoke(client, g.worker, request_id)
-        raise KvmapError("kvmapd does not take a caller's capability (an older kvmapd)")
+        raise OlderKvmapd("kvmapd does not take a caller's capability (an older kvmapd)")
 
 
 @dataclass(frozen=True)
@@ -108,6 +118,9 @@ class BackgroundGranter:
         self._clock = clock
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._failed: queue.Queue[str] = queue.Queue()
+        # Set once kvmapd showed it predates caller capabilities: the
+        # scheduler grants in place from then on.
+        self.older_kvmapd = False
         self._thread = threading.Thread(target=self._run, name="kvmap-granter", daemon=True)
         self._thread.start()
 
@@ -157,6 +170,7 @@ class BackgroundGranter:
                 grant_one(self._client, job.request_id, g)
                 granted.append(g.worker)
         except KvmapError as err:
+            self.older_kvmapd |= isinstance(err, OlderKvmapd)
             self._fail(job, granted, err.message)
         finally:
             use(NULL_SPAN)

@@ -99,8 +99,8 @@ class SchedulerCore:
         self.client = client
         self.tracer = connector_tracer(options)
         self._meta = ConnectorMeta()
-        # Grants off vLLM's scheduler thread, once kvmapd showed it takes
-        # the capabilities drawn here (``_grant``); never older than this.
+        # Grants off vLLM's scheduler thread (``_grant``), made at the
+        # first; a job never older than this.
         self._granter: BackgroundGranter | None = None
         self._grant_max_age_s = min(options.call_timeout_s, options.lease_seconds / 4)
         # Push-mode prefill requests of this engine: their push ids, and
@@ -339,10 +339,15 @@ class SchedulerCore:
         meta, self._meta = self._meta, ConnectorMeta()
         return meta
 
+    def wait_for_grants(self, timeout_s: float) -> bool:
+        """Whether every grant handed on so far was made, or failed, within
+        ``timeout_s`` (they are made off this thread: ``_grant``)."""
+        return self._granter is None or self._granter.idle(timeout_s)
+
     def shutdown(self) -> None:
         """Stop the grants' thread (those handed on are made first)."""
         if self._granter is not None:
-            self._granter.idle(self.options.call_timeout_s)
+            self.wait_for_grants(self.options.call_timeout_s)
             self._granter.close()
 
     def request_finished(
@@ -469,28 +474,29 @@ class SchedulerCore:
         whether every grant is open (a kvmapd that predates open grants
         makes each a one-use grant: decode engines of this TP size only).
 
-        The capabilities are drawn here. Once kvmapd has shown it grants
-        under them (the first grants, made here and waited for), the grants
-        are made off this thread (``connector.granter``): vLLM's scheduler
-        thread does not wait on kvmapd."""
+        The capabilities are drawn here and granted off this thread
+        (``connector.granter``): vLLM's scheduler thread does not wait on
+        kvmapd. Once a kvmapd showed it predates caller capabilities, the
+        grants are made here and waited for, under the capabilities it draws."""
         if self.client is None:
             log.error("%s: no kvmapd to grant the transfer; not offering KV", ids(request_id))
             return "", False
         ranks = self._rank_grants(groups)
         capabilities = [g.capability if g else UNREAD_CAPABILITY for g in ranks]
-        if self._granter is not None:
+        if self._granter is None:
+            self._granter = BackgroundGranter(self.client, max_age_s=self._grant_max_age_s)
+        if not self._granter.older_kvmapd:
             self._granter.submit(request_id, [g for g in ranks if g], current())
             return ".".join(capabilities), self.open_grants
         granted: list[types_pb2.WorkerId] = []
-        open_grants, theirs = self.open_grants, False
+        open_grants = self.open_grants
         try:
             for i, g in enumerate(ranks):
                 if g is None:
                     continue
                 grant = make_grant(self.client, request_id, g)
                 granted.append(g.worker)
-                # A kvmapd that predates caller capabilities drew its own.
-                theirs |= grant.capability != g.capability
+                # The older kvmapd drew its own capability.
                 capabilities[i] = grant.capability
                 open_grants &= grant.open_uses
         except KvmapError as err:
@@ -503,8 +509,6 @@ class SchedulerCore:
             for worker in granted:
                 revoke(self.client, worker, request_id)
             return "", False
-        if granted and not theirs and open_grants == self.open_grants:
-            self._granter = BackgroundGranter(self.client, max_age_s=self._grant_max_age_s)
         return ".".join(capabilities), open_grants
 
     def _rank_grants(self, groups: list[list[int]]) -> list[RankGrant | None]:
