@@ -11,6 +11,7 @@ the prompt as loaded (not computed), and the prefill daemon must have pushed.
 
 from __future__ import annotations
 
+import random
 import secrets
 import time
 from collections.abc import Iterator
@@ -155,4 +156,37 @@ def test_push_loads_the_prompt_rather_than_computing_it(runs: Runs, shape: str) 
         assert out.sources[name]["local_compute"] == 0, (name, out.sources)
         assert out.prefill_params[name].get("transfer_mode") == "push", out.prefill_params
     assert out.pushes_done >= len(runs.prompts)
+    assert out.decode_served == out.pushes_done
+
+
+# Hybrid KV cache groups: the tiny Gemma-3 of test_vllm_hybrid.py (two
+# sliding-window layers, window 64 tokens, one full-attention layer), so the
+# prefill side pushes one block list per group, the sliding-window groups'
+# only their window's real blocks. Its prompts and seed, so its single
+# engine's golden output is the reference.
+HYBRID_PROMPTS = {"long": 250, "over-window": 160, "partial": 77, "short": 9, "one-block": 32}
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    tmp = tmp_path_factory.mktemp("vllm-push-hybrid")
+    model = build_model(tmp, config=Path(__file__).parent / "tiny_gemma3.json")
+    rng = random.Random(5)
+    prompts = {k: [rng.randrange(3, 1000) for _ in range(n)] for k, n in HYBRID_PROMPTS.items()}
+    outs = single_engine(tmp, model, list(prompts.values()), MAX_TOKENS)
+    reference = dict(zip(prompts, outs, strict=True))
+    return Runs(prompts, reference, {"hybrid": run_shape(tmp, model, prompts, "equal")})
+
+
+def test_hybrid_groups_push_and_decode_as_a_single_engine(hybrid: Runs) -> None:
+    """With vLLM's hybrid KV cache manager on, every prompt (longer than the
+    window, about it, shorter than a block) is pushed group by group and
+    decodes to the single engine's tokens, its prompt loaded, not computed
+    (at most the last token, which vLLM computes on decode)."""
+    out = hybrid.outcomes["hybrid"]
+    for name, prompt in hybrid.prompts.items():
+        assert out.decoded[name] == hybrid.reference[name], name
+        loaded = out.sources[name]["external_kv_transfer"]
+        assert len(prompt) - 1 <= loaded <= len(prompt), (name, out.sources[name])
+    assert out.pushes_done >= len(hybrid.prompts)
     assert out.decode_served == out.pushes_done
